@@ -1,0 +1,15 @@
+//! Vocabulary shared by every role: validated ids, the Mooncake-compatible numeric codes, config
+//! primitives (human sizes and durations), and the data plane's wire format and transport trait.
+//! Nothing here performs I/O on its own or knows about a particular role.
+#![forbid(unsafe_code)]
+
+pub mod code;
+pub mod config;
+pub mod ids;
+pub mod size;
+pub mod transport;
+pub mod wire;
+
+pub use code::Code;
+pub use ids::{ClientId, IdError, ObjectKey, SegmentName};
+pub use size::ByteSize;
