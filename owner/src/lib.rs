@@ -1,1 +1,12 @@
+//! The owner: contributes a pinned memory pool to the store, mounts it at the master as a
+//! segment named by its data endpoint, and serves reads and writes of ranges of it.
 
+pub mod config;
+pub mod daemon;
+pub mod dataplane;
+pub mod index;
+pub mod master_link;
+pub mod pool;
+
+pub use config::OwnerConfig;
+pub use daemon::{OwnerError, RunningOwner};

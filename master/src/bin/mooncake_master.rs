@@ -1,1 +1,111 @@
-fn main() {}
+//! `mooncake_master`: flags (Mooncake's names) over an optional TOML file, then serve until
+//! Ctrl-C or SIGTERM.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use clap::Parser;
+use mooncake_common::config::{load_toml, parse_duration_in};
+use mooncake_master::{core::AllocationStrategy, MasterConfig, RunningMaster};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mooncake_master",
+    version,
+    about = "Metadata master of the KV object store"
+)]
+struct Args {
+    /// TOML config file; flags given on the command line override its values.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Address to bind the RPC and metrics listeners to.
+    #[arg(long = "rpc_address", alias = "rpc-address")]
+    rpc_address: Option<String>,
+    #[arg(long = "rpc_port", alias = "rpc-port")]
+    rpc_port: Option<u16>,
+    #[arg(long = "metrics_port", alias = "metrics-port")]
+    metrics_port: Option<u16>,
+    /// Read lease: milliseconds, or a duration such as "10s".
+    #[arg(long = "default_kv_lease_ttl", value_parser = ms)]
+    default_kv_lease_ttl: Option<Duration>,
+    /// Soft-pin protection: seconds, or a duration such as "30m".
+    #[arg(long = "default_kv_soft_pin_ttl", value_parser = secs)]
+    soft_pin_ttl: Option<Duration>,
+    #[arg(long = "eviction_high_watermark_ratio")]
+    eviction_high_watermark_ratio: Option<f64>,
+    #[arg(long = "eviction_ratio")]
+    eviction_ratio: Option<f64>,
+    /// Owner liveness TTL: seconds, or a duration.
+    #[arg(long = "client_ttl", value_parser = secs)]
+    client_ttl: Option<Duration>,
+    #[arg(long = "put_start_discard_timeout_sec", value_parser = secs)]
+    put_start_discard_timeout: Option<Duration>,
+    #[arg(long = "put_start_release_timeout_sec", value_parser = secs)]
+    put_start_release_timeout: Option<Duration>,
+    /// "random" or "free_ratio_first".
+    #[arg(long = "allocation_strategy")]
+    allocation_strategy: Option<AllocationStrategy>,
+}
+
+fn ms(s: &str) -> Result<Duration, String> {
+    parse_duration_in(s, Duration::from_millis(1))
+}
+
+fn secs(s: &str) -> Result<Duration, String> {
+    parse_duration_in(s, Duration::from_secs(1))
+}
+
+fn config(args: Args) -> anyhow::Result<MasterConfig> {
+    let mut c: MasterConfig = match &args.config {
+        Some(path) => load_toml(path)?,
+        None => MasterConfig::default(),
+    };
+    macro_rules! set {
+        ($($field:ident <- $arg:expr),* $(,)?) => { $(if let Some(v) = $arg { c.$field = v; })* };
+    }
+    set!(
+        bind_address <- args.rpc_address,
+        rpc_port <- args.rpc_port,
+        metrics_port <- args.metrics_port,
+        default_kv_lease_ttl <- args.default_kv_lease_ttl,
+        soft_pin_ttl <- args.soft_pin_ttl,
+        eviction_high_watermark_ratio <- args.eviction_high_watermark_ratio,
+        eviction_ratio <- args.eviction_ratio,
+        client_ttl <- args.client_ttl,
+        put_start_discard_timeout <- args.put_start_discard_timeout,
+        put_start_release_timeout <- args.put_start_release_timeout,
+        allocation_strategy <- args.allocation_strategy,
+    );
+    c.validate()
+        .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    Ok(c)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let config = config(Args::parse())?;
+    let master = RunningMaster::start(config)
+        .await
+        .context("cannot start the master")?;
+    println!(
+        "mooncake_master ready rpc={} http={}",
+        master.rpc_addr, master.http_addr
+    );
+    master.run_until(shutdown_signal()).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+}

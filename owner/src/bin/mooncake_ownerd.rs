@@ -1,1 +1,107 @@
-fn main() {}
+//! `mooncake_ownerd`: contributes a memory segment to the store and serves it until Ctrl-C or
+//! SIGTERM. Exits non-zero with a message when it cannot start or mount.
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::Parser;
+use mooncake_common::{
+    config::{load_toml, parse_duration},
+    ByteSize,
+};
+use mooncake_owner::{OwnerConfig, RunningOwner};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mooncake_ownerd",
+    version,
+    about = "Owner daemon: serves a memory segment of the KV object store"
+)]
+struct Args {
+    /// TOML config file; flags given on the command line override its values.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The master's RPC address, HOST:PORT.
+    #[arg(long)]
+    master: Option<String>,
+    /// Address clients reach this owner at; the data plane binds to it.
+    #[arg(long)]
+    host: Option<String>,
+    /// Data-plane port; 0 picks a free one.
+    #[arg(long)]
+    port: Option<u16>,
+    /// Memory to contribute, e.g. 4GiB.
+    #[arg(long)]
+    segment_size: Option<ByteSize>,
+    /// Write the segment name to this file once serving (readiness signal).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Do not try to lock the pool in memory.
+    #[arg(long)]
+    no_mlock: bool,
+    /// Heartbeat period, e.g. 1s.
+    #[arg(long, value_parser = parse_duration)]
+    heartbeat_interval: Option<Duration>,
+    /// How long to keep trying to mount at start-up, e.g. 10s.
+    #[arg(long, value_parser = parse_duration)]
+    mount_timeout: Option<Duration>,
+}
+
+fn config(args: Args) -> Result<OwnerConfig, String> {
+    let mut c: OwnerConfig = match &args.config {
+        Some(path) => load_toml(path).map_err(|e| e.to_string())?,
+        None => OwnerConfig::default(),
+    };
+    macro_rules! set {
+        ($($field:ident <- $arg:expr),* $(,)?) => { $(if let Some(v) = $arg { c.$field = v; })* };
+    }
+    set!(
+        master <- args.master,
+        host <- args.host,
+        port <- args.port,
+        segment_size <- args.segment_size,
+        heartbeat_interval <- args.heartbeat_interval,
+        mount_timeout <- args.mount_timeout,
+    );
+    if args.ready_file.is_some() {
+        c.ready_file = args.ready_file;
+    }
+    if args.no_mlock {
+        c.lock_memory = false;
+    }
+    c.validate()
+        .map_err(|e| format!("invalid configuration: {e}"))?;
+    Ok(c)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let config = match config(Args::parse()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mooncake_ownerd: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let owner = match RunningOwner::start(config).await {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("mooncake_ownerd: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    println!("mooncake_ownerd ready segment={}", owner.segment);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+    owner.shutdown().await;
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,147 @@
+//! The master's settings as data: serde with defaults, loaded from a TOML file, then overridden by
+//! flags (in the binary), then validated.
+
+use std::time::Duration;
+
+use mooncake_common::config::duration;
+use serde::{Deserialize, Serialize};
+
+use crate::core::{AllocationStrategy, Policy};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasterConfig {
+    /// Address both listeners bind to.
+    pub bind_address: String,
+    /// gRPC control plane (Mooncake: 50051). 0 picks a free port.
+    pub rpc_port: u16,
+    /// HTTP /metrics, /health, /get_all_segments (Mooncake: 9003). 0 picks a free port.
+    pub metrics_port: u16,
+    /// Read lease granted by a get or a hit of exists.
+    #[serde(with = "duration")]
+    pub default_kv_lease_ttl: Duration,
+    /// How long a soft pin protects an object from eviction.
+    #[serde(with = "duration")]
+    pub soft_pin_ttl: Duration,
+    /// Eviction starts when allocated / capacity exceeds this.
+    pub eviction_high_watermark_ratio: f64,
+    /// Fraction of total capacity freed by one eviction round, at least.
+    pub eviction_ratio: f64,
+    /// An owner not heard from for this long is dropped with its segments.
+    #[serde(with = "duration")]
+    pub client_ttl: Duration,
+    /// An unfinished put older than this may be taken over by a new put of the same key.
+    #[serde(with = "duration")]
+    pub put_start_discard_timeout: Duration,
+    /// An unfinished put's space is reclaimed after this.
+    #[serde(with = "duration")]
+    pub put_start_release_timeout: Duration,
+    pub allocation_strategy: AllocationStrategy,
+    /// Period of the upkeep loop (owner expiry, abandoned puts, watermark eviction).
+    #[serde(with = "duration")]
+    pub upkeep_interval: Duration,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        let p = Policy::default();
+        MasterConfig {
+            bind_address: "0.0.0.0".into(),
+            rpc_port: 50051,
+            metrics_port: 9003,
+            default_kv_lease_ttl: p.lease_ttl,
+            soft_pin_ttl: p.soft_pin_ttl,
+            eviction_high_watermark_ratio: p.eviction_high_watermark,
+            eviction_ratio: p.eviction_ratio,
+            client_ttl: p.client_ttl,
+            put_start_discard_timeout: p.put_discard_timeout,
+            put_start_release_timeout: p.put_release_timeout,
+            allocation_strategy: p.strategy,
+            upkeep_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+impl MasterConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        let ratio_ok = |v: f64| v > 0.0 && v <= 1.0;
+        if !ratio_ok(self.eviction_high_watermark_ratio) {
+            return Err(format!(
+                "eviction_high_watermark_ratio must be in (0, 1], got {}",
+                self.eviction_high_watermark_ratio
+            ));
+        }
+        if !ratio_ok(self.eviction_ratio) {
+            return Err(format!(
+                "eviction_ratio must be in (0, 1], got {}",
+                self.eviction_ratio
+            ));
+        }
+        for (name, d) in [
+            ("default_kv_lease_ttl", self.default_kv_lease_ttl),
+            ("client_ttl", self.client_ttl),
+            ("put_start_discard_timeout", self.put_start_discard_timeout),
+            ("put_start_release_timeout", self.put_start_release_timeout),
+            ("upkeep_interval", self.upkeep_interval),
+        ] {
+            if d.is_zero() {
+                return Err(format!("{name} must be greater than zero"));
+            }
+        }
+        if self.put_start_release_timeout < self.put_start_discard_timeout {
+            return Err(format!(
+                "put_start_release_timeout ({:?}) must not be shorter than put_start_discard_timeout ({:?})",
+                self.put_start_release_timeout, self.put_start_discard_timeout
+            ));
+        }
+        if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
+            return Err(format!(
+                "rpc_port and metrics_port are both {}",
+                self.rpc_port
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn policy(&self) -> Policy {
+        Policy {
+            lease_ttl: self.default_kv_lease_ttl,
+            soft_pin_ttl: self.soft_pin_ttl,
+            eviction_high_watermark: self.eviction_high_watermark_ratio,
+            eviction_ratio: self.eviction_ratio,
+            client_ttl: self.client_ttl,
+            put_discard_timeout: self.put_start_discard_timeout,
+            put_release_timeout: self.put_start_release_timeout,
+            strategy: self.allocation_strategy,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_bad_values_are_named() {
+        MasterConfig::default().validate().unwrap();
+        let c = MasterConfig {
+            eviction_ratio: 0.0,
+            ..Default::default()
+        };
+        assert!(c.validate().unwrap_err().contains("eviction_ratio"));
+        let c = MasterConfig {
+            put_start_release_timeout: Duration::from_secs(1),
+            ..Default::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .contains("put_start_release_timeout"));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let e = mooncake_common::config::parse_toml::<MasterConfig>("rpc_prot = 1").unwrap_err();
+        assert!(e.contains("rpc_prot"), "{e}");
+    }
+}

@@ -1,0 +1,328 @@
+//! Objects and their lifecycle: two-phase put (PROCESSING -> COMPLETE), read leases, pins and
+//! removal. Space of a range that a reader or a writer may still touch is never handed out again
+//! before that access is over: it waits in the pending-release list.
+
+use mooncake_common::{ObjectKey, SegmentName};
+
+use super::{
+    allocator::Allocation,
+    placement::{self, Candidate},
+    MasterState, PendingRelease, SegmentId,
+};
+use crate::{clock::Millis, error::MasterError};
+
+/// Per-put replication settings, already validated and resolved to names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicateConfig {
+    pub replica_num: usize,
+    pub preferred_segments: Vec<SegmentName>,
+    pub soft_pin: bool,
+    pub hard_pin: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaView {
+    pub segment: SegmentName,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// Where the writer of a fresh put must write, and the id it must end or revoke the put with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutGrant {
+    pub put_id: u64,
+    pub replicas: Vec<ReplicaView>,
+}
+
+pub(super) struct Replica {
+    pub segment: SegmentId,
+    pub allocation: Allocation,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    Processing { started: Millis },
+    Complete,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pin {
+    None,
+    /// Evicted only when nothing unpinned is left, until the soft-pin TTL runs out.
+    Soft {
+        until: Millis,
+    },
+    Hard,
+}
+
+pub(super) struct Object {
+    pub size: u64,
+    pub put_id: u64,
+    pub phase: Phase,
+    pub replicas: Vec<Replica>,
+    /// The object may be read until this instant: no eviction, no non-forced removal.
+    pub lease_until: Millis,
+    pub pin: Pin,
+}
+
+impl Object {
+    pub fn is_leased(&self, now: Millis) -> bool {
+        self.lease_until > now
+    }
+}
+
+impl MasterState {
+    /// Phase one of a put: allocates one range per replica on distinct segments.
+    pub fn put_start(
+        &mut self,
+        key: &ObjectKey,
+        size: u64,
+        config: &ReplicateConfig,
+        now: Millis,
+    ) -> Result<PutGrant, MasterError> {
+        if size == 0 {
+            return Err(MasterError::Invalid(format!("object {key} has size 0")));
+        }
+        let largest = self
+            .segments
+            .values()
+            .map(|s| s.allocator.capacity())
+            .max()
+            .unwrap_or(0);
+        if size > largest {
+            return Err(MasterError::TooLarge { size, largest });
+        }
+        if let Some(old) = self.objects.get(key) {
+            match old.phase {
+                Phase::Complete => return Err(MasterError::Exists(key.clone())),
+                Phase::Processing { started } => {
+                    if now < started.plus(self.policy.put_discard_timeout) {
+                        return Err(MasterError::PutInFlight(key.clone()));
+                    }
+                    // Taken over: the abandoned writer may still be writing, so its space
+                    // waits for the release timeout before anyone else may get it.
+                    let release_at = started.plus(self.policy.put_release_timeout).max(now);
+                    let old = self.objects.remove(key).expect("checked above");
+                    tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
+                    self.defer_release(old.replicas, release_at);
+                }
+            }
+        }
+
+        let mut replicas = self.allocate_replicas(size, config);
+        if replicas.is_empty() {
+            // Make room and try once more; a second round helps when the first one freed space
+            // in the wrong places.
+            for _ in 0..2 {
+                self.evict(now, size);
+                replicas = self.allocate_replicas(size, config);
+                if !replicas.is_empty() {
+                    break;
+                }
+            }
+        }
+        if replicas.is_empty() {
+            return Err(MasterError::NoSpace { size });
+        }
+        let put_id = self.next_put;
+        self.next_put += 1;
+        let pin = if config.hard_pin {
+            Pin::Hard
+        } else if config.soft_pin {
+            Pin::Soft {
+                until: now.plus(self.policy.soft_pin_ttl),
+            }
+        } else {
+            Pin::None
+        };
+        let views = replicas.iter().map(|r| self.view(r, size)).collect();
+        self.objects.insert(
+            key.clone(),
+            Object {
+                size,
+                put_id,
+                phase: Phase::Processing { started: now },
+                replicas,
+                lease_until: Millis(0),
+                pin,
+            },
+        );
+        Ok(PutGrant {
+            put_id,
+            replicas: views,
+        })
+    }
+
+    fn allocate_replicas(&mut self, size: u64, config: &ReplicateConfig) -> Vec<Replica> {
+        let want = config.replica_num.max(1);
+        let candidates: Vec<Candidate> = self
+            .segments
+            .iter()
+            .map(|(id, s)| Candidate {
+                id: *id,
+                capacity: s.allocator.capacity(),
+                free: s.allocator.free_bytes(),
+            })
+            .collect();
+        let preferred: Vec<SegmentId> = config
+            .preferred_segments
+            .iter()
+            .filter_map(|n| self.segment_id(n))
+            .collect();
+        let order = placement::order(self.policy.strategy, &candidates, &preferred, &mut self.rng);
+        let mut out = Vec::with_capacity(want);
+        for id in order {
+            if out.len() == want {
+                break;
+            }
+            let seg = self.segments.get_mut(&id).expect("candidate exists");
+            if seg.allocator.free_bytes() < size {
+                continue;
+            }
+            if let Some(allocation) = seg.allocator.allocate(size) {
+                out.push(Replica {
+                    segment: id,
+                    allocation,
+                });
+            }
+        }
+        out
+    }
+
+    fn view(&self, r: &Replica, size: u64) -> ReplicaView {
+        ReplicaView {
+            segment: self.segment_name(r.segment).clone(),
+            offset: r.allocation.offset(),
+            size,
+        }
+    }
+
+    /// Phase two: the bytes landed on every replica; the object becomes readable.
+    pub fn put_end(&mut self, key: &ObjectKey, put_id: u64) -> Result<(), MasterError> {
+        let obj = self.current_put(key, put_id)?;
+        obj.phase = Phase::Complete;
+        Ok(())
+    }
+
+    /// The writer gave up: the space is free at once. A write of the revoked put that still
+    /// lands later cannot be mistaken for another key's bytes, because owners check on every
+    /// read that the range was last written under the key being read.
+    pub fn put_revoke(&mut self, key: &ObjectKey, put_id: u64) -> Result<(), MasterError> {
+        let obj = self.current_put(key, put_id)?;
+        if obj.phase == Phase::Complete {
+            return Err(MasterError::Exists(key.clone()));
+        }
+        let obj = self.objects.remove(key).expect("checked above");
+        self.free_replicas(obj.replicas);
+        Ok(())
+    }
+
+    fn current_put(
+        &mut self,
+        key: &ObjectKey,
+        put_id: u64,
+    ) -> Result<&mut super::objects::Object, MasterError> {
+        match self.objects.get_mut(key) {
+            Some(obj) if obj.put_id == put_id => Ok(obj),
+            _ => Err(MasterError::StalePut {
+                key: key.clone(),
+                put_id,
+            }),
+        }
+    }
+
+    /// Looks up a readable object and leases it to the caller for the lease TTL.
+    pub fn get_replicas(
+        &mut self,
+        key: &ObjectKey,
+        now: Millis,
+    ) -> Result<(u64, Vec<ReplicaView>), MasterError> {
+        let lease = now.plus(self.policy.lease_ttl);
+        let obj = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| MasterError::NotFound(key.clone()))?;
+        if obj.phase != Phase::Complete {
+            return Err(MasterError::NotReady(key.clone()));
+        }
+        obj.lease_until = obj.lease_until.max(lease);
+        let size = obj.size;
+        let obj = &self.objects[key];
+        Ok((
+            size,
+            obj.replicas.iter().map(|r| self.view(r, size)).collect(),
+        ))
+    }
+
+    /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
+    /// by a get of the same keys.
+    pub fn exists(&mut self, key: &ObjectKey, now: Millis) -> bool {
+        let lease = now.plus(self.policy.lease_ttl);
+        match self.objects.get_mut(key) {
+            Some(obj) if obj.phase == Phase::Complete => {
+                obj.lease_until = obj.lease_until.max(lease);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Removes an object. Without `force`, a leased object or an unfinished put is refused. With
+    /// it, a reader still inside its lease keeps the bytes until the lease ends.
+    pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
+        let obj = self
+            .objects
+            .get(key)
+            .ok_or_else(|| MasterError::NotFound(key.clone()))?;
+        if !force {
+            if obj.phase != Phase::Complete {
+                return Err(MasterError::NotReady(key.clone()));
+            }
+            if obj.is_leased(now) {
+                return Err(MasterError::HasLease(key.clone()));
+            }
+        }
+        let obj = self.objects.remove(key).expect("checked above");
+        if obj.is_leased(now) {
+            self.defer_release(obj.replicas, obj.lease_until);
+        } else {
+            self.free_replicas(obj.replicas);
+        }
+        Ok(())
+    }
+
+    /// Removes every object that `remove` would; returns how many went.
+    pub fn remove_all(&mut self, force: bool, now: Millis) -> u64 {
+        let keys: Vec<ObjectKey> = self
+            .objects
+            .iter()
+            .filter(|(_, o)| force || (o.phase == Phase::Complete && !o.is_leased(now)))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut removed = 0;
+        for key in keys {
+            if self.remove(&key, force, now).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    pub(super) fn free_replicas(&mut self, replicas: Vec<Replica>) {
+        for r in replicas {
+            if let Some(seg) = self.segments.get_mut(&r.segment) {
+                seg.allocator.free(r.allocation);
+            }
+        }
+    }
+
+    pub(super) fn defer_release(&mut self, replicas: Vec<Replica>, at: Millis) {
+        for r in replicas {
+            self.pending.push(PendingRelease {
+                at,
+                segment: r.segment,
+                allocation: r.allocation,
+            });
+        }
+    }
+}

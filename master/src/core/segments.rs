@@ -1,0 +1,150 @@
+//! Segment and owner bookkeeping: mount, unmount, heartbeats, and dropping an owner that went
+//! silent together with every replica it held.
+
+use mooncake_common::{ClientId, SegmentName};
+
+use super::{allocator::GRANULE, MasterState, Owner, Segment, SegmentId};
+use crate::{clock::Millis, error::MasterError};
+
+/// What a heartbeat tells the owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatReply {
+    Ok,
+    /// The master does not know this owner (it restarted, or the owner's TTL ran out).
+    Remount,
+}
+
+impl MasterState {
+    /// Mounts `name` for `owner`. Mounting a name already held by another owner replaces it: the
+    /// new owner is bound to that host:port, so the old incarnation is gone and so are its bytes.
+    pub fn mount_segment(
+        &mut self,
+        owner: ClientId,
+        name: SegmentName,
+        size: u64,
+        now: Millis,
+    ) -> Result<(), MasterError> {
+        if size < GRANULE {
+            return Err(MasterError::Invalid(format!(
+                "segment {name} has {size} bytes; at least {GRANULE} are needed"
+            )));
+        }
+        if let Some(&id) = self.by_name.get(&name) {
+            let seg = &self.segments[&id];
+            if seg.owner == owner && seg.allocator.capacity() == size / GRANULE * GRANULE {
+                self.touch(owner, now);
+                return Ok(());
+            }
+            tracing::warn!(segment = %name, old_owner = %seg.owner, new_owner = %owner,
+                "segment remounted by a new owner incarnation; dropping the old one's replicas");
+            self.drop_segment(id);
+        }
+        let id = SegmentId(self.next_segment);
+        self.next_segment += 1;
+        self.segments.insert(
+            id,
+            Segment {
+                name: name.clone(),
+                owner,
+                allocator: super::OffsetAllocator::new(size),
+            },
+        );
+        self.by_name.insert(name.clone(), id);
+        self.owners
+            .entry(owner)
+            .or_insert(Owner {
+                last_seen: now,
+                segments: Vec::new(),
+            })
+            .segments
+            .push(id);
+        self.touch(owner, now);
+        tracing::info!(segment = %name, %owner, size, "segment mounted");
+        Ok(())
+    }
+
+    pub fn unmount_segment(
+        &mut self,
+        owner: ClientId,
+        name: &SegmentName,
+    ) -> Result<(), MasterError> {
+        let id = *self
+            .by_name
+            .get(name)
+            .ok_or_else(|| MasterError::SegmentNotFound(name.clone()))?;
+        if self.segments[&id].owner != owner {
+            return Err(MasterError::NotSegmentOwner {
+                segment: name.clone(),
+            });
+        }
+        self.drop_segment(id);
+        tracing::info!(segment = %name, %owner, "segment unmounted");
+        Ok(())
+    }
+
+    pub fn heartbeat(&mut self, owner: ClientId, now: Millis) -> HeartbeatReply {
+        if self.touch(owner, now) {
+            HeartbeatReply::Ok
+        } else {
+            HeartbeatReply::Remount
+        }
+    }
+
+    fn touch(&mut self, owner: ClientId, now: Millis) -> bool {
+        match self.owners.get_mut(&owner) {
+            Some(o) => {
+                o.last_seen = o.last_seen.max(now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops owners not heard from within the client TTL, with their segments and replicas.
+    pub(super) fn expire_owners(&mut self, now: Millis) {
+        let ttl = self.policy.client_ttl;
+        let dead: Vec<ClientId> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| o.last_seen.plus(ttl) < now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dead {
+            let owner = self.owners.remove(&id).expect("listed above");
+            tracing::warn!(owner = %id, segments = owner.segments.len(),
+                "owner missed heartbeats for longer than the client TTL; dropping its segments");
+            self.counters.expired_owners += 1;
+            for seg in owner.segments {
+                self.drop_segment(seg);
+            }
+        }
+    }
+
+    pub(super) fn segment_id(&self, name: &SegmentName) -> Option<SegmentId> {
+        self.by_name.get(name).copied()
+    }
+
+    pub(super) fn segment_name(&self, id: SegmentId) -> &SegmentName {
+        &self.segments[&id].name
+    }
+
+    /// Removes a segment and every replica and pending release on it; objects left without a
+    /// replica are gone.
+    fn drop_segment(&mut self, id: SegmentId) {
+        let Some(seg) = self.segments.remove(&id) else {
+            return;
+        };
+        self.by_name.remove(&seg.name);
+        if let Some(o) = self.owners.get_mut(&seg.owner) {
+            o.segments.retain(|s| *s != id);
+            if o.segments.is_empty() {
+                self.owners.remove(&seg.owner);
+            }
+        }
+        self.pending.retain(|p| p.segment != id);
+        self.objects.retain(|_, obj| {
+            obj.replicas.retain(|r| r.segment != id);
+            !obj.replicas.is_empty()
+        });
+    }
+}

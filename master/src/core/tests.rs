@@ -1,0 +1,425 @@
+//! State-machine tests: every scenario runs on an injected clock, and the invariants are checked
+//! after each step.
+
+use std::time::Duration;
+
+use mooncake_common::{ClientId, ObjectKey, SegmentName};
+use proptest::prelude::*;
+
+use super::*;
+use crate::{clock::Millis, error::MasterError};
+
+const MIB: u64 = 1 << 20;
+
+fn k(s: &str) -> ObjectKey {
+    ObjectKey::new(s).unwrap()
+}
+
+fn seg(i: u16) -> SegmentName {
+    SegmentName::parse(&format!("127.0.0.1:{}", 1000 + i)).unwrap()
+}
+
+fn owner(i: u16) -> ClientId {
+    ClientId::from_u128(i as u128 + 1)
+}
+
+fn cfg(n: usize) -> ReplicateConfig {
+    ReplicateConfig {
+        replica_num: n,
+        ..Default::default()
+    }
+}
+
+/// Owners in these tests live for an hour without heartbeats unless a test says otherwise.
+fn state_with(segments: &[u64]) -> MasterState {
+    let policy = Policy {
+        client_ttl: Duration::from_secs(3600),
+        ..Policy::default()
+    };
+    state_with_policy(segments, policy)
+}
+
+fn state_with_policy(segments: &[u64], policy: Policy) -> MasterState {
+    let mut s = MasterState::with_seed(policy, 42);
+    for (i, size) in segments.iter().enumerate() {
+        s.mount_segment(owner(i as u16), seg(i as u16), *size, Millis(0))
+            .unwrap();
+    }
+    s
+}
+
+fn put(
+    s: &mut MasterState,
+    key: &str,
+    size: u64,
+    c: &ReplicateConfig,
+    now: u64,
+) -> Result<PutGrant, MasterError> {
+    let g = s.put_start(&k(key), size, c, Millis(now))?;
+    s.put_end(&k(key), g.put_id)?;
+    s.check_invariants().unwrap();
+    Ok(g)
+}
+
+#[test]
+fn two_phase_put_then_get() {
+    let mut s = state_with(&[64 * MIB]);
+    let g = s.put_start(&k("a"), 1000, &cfg(1), Millis(0)).unwrap();
+    assert_eq!(g.replicas.len(), 1);
+    assert_eq!(g.replicas[0].size, 1000);
+    // Not readable before put end; a second writer is told the put is in flight.
+    assert_eq!(
+        s.get_replicas(&k("a"), Millis(1)),
+        Err(MasterError::NotReady(k("a")))
+    );
+    assert!(!s.exists(&k("a"), Millis(1)));
+    assert_eq!(
+        s.put_start(&k("a"), 1000, &cfg(1), Millis(1)),
+        Err(MasterError::PutInFlight(k("a")))
+    );
+    s.put_end(&k("a"), g.put_id).unwrap();
+    let (size, reps) = s.get_replicas(&k("a"), Millis(2)).unwrap();
+    assert_eq!((size, reps), (1000, g.replicas.clone()));
+    assert_eq!(
+        s.put_start(&k("a"), 1000, &cfg(1), Millis(3)),
+        Err(MasterError::Exists(k("a")))
+    );
+    assert_eq!(MasterError::Exists(k("a")).code().as_i32(), -705);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_sizes() {
+    let mut s = state_with(&[MIB]);
+    assert!(matches!(
+        s.put_start(&k("z"), 0, &cfg(1), Millis(0)),
+        Err(MasterError::Invalid(_))
+    ));
+    let e = s
+        .put_start(&k("big"), 2 * MIB, &cfg(1), Millis(0))
+        .unwrap_err();
+    assert_eq!(
+        e,
+        MasterError::TooLarge {
+            size: 2 * MIB,
+            largest: MIB
+        }
+    );
+    assert_eq!(e.code().as_i32(), -600);
+    let mut empty = state_with(&[]);
+    assert!(matches!(
+        empty.put_start(&k("x"), 1, &cfg(1), Millis(0)),
+        Err(MasterError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn replicas_on_distinct_segments_and_fewer_when_short() {
+    let mut s = state_with(&[8 * MIB, 8 * MIB]);
+    let g = put(&mut s, "r2", MIB, &cfg(2), 0).unwrap();
+    assert_eq!(g.replicas.len(), 2);
+    assert_ne!(g.replicas[0].segment, g.replicas[1].segment);
+    let g = put(&mut s, "r3", MIB, &cfg(3), 0).unwrap();
+    assert_eq!(g.replicas.len(), 2, "silently fewer replicas than asked");
+}
+
+#[test]
+fn preferred_segment_first_then_fallback() {
+    let mut s = state_with(&[4 * MIB, 4 * MIB, 4 * MIB]);
+    let pref = |name: SegmentName| ReplicateConfig {
+        replica_num: 1,
+        preferred_segments: vec![name],
+        ..Default::default()
+    };
+    for i in 0..3 {
+        let g = put(&mut s, &format!("p{i}"), MIB, &pref(seg(1)), 0).unwrap();
+        assert_eq!(g.replicas[0].segment, seg(1));
+    }
+    // Hard-pin a filler so segment 1 is full and nothing on it can be evicted.
+    let filler = ReplicateConfig {
+        hard_pin: true,
+        ..pref(seg(1))
+    };
+    put(&mut s, "fill", MIB, &filler, 0).unwrap();
+    let g = put(&mut s, "spill", MIB, &pref(seg(1)), 0).unwrap();
+    assert_ne!(
+        g.replicas[0].segment,
+        seg(1),
+        "full preferred segment falls back"
+    );
+    let unknown = SegmentName::parse("10.9.9.9:1").unwrap();
+    let g = put(&mut s, "unk", MIB, &pref(unknown), 0).unwrap();
+    assert_eq!(g.replicas.len(), 1);
+}
+
+#[test]
+fn lease_blocks_plain_remove_and_force_defers_space() {
+    let mut s = state_with(&[8 * MIB]);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    s.get_replicas(&k("a"), Millis(100)).unwrap();
+    let lease_end = 100 + Policy::default().lease_ttl.as_millis() as u64;
+    let e = s.remove(&k("a"), false, Millis(200)).unwrap_err();
+    assert_eq!(e.code().as_i32(), -706);
+    s.remove(&k("a"), true, Millis(200)).unwrap();
+    assert_eq!(s.key_count(), 0);
+    assert_eq!(
+        s.allocated(),
+        MIB,
+        "a reader inside its lease keeps the range"
+    );
+    s.check_invariants().unwrap();
+    s.tick(Millis(lease_end - 1));
+    assert_eq!(s.allocated(), MIB);
+    s.tick(Millis(lease_end));
+    assert_eq!(s.allocated(), 0);
+    // Once the lease ran out a plain remove works; a miss is -704.
+    put(&mut s, "b", MIB, &cfg(1), 0).unwrap();
+    assert!(s.exists(&k("b"), Millis(lease_end)));
+    assert!(s.remove(&k("b"), false, Millis(lease_end + 1)).is_err());
+    s.remove(&k("b"), false, Millis(2 * lease_end + 1)).unwrap();
+    assert_eq!(
+        s.remove(&k("b"), false, Millis(0))
+            .unwrap_err()
+            .code()
+            .as_i32(),
+        -704
+    );
+}
+
+#[test]
+fn eviction_frees_space_oldest_lease_first_and_spares_leased_and_pinned() {
+    let mut s = state_with(&[10 * MIB]);
+    let hard = ReplicateConfig {
+        hard_pin: true,
+        ..cfg(1)
+    };
+    let soft = ReplicateConfig {
+        soft_pin: true,
+        ..cfg(1)
+    };
+    put(&mut s, "hard", MIB, &hard, 0).unwrap();
+    put(&mut s, "soft", MIB, &soft, 0).unwrap();
+    for i in 0..8 {
+        put(&mut s, &format!("o{i}"), MIB, &cfg(1), 0).unwrap();
+    }
+    // Touch in order so o0 has the oldest lease and o7 the newest; o7 stays leased.
+    let ttl = Policy::default().lease_ttl.as_millis() as u64;
+    for i in 0..8u64 {
+        s.get_replicas(&k(&format!("o{i}")), Millis(i * 1000))
+            .unwrap();
+    }
+    let now = 7000 + ttl - 1; // only o7's lease is still live
+    put(&mut s, "new", MIB, &cfg(1), now).unwrap();
+    assert!(
+        !s.exists(&k("o0"), Millis(now)),
+        "oldest lease evicted first"
+    );
+    for kept in ["hard", "soft", "o7", "new"] {
+        assert!(s.exists(&k(kept), Millis(now)), "{kept} evicted");
+    }
+    assert!(s.counters().evicted_objects >= 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn no_space_when_everything_is_leased() {
+    let mut s = state_with(&[2 * MIB]);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    put(&mut s, "b", MIB, &cfg(1), 0).unwrap();
+    s.get_replicas(&k("a"), Millis(0)).unwrap();
+    s.get_replicas(&k("b"), Millis(0)).unwrap();
+    let e = s.put_start(&k("c"), MIB, &cfg(1), Millis(1)).unwrap_err();
+    assert_eq!(e, MasterError::NoSpace { size: MIB });
+    assert_eq!(e.code().as_i32(), -200);
+}
+
+#[test]
+fn watermark_eviction_in_upkeep() {
+    let mut s = state_with(&[10 * MIB]);
+    for i in 0..10 {
+        put(&mut s, &format!("o{i}"), MIB, &cfg(1), 0).unwrap();
+    }
+    assert_eq!(s.allocated(), 10 * MIB);
+    s.tick(Millis(1));
+    assert!(
+        s.allocated() <= 9 * MIB,
+        "above the 90% watermark after upkeep"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn abandoned_put_is_taken_over_then_released() {
+    let p = Policy::default();
+    let mut s = state_with(&[4 * MIB]);
+    let old = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
+    let discard = p.put_discard_timeout.as_millis() as u64;
+    let release = p.put_release_timeout.as_millis() as u64;
+    let new = s.put_start(&k("a"), MIB, &cfg(1), Millis(discard)).unwrap();
+    assert_eq!(
+        s.allocated(),
+        2 * MIB,
+        "the old writer's range is quarantined"
+    );
+    assert!(matches!(
+        s.put_end(&k("a"), old.put_id),
+        Err(MasterError::StalePut { .. })
+    ));
+    s.put_end(&k("a"), new.put_id).unwrap();
+    s.tick(Millis(release - 1));
+    assert_eq!(s.allocated(), 2 * MIB);
+    s.tick(Millis(release));
+    assert_eq!(s.allocated(), MIB);
+    s.check_invariants().unwrap();
+
+    // A put nobody takes over is reclaimed after the release timeout.
+    s.put_start(&k("lost"), MIB, &cfg(1), Millis(release))
+        .unwrap();
+    assert_eq!(s.allocated(), 2 * MIB);
+    s.tick(Millis(2 * release));
+    assert_eq!(s.allocated(), MIB);
+    assert_eq!(s.counters().expired_puts, 1);
+}
+
+#[test]
+fn revoke_frees_and_only_the_current_put_can_end() {
+    let mut s = state_with(&[4 * MIB]);
+    let g = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
+    assert!(s.put_revoke(&k("a"), g.put_id + 1).is_err());
+    s.put_revoke(&k("a"), g.put_id).unwrap();
+    assert_eq!(s.allocated(), 0);
+    assert!(s.put_end(&k("a"), g.put_id).is_err());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn silent_owner_expires_with_its_replicas() {
+    let mut s = state_with_policy(&[4 * MIB, 4 * MIB], Policy::default());
+    let on0 = ReplicateConfig {
+        preferred_segments: vec![seg(0)],
+        ..cfg(1)
+    };
+    let both = cfg(2);
+    put(&mut s, "only0", MIB, &on0, 0).unwrap();
+    put(&mut s, "both", MIB, &both, 0).unwrap();
+    let ttl = Policy::default().client_ttl.as_millis() as u64;
+    assert_eq!(s.heartbeat(owner(1), Millis(ttl)), HeartbeatReply::Ok);
+    s.tick(Millis(ttl + 1));
+    assert!(!s.exists(&k("only0"), Millis(ttl + 1)));
+    let (_, reps) = s.get_replicas(&k("both"), Millis(ttl + 1)).unwrap();
+    assert_eq!(reps.len(), 1);
+    assert_eq!(reps[0].segment, seg(1));
+    assert_eq!(
+        s.heartbeat(owner(0), Millis(ttl + 2)),
+        HeartbeatReply::Remount
+    );
+    assert_eq!(s.active_owners(), 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn remount_by_new_incarnation_drops_old_replicas() {
+    let mut s = state_with(&[4 * MIB]);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, Millis(1))
+        .unwrap();
+    assert!(
+        s.exists(&k("a"), Millis(1)),
+        "same owner remount is idempotent"
+    );
+    s.mount_segment(owner(9), seg(0), 4 * MIB, Millis(2))
+        .unwrap();
+    assert!(!s.exists(&k("a"), Millis(2)));
+    assert_eq!(s.allocated(), 0);
+    assert!(matches!(
+        s.unmount_segment(owner(0), &seg(0)),
+        Err(MasterError::NotSegmentOwner { .. })
+    ));
+    s.unmount_segment(owner(9), &seg(0)).unwrap();
+    assert_eq!(s.capacity(), 0);
+}
+
+#[test]
+fn remove_all_skips_leased_unless_forced() {
+    let mut s = state_with(&[8 * MIB]);
+    for i in 0..4 {
+        put(&mut s, &format!("o{i}"), MIB, &cfg(1), 0).unwrap();
+    }
+    s.exists(&k("o0"), Millis(0));
+    assert_eq!(s.remove_all(false, Millis(1)), 3);
+    assert_eq!(s.remove_all(true, Millis(1)), 1);
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Put(u8, u32, u8),
+    End(u8),
+    Revoke(u8),
+    Get(u8),
+    Remove(u8, bool),
+    Tick(u16),
+    Heartbeat(u8),
+    Remount(u8),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (any::<u8>(), 1u32..3_000_000, 1u8..4).prop_map(|(k, s, r)| Step::Put(k % 32, s, r)),
+        any::<u8>().prop_map(|k| Step::End(k % 32)),
+        any::<u8>().prop_map(|k| Step::Revoke(k % 32)),
+        any::<u8>().prop_map(|k| Step::Get(k % 32)),
+        (any::<u8>(), any::<bool>()).prop_map(|(k, f)| Step::Remove(k % 32, f)),
+        (0u16..20_000).prop_map(Step::Tick),
+        any::<u8>().prop_map(|o| Step::Heartbeat(o % 3)),
+        any::<u8>().prop_map(|o| Step::Remount(o % 3)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    #[test]
+    fn invariants_hold_under_random_operations(steps in proptest::collection::vec(step(), 1..150)) {
+        let mut s = state_with(&[8 * MIB, 8 * MIB, 4 * MIB]);
+        let mut now = 0u64;
+        let mut puts: std::collections::HashMap<u8, u64> = Default::default();
+        let mut incarnation = 100u16;
+        for st in steps {
+            match st {
+                Step::Put(key, size, r) => {
+                    if let Ok(g) = s.put_start(&k(&format!("k{key}")), size as u64, &cfg(r as usize), Millis(now)) {
+                        puts.insert(key, g.put_id);
+                    }
+                }
+                Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&k(&format!("k{key}")), *id); } }
+                Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&k(&format!("k{key}")), *id); } }
+                Step::Get(key) => {
+                    if let Ok((size, reps)) = s.get_replicas(&k(&format!("k{key}")), Millis(now)) {
+                        prop_assert!(!reps.is_empty());
+                        prop_assert!(reps.iter().all(|r| r.size == size));
+                    }
+                }
+                Step::Remove(key, force) => { let _ = s.remove(&k(&format!("k{key}")), force, Millis(now)); }
+                Step::Tick(dt) => { now += dt as u64; s.tick(Millis(now)); }
+                Step::Heartbeat(o) => { s.heartbeat(owner(o as u16), Millis(now)); }
+                Step::Remount(o) => {
+                    incarnation += 1;
+                    let size = if o == 2 { 4 * MIB } else { 8 * MIB };
+                    s.mount_segment(owner(incarnation), seg(o as u16), size, Millis(now)).unwrap();
+                }
+            }
+            if let Err(e) = s.check_invariants() { prop_assert!(false, "{}", e); }
+            prop_assert!(s.allocated() <= s.capacity());
+        }
+    }
+}
+
+#[test]
+fn policy_durations_are_what_the_reference_says() {
+    let p = Policy::default();
+    assert_eq!(p.lease_ttl, Duration::from_secs(10));
+    assert_eq!(p.client_ttl, Duration::from_secs(10));
+    assert_eq!(p.put_discard_timeout, Duration::from_secs(30));
+    assert_eq!(p.put_release_timeout, Duration::from_secs(600));
+}

@@ -1,0 +1,49 @@
+//! The master's errors, and their one mapping to Mooncake-compatible codes.
+
+use mooncake_common::{Code, IdError, ObjectKey, SegmentName};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MasterError {
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    BadId(#[from] IdError),
+    #[error("object of {size} bytes is larger than the largest mounted segment ({largest} bytes): split it or mount larger segments")]
+    TooLarge { size: u64, largest: u64 },
+    #[error("no segment has {size} free bytes even after eviction: retry later or add owners")]
+    NoSpace { size: u64 },
+    #[error("object {0} not found")]
+    NotFound(ObjectKey),
+    #[error("object {0} already exists")]
+    Exists(ObjectKey),
+    #[error("object {0} is being written by another put; retry after it ends")]
+    PutInFlight(ObjectKey),
+    #[error("object {0} is not readable yet (its put has not ended)")]
+    NotReady(ObjectKey),
+    #[error("object {0} is leased by a reader; retry after the lease ends or remove with force")]
+    HasLease(ObjectKey),
+    #[error("put {put_id} of {key} is no longer current (discarded after its timeout, removed, or its owners died)")]
+    StalePut { key: ObjectKey, put_id: u64 },
+    #[error("segment {0} is not mounted")]
+    SegmentNotFound(SegmentName),
+    #[error("segment {segment} is mounted by another owner")]
+    NotSegmentOwner { segment: SegmentName },
+}
+
+impl MasterError {
+    pub fn code(&self) -> Code {
+        match self {
+            MasterError::Invalid(_) | MasterError::BadId(_) | MasterError::TooLarge { .. } => {
+                Code::InvalidParams
+            }
+            MasterError::NoSpace { .. } => Code::NoAvailableHandle,
+            MasterError::NotFound(_) | MasterError::StalePut { .. } => Code::ObjectNotFound,
+            MasterError::Exists(_) | MasterError::PutInFlight(_) => Code::ObjectAlreadyExists,
+            MasterError::NotReady(_) => Code::ReplicaIsNotReady,
+            MasterError::HasLease(_) => Code::ObjectHasLease,
+            MasterError::SegmentNotFound(_) | MasterError::NotSegmentOwner { .. } => {
+                Code::SegmentNotFound
+            }
+        }
+    }
+}

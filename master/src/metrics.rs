@@ -1,0 +1,159 @@
+//! Prometheus text exposition of the master: per-operation counters kept here, gauges read from
+//! the state at scrape time. Names follow Mooncake's so existing dashboards keep working.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::core::MasterState;
+
+/// Operations counted per item (a batch of 32 keys counts 32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    MountSegment,
+    UnmountSegment,
+    Heartbeat,
+    PutStart,
+    PutEnd,
+    PutRevoke,
+    GetReplicaList,
+    ExistKey,
+    Remove,
+    RemoveAll,
+    ListSegments,
+}
+
+impl Op {
+    const ALL: [Op; 11] = [
+        Op::MountSegment,
+        Op::UnmountSegment,
+        Op::Heartbeat,
+        Op::PutStart,
+        Op::PutEnd,
+        Op::PutRevoke,
+        Op::GetReplicaList,
+        Op::ExistKey,
+        Op::Remove,
+        Op::RemoveAll,
+        Op::ListSegments,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::MountSegment => "mount_segment",
+            Op::UnmountSegment => "unmount_segment",
+            Op::Heartbeat => "ping",
+            Op::PutStart => "put_start",
+            Op::PutEnd => "put_end",
+            Op::PutRevoke => "put_revoke",
+            Op::GetReplicaList => "get_replica_list",
+            Op::ExistKey => "exist_key",
+            Op::Remove => "remove",
+            Op::RemoveAll => "remove_all",
+            Op::ListSegments => "get_all_segments",
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    requests: [AtomicU64; Op::ALL.len()],
+    failures: [AtomicU64; Op::ALL.len()],
+}
+
+impl Metrics {
+    pub fn record(&self, op: Op, items: usize, failed: usize) {
+        self.requests[op as usize].fetch_add(items as u64, Ordering::Relaxed);
+        if failed > 0 {
+            self.failures[op as usize].fetch_add(failed as u64, Ordering::Relaxed);
+        }
+    }
+
+    pub fn render(&self, state: &MasterState) -> String {
+        let mut out = String::with_capacity(4096);
+        let mut gauge = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        gauge(
+            "master_key_count",
+            "Objects known to the master.",
+            state.key_count() as u64,
+        );
+        gauge(
+            "master_allocated_bytes",
+            "Bytes allocated in all segments.",
+            state.allocated(),
+        );
+        gauge(
+            "master_total_capacity_bytes",
+            "Bytes of all mounted segments.",
+            state.capacity(),
+        );
+        gauge(
+            "master_active_clients",
+            "Owners with a live heartbeat.",
+            state.active_owners() as u64,
+        );
+        let segs = state.segment_stats();
+        for (name, help, pick) in [
+            (
+                "segment_allocated_bytes",
+                "Bytes allocated in one segment.",
+                true,
+            ),
+            (
+                "segment_total_capacity_bytes",
+                "Capacity of one segment.",
+                false,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for s in &segs {
+                let v = if pick { s.allocated } else { s.capacity };
+                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", s.name);
+            }
+        }
+        let c = state.counters();
+        let mut counter = |name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        counter(
+            "master_eviction_rounds_total",
+            "Eviction rounds run.",
+            c.eviction_rounds,
+        );
+        counter(
+            "master_evicted_keys_total",
+            "Objects evicted.",
+            c.evicted_objects,
+        );
+        counter(
+            "master_evicted_bytes_total",
+            "Bytes freed by eviction.",
+            c.evicted_bytes,
+        );
+        counter(
+            "master_expired_puts_total",
+            "Abandoned puts whose space was reclaimed.",
+            c.expired_puts,
+        );
+        counter(
+            "master_expired_clients_total",
+            "Owners dropped after missing heartbeats.",
+            c.expired_owners,
+        );
+        for op in Op::ALL {
+            let n = op.name();
+            for (kind, arr) in [("requests", &self.requests), ("failures", &self.failures)] {
+                let v = arr[op as usize].load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "# HELP master_{n}_{kind}_total {kind} of {n}, counted per item.\n# TYPE master_{n}_{kind}_total counter\nmaster_{n}_{kind}_total {v}"
+                );
+            }
+        }
+        out
+    }
+}

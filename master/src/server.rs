@@ -1,0 +1,142 @@
+//! Runs a master: binds the gRPC and HTTP listeners, starts the upkeep loop, and stops all of it
+//! when asked. Binaries, tests and the bench start masters through here.
+
+use std::{future::Future, net::SocketAddr, sync::Arc};
+
+use mooncake_proto::master::master_server::MasterServer;
+use parking_lot::Mutex;
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+
+use crate::{
+    clock::{Clock, SystemClock},
+    config::MasterConfig,
+    core::MasterState,
+    metrics::Metrics,
+    service::{MasterService, Shared},
+};
+
+/// A master running on the current tokio runtime.
+pub struct RunningMaster {
+    pub rpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningMaster {
+    /// Binds the configured ports (0 picks free ones) and starts serving with the system clock.
+    pub async fn start(config: MasterConfig) -> std::io::Result<RunningMaster> {
+        Self::start_with_clock(config, Arc::new(SystemClock::new())).await
+    }
+
+    pub async fn start_with_clock(
+        config: MasterConfig,
+        clock: Arc<dyn Clock>,
+    ) -> std::io::Result<RunningMaster> {
+        config
+            .validate()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let rpc = bind(&config.bind_address, config.rpc_port).await?;
+        let http = bind(&config.bind_address, config.metrics_port).await?;
+        let (rpc_addr, http_addr) = (rpc.local_addr()?, http.local_addr()?);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(MasterState::new(config.policy())),
+            clock,
+            metrics: Metrics::default(),
+        });
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let svc = MasterServer::new(MasterService::new(shared.clone()))
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20);
+        let incoming = tonic::transport::server::TcpIncoming::from(rpc).with_nodelay(Some(true));
+        let stop_rpc = wait_stop(stopped.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, stop_rpc)
+                .await
+            {
+                tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+
+        let router = crate::http::router(shared.clone());
+        let stop_http = wait_stop(stopped.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(http, router)
+                .with_graceful_shutdown(stop_http)
+                .await
+            {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        }));
+
+        let upkeep_shared = shared.clone();
+        let interval = config.upkeep_interval;
+        let mut stop_upkeep = stopped;
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        let now = upkeep_shared.clock.now();
+                        upkeep_shared.state.lock().tick(now);
+                    }
+                    _ = stop_upkeep.changed() => break,
+                }
+            }
+        }));
+
+        tracing::info!(%rpc_addr, %http_addr, "master serving");
+        Ok(RunningMaster {
+            rpc_addr,
+            http_addr,
+            shared,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Runs one upkeep round now (tests drive a manual clock and then call this).
+    pub fn upkeep(&self) {
+        let now = self.shared.clock.now();
+        self.shared.state.lock().tick(now);
+    }
+
+    /// Read access to the state, for tests and tools in the same process.
+    pub fn with_state<R>(&self, f: impl FnOnce(&MasterState) -> R) -> R {
+        f(&self.shared.state.lock())
+    }
+
+    /// Stops serving and waits for every task to end.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+
+    /// Runs until `signal` completes, then shuts down.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) {
+        signal.await;
+        self.shutdown().await;
+    }
+}
+
+async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    TcpListener::bind((host, port))
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot bind {host}:{port}: {e}")))
+}
+
+async fn wait_stop(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}

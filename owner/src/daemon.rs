@@ -1,0 +1,139 @@
+//! Runs an owner: creates the pool, binds and serves the data plane, mounts at the master, signals
+//! readiness, heartbeats, and on shutdown unmounts and stops serving.
+
+use std::{net::SocketAddr, path::Path, sync::Arc};
+
+use mooncake_common::{ClientId, SegmentName};
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+
+use crate::{
+    config::OwnerConfig,
+    dataplane,
+    index::KeyIndex,
+    master_link::{LinkError, MasterLink},
+    pool::MemoryPool,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OwnerError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot create a memory pool of {size} bytes: {source}")]
+    Pool { size: u64, source: std::io::Error },
+    #[error("cannot bind the data plane to {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("cannot mount the segment: {0}")]
+    Mount(#[from] LinkError),
+    #[error("cannot write the ready file {path}: {source}")]
+    ReadyFile {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// An owner serving on the current tokio runtime.
+pub struct RunningOwner {
+    pub segment: SegmentName,
+    pub data_addr: SocketAddr,
+    pub client_id: ClientId,
+    link: MasterLink,
+    pool: Arc<MemoryPool>,
+    index: Arc<KeyIndex>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningOwner {
+    pub async fn start(config: OwnerConfig) -> Result<RunningOwner, OwnerError> {
+        config.validate().map_err(OwnerError::Config)?;
+        let size = config.segment_size.bytes();
+        let pool = Arc::new(
+            MemoryPool::create(size, config.lock_memory)
+                .map_err(|source| OwnerError::Pool { size, source })?,
+        );
+        let addr = format!("{}:{}", config.host, config.port);
+        let listener = TcpListener::bind((config.host.as_str(), config.port))
+            .await
+            .map_err(|source| OwnerError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
+        let data_addr = listener
+            .local_addr()
+            .map_err(|source| OwnerError::Bind { addr, source })?;
+        let segment = SegmentName::from_host_port(&config.host, data_addr.port())
+            .map_err(|e| OwnerError::Config(e.to_string()))?;
+        let client_id = ClientId::from_u128(rand::random());
+        let index = Arc::new(KeyIndex::default());
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = vec![tokio::spawn(dataplane::serve(
+            listener,
+            pool.clone(),
+            index.clone(),
+            config.frame_timeout,
+            stopped.clone(),
+        ))];
+
+        let link = MasterLink::new(
+            &config.master,
+            client_id,
+            segment.clone(),
+            size,
+            config.rpc_timeout,
+        )?;
+        if let Err(e) = link.mount_until(config.mount_timeout).await {
+            let _ = stop.send(true);
+            return Err(e.into());
+        }
+        tasks.push(tokio::spawn(
+            link.clone()
+                .heartbeat_loop(config.heartbeat_interval, stopped),
+        ));
+        if let Some(path) = &config.ready_file {
+            write_ready_file(path, &segment).map_err(|source| OwnerError::ReadyFile {
+                path: path.display().to_string(),
+                source,
+            })?;
+        }
+        tracing::info!(%segment, size, locked = pool.is_locked(), %client_id, "owner serving");
+        Ok(RunningOwner {
+            segment,
+            data_addr,
+            client_id,
+            link,
+            pool,
+            index,
+            stop,
+            tasks,
+        })
+    }
+
+    pub fn pool(&self) -> &Arc<MemoryPool> {
+        &self.pool
+    }
+
+    pub fn index(&self) -> &Arc<KeyIndex> {
+        &self.index
+    }
+
+    /// Unmounts (best effort, within the RPC deadline) and stops serving.
+    pub async fn shutdown(self) {
+        if let Err(e) = self.link.unmount().await {
+            tracing::warn!(error = %e, "unmount at shutdown failed; the master will expire this owner");
+        }
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Writes the segment name to `path` via a rename, so a watcher never sees a partial file.
+fn write_ready_file(path: &Path, segment: &SegmentName) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{segment}\n"))?;
+    std::fs::rename(&tmp, path)
+}

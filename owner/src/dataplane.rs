@@ -1,0 +1,265 @@
+//! The TCP data plane: reads and writes of (offset, length) ranges of the pool, each checked
+//! against the segment, with payloads moved straight between the socket and the pool. A bad frame
+//! gets an error reply (and, when the stream cannot be resynchronised, a closed connection); it
+//! never takes the server down or touches memory outside the segment.
+
+use std::{io, sync::Arc, time::Duration};
+
+use mooncake_common::{
+    wire::{self, Op, RequestHeader, ResponseHeader},
+    Code, ObjectKey,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter},
+    net::{TcpListener, TcpStream},
+    sync::watch,
+};
+
+use crate::{index::KeyIndex, pool::MemoryPool};
+
+/// Serves connections until `stop` turns true.
+pub async fn serve(
+    listener: TcpListener,
+    pool: Arc<MemoryPool>,
+    index: Arc<KeyIndex>,
+    frame_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let (pool, index, stop) = (pool.clone(), index.clone(), stop.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = Connection::new(stream, pool, index, frame_timeout).run(stop).await {
+                            tracing::debug!(%peer, error = %e, "data-plane connection closed");
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Out of fds or similar: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+struct Connection {
+    reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    pool: Arc<MemoryPool>,
+    index: Arc<KeyIndex>,
+    frame_timeout: Duration,
+    key_buf: Vec<u8>,
+}
+
+/// Why a request was refused while the connection stays usable.
+struct Refusal {
+    code: Code,
+    message: String,
+}
+
+impl Connection {
+    fn new(
+        stream: TcpStream,
+        pool: Arc<MemoryPool>,
+        index: Arc<KeyIndex>,
+        frame_timeout: Duration,
+    ) -> Self {
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        Connection {
+            reader: BufReader::with_capacity(64 << 10, r),
+            writer: BufWriter::with_capacity(64 << 10, w),
+            pool,
+            index,
+            frame_timeout,
+            key_buf: Vec::with_capacity(256),
+        }
+    }
+
+    async fn run(mut self, mut stop: watch::Receiver<bool>) -> io::Result<()> {
+        let mut header = [0u8; wire::REQUEST_HEADER_LEN];
+        loop {
+            // Waiting for the next frame is unbounded (idle connections are fine); once a frame
+            // starts, the rest of it must arrive within the frame timeout.
+            tokio::select! {
+                r = self.reader.read_u8() => match r {
+                    Ok(b) => header[0] = b,
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+                    Err(e) => return Err(e),
+                },
+                _ = stop.changed() => return Ok(()),
+            }
+            let timeout = self.frame_timeout;
+            match tokio::time::timeout(timeout, self.frame(&mut header)).await {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => return Ok(()),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("peer did not finish a frame within {timeout:?}"),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Handles one frame whose first byte is already in `header`. Returns false when the
+    /// connection must close (the stream cannot be trusted to be at a frame boundary).
+    async fn frame(&mut self, header: &mut [u8; wire::REQUEST_HEADER_LEN]) -> io::Result<bool> {
+        self.reader.read_exact(&mut header[1..]).await?;
+        let h = match RequestHeader::decode(header) {
+            Ok(h) => h,
+            Err(e) => {
+                self.reply_error(Op::Ping, 0, Code::InvalidParams, &e.to_string())
+                    .await?;
+                return Ok(false);
+            }
+        };
+        self.key_buf.resize(h.key_len as usize, 0);
+        self.reader.read_exact(&mut self.key_buf).await?;
+        let key = match h.op {
+            Op::Ping => None,
+            _ => match ObjectKey::from_bytes(&self.key_buf) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    if h.op == Op::Write && !self.drain(h.length).await? {
+                        return Ok(false);
+                    }
+                    self.reply_error(
+                        h.op,
+                        h.request_id,
+                        Code::InvalidParams,
+                        &format!("bad key: {e}"),
+                    )
+                    .await?;
+                    return Ok(true);
+                }
+            },
+        };
+        let outcome = match (h.op, key) {
+            (Op::Write, Some(key)) => self.write(&h, key).await?,
+            (Op::Read, Some(key)) => self.read(&h, &key).await?,
+            _ => Ok(()),
+        };
+        match outcome {
+            Ok(()) => {
+                if h.op != Op::Read {
+                    let ok = ResponseHeader {
+                        op: h.op,
+                        status: 0,
+                        request_id: h.request_id,
+                        length: 0,
+                    };
+                    self.writer.write_all(&ok.encode()).await?;
+                }
+            }
+            Err(r) => {
+                self.reply_error(h.op, h.request_id, r.code, &r.message)
+                    .await?
+            }
+        }
+        self.writer.flush().await?;
+        Ok(true)
+    }
+
+    async fn write(
+        &mut self,
+        h: &RequestHeader,
+        key: ObjectKey,
+    ) -> io::Result<Result<(), Refusal>> {
+        let pool = self.pool.clone();
+        let mut guard = match pool.write_range(h.offset, h.length) {
+            Ok(g) => g,
+            Err(e) => {
+                // Consume the payload so the connection stays at a frame boundary.
+                if !self.drain(h.length).await? {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
+                }
+                return Ok(Err(Refusal {
+                    code: Code::InvalidParams,
+                    message: e.to_string(),
+                }));
+            }
+        };
+        self.reader.read_exact(&mut guard).await?;
+        drop(guard);
+        self.index.record(h.offset, h.length, key);
+        Ok(Ok(()))
+    }
+
+    async fn read(
+        &mut self,
+        h: &RequestHeader,
+        key: &ObjectKey,
+    ) -> io::Result<Result<(), Refusal>> {
+        if let Err(e) = self.pool.check_range(h.offset, h.length) {
+            return Ok(Err(Refusal {
+                code: Code::InvalidParams,
+                message: e.to_string(),
+            }));
+        }
+        if !self.index.holds(h.offset, h.length, key) {
+            return Ok(Err(Refusal {
+                code: Code::ObjectNotFound,
+                message: format!("range at offset {} does not hold key {key}", h.offset),
+            }));
+        }
+        let guard = match self.pool.read_range(h.offset, h.length) {
+            Ok(g) => g,
+            Err(e) => {
+                return Ok(Err(Refusal {
+                    code: Code::TransferFail,
+                    message: e.to_string(),
+                }))
+            }
+        };
+        let ok = ResponseHeader {
+            op: Op::Read,
+            status: 0,
+            request_id: h.request_id,
+            length: h.length,
+        };
+        self.writer.write_all(&ok.encode()).await?;
+        self.writer.write_all(&guard).await?;
+        Ok(Ok(()))
+    }
+
+    /// Reads and discards `len` payload bytes; false if that is more than a sane frame carries.
+    async fn drain(&mut self, len: u64) -> io::Result<bool> {
+        if len > self.pool.len() {
+            return Ok(false);
+        }
+        let copied =
+            tokio::io::copy(&mut (&mut self.reader).take(len), &mut tokio::io::sink()).await?;
+        if copied != len {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(true)
+    }
+
+    async fn reply_error(
+        &mut self,
+        op: Op,
+        request_id: u64,
+        code: Code,
+        message: &str,
+    ) -> io::Result<()> {
+        let mut msg = message.as_bytes();
+        msg = &msg[..msg.len().min(wire::MAX_ERROR_MESSAGE as usize)];
+        let h = ResponseHeader {
+            op,
+            status: code.as_i32(),
+            request_id,
+            length: msg.len() as u64,
+        };
+        self.writer.write_all(&h.encode()).await?;
+        self.writer.write_all(msg).await?;
+        self.writer.flush().await
+    }
+}

@@ -1,0 +1,74 @@
+//! Which key each written range of the pool holds, as named by the writes. Reads are checked
+//! against it, so stale metadata can never return another key's bytes, and a restarted master can
+//! later rebuild its object map from what owners report.
+
+use std::collections::BTreeMap;
+
+use mooncake_common::ObjectKey;
+use parking_lot::Mutex;
+
+#[derive(Default)]
+pub struct KeyIndex {
+    ranges: Mutex<BTreeMap<u64, (ObjectKey, u64)>>,
+}
+
+impl KeyIndex {
+    /// Records that `[offset, offset + len)` now holds `key`, forgetting every range it overlaps.
+    pub fn record(&self, offset: u64, len: u64, key: ObjectKey) {
+        let end = offset + len;
+        let mut ranges = self.ranges.lock();
+        let overlapping: Vec<u64> = ranges
+            .range(..end)
+            .rev()
+            // Recorded ranges never overlap, so the first one ending at or before `offset`
+            // means every earlier one does too.
+            .take_while(|(start, (_, l))| **start + *l > offset)
+            .map(|(start, _)| *start)
+            .collect();
+        for start in overlapping {
+            ranges.remove(&start);
+        }
+        ranges.insert(offset, (key, len));
+    }
+
+    /// Whether the range starting at `offset` was last written as `key` with at least `len` bytes.
+    pub fn holds(&self, offset: u64, len: u64, key: &ObjectKey) -> bool {
+        matches!(self.ranges.lock().get(&offset), Some((k, l)) if k == key && *l >= len)
+    }
+
+    /// Every recorded (offset, len, key), in offset order.
+    pub fn snapshot(&self) -> Vec<(u64, u64, ObjectKey)> {
+        self.ranges
+            .lock()
+            .iter()
+            .map(|(o, (k, l))| (*o, *l, k.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(s: &str) -> ObjectKey {
+        ObjectKey::new(s).unwrap()
+    }
+
+    #[test]
+    fn overlapping_writes_replace_older_ranges() {
+        let idx = KeyIndex::default();
+        idx.record(0, 100, k("a"));
+        idx.record(100, 100, k("b"));
+        idx.record(300, 50, k("c"));
+        assert!(idx.holds(0, 100, &k("a")));
+        assert!(!idx.holds(0, 101, &k("a")));
+        assert!(!idx.holds(0, 10, &k("b")));
+        idx.record(50, 100, k("d")); // overlaps the end of a and the start of b
+        assert!(!idx.holds(0, 1, &k("a")));
+        assert!(!idx.holds(100, 1, &k("b")));
+        assert!(idx.holds(50, 100, &k("d")));
+        assert!(idx.holds(300, 50, &k("c")));
+        idx.record(200, 100, k("e")); // touches c's start but does not overlap
+        assert_eq!(idx.snapshot().len(), 3);
+    }
+}

@@ -1,0 +1,265 @@
+//! The owner's memory pool: one shared memfd mapping, pre-faulted and locked where permitted, so a
+//! later same-host path can hand the fd to local clients. This module owns every raw access to
+//! the pool. Accesses go through range guards that keep concurrent accesses from aliasing: any
+//! number of readers may share a range, a writer has it alone, and a conflicting access is refused
+//! rather than waited for (the master never hands out overlapping live ranges, so a conflict means
+//! a stale or misbehaving peer).
+
+use std::{
+    fs::File,
+    io,
+    os::fd::{AsFd, BorrowedFd, FromRawFd},
+    ptr::NonNull,
+};
+
+use memmap2::{MmapMut, MmapOptions};
+use parking_lot::Mutex;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("range [{offset}, +{len}) is outside the segment of {size} bytes")]
+    OutOfBounds { offset: u64, len: u64, size: u64 },
+    #[error("range [{offset}, +{len}) is being accessed by a conflicting transfer")]
+    Busy { offset: u64, len: u64 },
+}
+
+pub struct MemoryPool {
+    base: NonNull<u8>,
+    len: u64,
+    locked: bool,
+    active: Mutex<Vec<Active>>,
+    // Keeps the mapping alive; `base` points into it.
+    _map: MmapMut,
+    file: File,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Active {
+    start: u64,
+    end: u64,
+    write: bool,
+}
+
+// SAFETY: the pool is a fixed mapping that lives as long as the struct; all access to its bytes
+// goes through guards that the `active` mutex keeps from aliasing mutably.
+unsafe impl Send for MemoryPool {}
+// SAFETY: as above; shared references only hand out guards, never unsynchronised slices.
+unsafe impl Sync for MemoryPool {}
+
+impl MemoryPool {
+    /// Creates a memfd of `size` bytes, maps it shared and pre-faults it. With `lock`, tries to
+    /// mlock it and warns (does not fail) when the limit does not permit.
+    pub fn create(size: u64, lock: bool) -> io::Result<MemoryPool> {
+        if size == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "segment size must be greater than zero",
+            ));
+        }
+        let len = usize::try_from(size).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "segment size does not fit the address space",
+            )
+        })?;
+        let name = c"mooncake-segment";
+        // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new fd or -1.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(size)?;
+        // SAFETY: the memfd is private to this process until deliberately shared, and its size is
+        // fixed above; nothing truncates it while mapped.
+        let mut map = unsafe { MmapOptions::new().len(len).populate().map_mut(&file)? };
+        let base = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
+        let mut locked = false;
+        if lock {
+            // SAFETY: the range is exactly the mapping created above.
+            let rc = unsafe { libc::mlock(base.as_ptr().cast(), len) };
+            if rc == 0 {
+                locked = true;
+            } else {
+                tracing::warn!(error = %io::Error::last_os_error(), size,
+                    "cannot lock the segment in memory (raise `ulimit -l` or grant CAP_IPC_LOCK); it may be swapped");
+            }
+        }
+        Ok(MemoryPool {
+            base,
+            len: size,
+            locked,
+            active: Mutex::new(Vec::new()),
+            _map: map,
+            file,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// The memfd behind the pool, for handing to same-host clients.
+    pub fn memfd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<(), RangeError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(RangeError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Exclusive access to `[offset, offset + len)`.
+    pub fn write_range(&self, offset: u64, len: u64) -> Result<WriteGuard<'_>, RangeError> {
+        self.acquire(offset, len, true)?;
+        Ok(WriteGuard {
+            pool: self,
+            offset,
+            len,
+        })
+    }
+
+    /// Shared access to `[offset, offset + len)`.
+    pub fn read_range(&self, offset: u64, len: u64) -> Result<ReadGuard<'_>, RangeError> {
+        self.acquire(offset, len, false)?;
+        Ok(ReadGuard {
+            pool: self,
+            offset,
+            len,
+        })
+    }
+
+    fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<(), RangeError> {
+        self.check_range(offset, len)?;
+        let (start, end) = (offset, offset + len);
+        let mut active = self.active.lock();
+        let conflict = active
+            .iter()
+            .any(|a| a.start < end && start < a.end && (write || a.write));
+        if conflict {
+            return Err(RangeError::Busy { offset, len });
+        }
+        active.push(Active { start, end, write });
+        Ok(())
+    }
+
+    fn release(&self, offset: u64, len: u64, write: bool) {
+        let mut active = self.active.lock();
+        let me = Active {
+            start: offset,
+            end: offset + len,
+            write,
+        };
+        if let Some(i) = active.iter().position(|a| *a == me) {
+            active.swap_remove(i);
+        }
+    }
+
+    fn ptr(&self, offset: u64) -> *mut u8 {
+        // SAFETY: callers pass an offset checked by `check_range`, so it is inside the mapping.
+        unsafe { self.base.as_ptr().add(offset as usize) }
+    }
+}
+
+/// Exclusive access to a range of the pool; derefs to a mutable slice.
+pub struct WriteGuard<'a> {
+    pool: &'a MemoryPool,
+    offset: u64,
+    len: u64,
+}
+
+impl std::ops::Deref for WriteGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range is inside the mapping and registered as written by this guard only.
+        unsafe { std::slice::from_raw_parts(self.pool.ptr(self.offset), self.len as usize) }
+    }
+}
+
+impl std::ops::DerefMut for WriteGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; no other guard overlaps an exclusive range, and `&mut self`
+        // makes this the only live slice of it.
+        unsafe { std::slice::from_raw_parts_mut(self.pool.ptr(self.offset), self.len as usize) }
+    }
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        self.pool.release(self.offset, self.len, true);
+    }
+}
+
+/// Shared access to a range of the pool; derefs to a slice.
+pub struct ReadGuard<'a> {
+    pool: &'a MemoryPool,
+    offset: u64,
+    len: u64,
+}
+
+impl std::ops::Deref for ReadGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range is inside the mapping and no exclusive guard overlaps it while this
+        // guard lives.
+        unsafe { std::slice::from_raw_parts(self.pool.ptr(self.offset), self.len as usize) }
+    }
+}
+
+impl Drop for ReadGuard<'_> {
+    fn drop(&mut self) {
+        self.pool.release(self.offset, self.len, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_checked_and_conflicts_refused() {
+        let pool = MemoryPool::create(1 << 20, false).unwrap();
+        assert!(pool.check_range(0, 1 << 20).is_ok());
+        assert!(pool.check_range(1, 1 << 20).is_err());
+        assert!(pool.check_range(u64::MAX, 2).is_err());
+        {
+            let mut w = pool.write_range(100, 10).unwrap();
+            w.copy_from_slice(&[7u8; 10]);
+            assert!(matches!(
+                pool.read_range(105, 10),
+                Err(RangeError::Busy { .. })
+            ));
+            assert!(
+                pool.write_range(110, 10).is_ok(),
+                "adjacent ranges do not conflict"
+            );
+        }
+        let r1 = pool.read_range(100, 10).unwrap();
+        let r2 = pool.read_range(95, 10).unwrap();
+        assert_eq!(&r1[..], &[7u8; 10]);
+        assert_eq!(r2[5..], [7u8; 5]);
+        assert!(pool.write_range(90, 20).is_err());
+        drop((r1, r2));
+        assert!(pool.write_range(90, 20).is_ok());
+    }
+
+    #[test]
+    fn zero_size_is_refused() {
+        assert!(MemoryPool::create(0, false).is_err());
+    }
+}
