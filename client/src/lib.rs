@@ -1,1 +1,17 @@
+//! The requester-only client embedded in inference workers: batch put/get of KV-cache blocks
+//! between the caller's memory and the owners, with the master deciding placement and leases.
+//! It contributes no memory and pulls in nothing owner-only.
+#![forbid(unsafe_code)]
 
+pub mod client;
+pub mod config;
+pub mod error;
+pub mod master;
+pub mod transport;
+
+pub use client::{
+    get_code, put_code, Client, ObjectDesc, PutOutcome, ReplicaDesc, ReplicateConfig, Tier,
+};
+pub use config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV};
+pub use error::ClientError;
+pub use mooncake_common::Code;

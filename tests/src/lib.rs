@@ -1,1 +1,289 @@
+//! Test harness: in-process clusters on 127.0.0.1 with port 0, the real binaries as child
+//! processes that are killed when their guard drops, and deterministic per-key payloads so every
+//! read is checked byte for byte.
 
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{mpsc, Arc},
+    time::Duration,
+};
+
+use mooncake_client::{Client, ClientConfig};
+use mooncake_common::ByteSize;
+use mooncake_master::{clock::Clock, MasterConfig, RunningMaster};
+use mooncake_owner::{OwnerConfig, RunningOwner};
+
+/// A master config for tests: loopback, free ports.
+pub fn master_config() -> MasterConfig {
+    MasterConfig {
+        bind_address: "127.0.0.1".into(),
+        rpc_port: 0,
+        metrics_port: 0,
+        ..Default::default()
+    }
+}
+
+pub fn owner_config(master: &str, size: u64) -> OwnerConfig {
+    OwnerConfig {
+        master: master.to_string(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        segment_size: ByteSize(size),
+        lock_memory: false,
+        heartbeat_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+pub struct Cluster {
+    pub master: RunningMaster,
+    pub owners: Vec<RunningOwner>,
+}
+
+impl Cluster {
+    pub async fn start(owner_sizes: &[u64]) -> Cluster {
+        Self::start_with(master_config(), owner_sizes).await
+    }
+
+    pub async fn start_with(config: MasterConfig, owner_sizes: &[u64]) -> Cluster {
+        let master = RunningMaster::start(config).await.expect("start master");
+        Self::with_owners(master, owner_sizes).await
+    }
+
+    pub async fn start_with_clock(
+        config: MasterConfig,
+        clock: Arc<dyn Clock>,
+        owner_sizes: &[u64],
+    ) -> Cluster {
+        let master = RunningMaster::start_with_clock(config, clock)
+            .await
+            .expect("start master");
+        Self::with_owners(master, owner_sizes).await
+    }
+
+    async fn with_owners(master: RunningMaster, owner_sizes: &[u64]) -> Cluster {
+        let addr = master.rpc_addr.to_string();
+        let mut owners = Vec::new();
+        for size in owner_sizes {
+            owners.push(
+                RunningOwner::start(owner_config(&addr, *size))
+                    .await
+                    .expect("start owner"),
+            );
+        }
+        Cluster { master, owners }
+    }
+
+    pub fn master_addr(&self) -> String {
+        self.master.rpc_addr.to_string()
+    }
+
+    pub fn client_config(&self) -> ClientConfig {
+        ClientConfig {
+            preferred_segment: None,
+            transfer_timeout: Duration::from_secs(5),
+            rpc_timeout: Duration::from_secs(3),
+            ..ClientConfig::new(self.master_addr())
+        }
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect_with(self.client_config(), None, transport(&self.client_config()))
+            .await
+            .expect("connect client")
+    }
+
+    pub async fn shutdown(self) {
+        for o in self.owners {
+            o.shutdown().await;
+        }
+        self.master.shutdown().await;
+    }
+}
+
+/// The TCP transport a client built from `config` would use.
+pub fn transport(config: &ClientConfig) -> Arc<dyn mooncake_common::transport::DataTransport> {
+    Arc::new(mooncake_client::transport::TcpTransport::new(
+        mooncake_client::transport::tcp::TcpConfig {
+            connect_timeout: config.connect_timeout,
+            transfer_timeout: config.transfer_timeout,
+            connections_per_owner: config.connections_per_owner,
+        },
+    ))
+}
+
+/// Deterministic bytes for a key: different keys give different bytes at every length.
+pub fn payload(key: &str, len: usize) -> Vec<u8> {
+    let mut x: u64 = 0xcbf29ce484222325;
+    for b in key.bytes() {
+        x = (x ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes()[..(len - out.len()).min(8)]);
+    }
+    out
+}
+
+/// Path of a workspace binary, built on demand when this test binary was built alone.
+pub fn bin_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .to_path_buf();
+    let path = dir.join(name);
+    if !path.exists() {
+        let pkg = match name {
+            "mooncake_master" => "mooncake-master",
+            "mooncake_ownerd" => "mooncake-owner",
+            other => panic!("unknown binary {other}"),
+        };
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", pkg, "--bin", name])
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "cargo build of {name} failed");
+    }
+    assert!(path.exists(), "{} not found", path.display());
+    path
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped.
+pub struct ChildGuard {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl ChildGuard {
+    /// Spawns `bin` with `args`, stdout piped for `wait_line`, stderr inherited.
+    pub fn spawn(bin: &str, args: &[&str]) -> ChildGuard {
+        Self::spawn_cmd(Command::new(bin_path(bin)).args(args))
+    }
+
+    pub fn spawn_cmd(cmd: &mut Command) -> ChildGuard {
+        let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn child");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildGuard { child, lines }
+    }
+
+    /// The first stdout line starting with `prefix`, within `timeout`.
+    pub fn wait_line(&self, prefix: &str, timeout: Duration) -> String {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no line starting with {prefix:?} within {timeout:?}: {e}"),
+            }
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: plain kill(2) on the pid of a child this guard owns and has not reaped.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// Waits for exit up to `timeout`; None if still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // A stopped child must be continued to die promptly after SIGKILL on some kernels.
+            self.signal(libc::SIGCONT);
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the master binary on free loopback ports; returns it with its RPC and HTTP addresses.
+pub fn spawn_master(extra: &[&str]) -> (ChildGuard, String, String) {
+    let mut args = vec![
+        "--rpc_address",
+        "127.0.0.1",
+        "--rpc_port",
+        "0",
+        "--metrics_port",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    let m = ChildGuard::spawn("mooncake_master", &args);
+    let line = m.wait_line("mooncake_master ready", Duration::from_secs(20));
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .expect("address in ready line")
+            .to_string()
+    };
+    (m, field("rpc="), field("http="))
+}
+
+/// Starts the owner binary against `master`; returns it with its segment name.
+pub fn spawn_owner(master: &str, size: &str, extra: &[&str]) -> (ChildGuard, String) {
+    let mut args = vec![
+        "--master",
+        master,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--segment-size",
+        size,
+        "--no-mlock",
+    ];
+    args.extend_from_slice(extra);
+    let o = ChildGuard::spawn("mooncake_ownerd", &args);
+    let line = o.wait_line("mooncake_ownerd ready", Duration::from_secs(20));
+    let seg = line
+        .rsplit("segment=")
+        .next()
+        .expect("segment in ready line")
+        .to_string();
+    (o, seg)
+}
+
+/// Polls `f` every 50 ms until it returns true or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}

@@ -1,0 +1,562 @@
+//! The requester-only client: batch put and get between caller memory and owners, with the
+//! master deciding placement, leases and commit. One master round trip per phase per batch;
+//! transfers of a batch run concurrently.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use futures::future::join_all;
+use mooncake_common::{transport::DataTransport, Code, ObjectKey, SegmentName};
+use mooncake_proto::master as pb;
+
+use crate::{
+    config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV},
+    error::ClientError,
+    master::MasterRpc,
+    transport::{tcp::TcpConfig, TcpTransport},
+};
+
+/// Per-put replication settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicateConfig {
+    /// Replicas on distinct segments; 0 is read as 1. Fewer are made when fewer segments have room.
+    pub replica_num: usize,
+    /// Segments tried first, in order. Empty: the client's preferred segment, if any.
+    pub preferred_segments: Vec<String>,
+    /// Evicted only after everything unpinned (for the master's soft-pin TTL).
+    pub soft_pin: bool,
+    /// Never evicted.
+    pub hard_pin: bool,
+}
+
+/// A successful put.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    Stored,
+    /// The key was already there (or being written by another put): objects are write-once.
+    AlreadyExists,
+}
+
+/// Where an object's replicas are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectDesc {
+    pub size: u64,
+    pub replicas: Vec<ReplicaDesc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaDesc {
+    pub segment: SegmentName,
+    pub offset: u64,
+    pub tier: Tier,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Memory,
+    Disk,
+}
+
+/// Mooncake's convention for a put result: 0 for stored or already there, else the code.
+pub fn put_code(r: &Result<PutOutcome, ClientError>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.code().as_i32(),
+    }
+}
+
+/// Mooncake's convention for a get result: bytes read, else the code.
+pub fn get_code(r: &Result<usize, ClientError>) -> i64 {
+    match r {
+        Ok(n) => *n as i64,
+        Err(e) => e.code().as_i32() as i64,
+    }
+}
+
+pub struct Client {
+    master: MasterRpc,
+    transport: Arc<dyn DataTransport>,
+    preferred: Option<SegmentName>,
+}
+
+impl Client {
+    /// Connects to the master (checking it answers within the RPC deadline). The client
+    /// contributes no memory.
+    pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
+        let env = std::env::var(PREFERRED_SEGMENT_ENV).ok();
+        let preferred = resolve_preferred(config.preferred_segment.as_deref(), env.as_deref())?;
+        let transport = Arc::new(TcpTransport::new(TcpConfig {
+            connect_timeout: config.connect_timeout,
+            transfer_timeout: config.transfer_timeout,
+            connections_per_owner: config.connections_per_owner,
+        }));
+        Self::connect_with(config, preferred, transport).await
+    }
+
+    /// Like `connect`, with an explicit preferred segment and transport.
+    pub async fn connect_with(
+        config: ClientConfig,
+        preferred: Option<SegmentName>,
+        transport: Arc<dyn DataTransport>,
+    ) -> Result<Client, ClientError> {
+        config.validate()?;
+        let master = MasterRpc::new(&config.master, config.rpc_timeout, config.connect_timeout)?;
+        master.list_segments().await?;
+        Ok(Client {
+            master,
+            transport,
+            preferred,
+        })
+    }
+
+    pub fn preferred_segment(&self) -> Option<&SegmentName> {
+        self.preferred.as_ref()
+    }
+
+    pub async fn put(
+        &self,
+        key: &str,
+        value: &[u8],
+        config: &ReplicateConfig,
+    ) -> Result<PutOutcome, ClientError> {
+        self.batch_put(&[(key, value)], config)
+            .await
+            .pop()
+            .expect("one result per item")
+    }
+
+    /// Puts every (key, value); one result per item, in order.
+    pub async fn batch_put(
+        &self,
+        items: &[(&str, &[u8])],
+        config: &ReplicateConfig,
+    ) -> Vec<Result<PutOutcome, ClientError>> {
+        let mut results: Vec<Option<Result<PutOutcome, ClientError>>> =
+            (0..items.len()).map(|_| None).collect();
+        // Validate locally; only valid items go to the master.
+        let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(items.len());
+        for (i, (key, value)) in items.iter().enumerate() {
+            match ObjectKey::new(key) {
+                Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
+                Ok(_) if value.is_empty() => {
+                    results[i] = Some(Err(ClientError::Invalid(format!(
+                        "value of {key} is empty"
+                    ))))
+                }
+                Ok(k) => valid.push((i, k)),
+            }
+        }
+        if !valid.is_empty() {
+            self.put_valid(items, &valid, config, &mut results).await;
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every item answered"))
+            .collect()
+    }
+
+    async fn put_valid(
+        &self,
+        items: &[(&str, &[u8])],
+        valid: &[(usize, ObjectKey)],
+        config: &ReplicateConfig,
+        results: &mut [Option<Result<PutOutcome, ClientError>>],
+    ) {
+        let mut preferred = config.preferred_segments.clone();
+        if preferred.is_empty() {
+            preferred.extend(self.preferred.iter().map(|s| s.to_string()));
+        }
+        let req = pb::BatchPutStartRequest {
+            items: valid
+                .iter()
+                .map(|(i, k)| pb::PutStartItem {
+                    key: k.to_string(),
+                    size: items[*i].1.len() as u64,
+                })
+                .collect(),
+            config: Some(pb::ReplicateConfig {
+                replica_num: config.replica_num as u32,
+                preferred_segments: preferred,
+                soft_pin: config.soft_pin,
+                hard_pin: config.hard_pin,
+            }),
+        };
+        let grants = match self.master.put_start(req).await {
+            Ok(r) if r.results.len() == valid.len() => r.results,
+            Ok(r) => {
+                let msg = format!(
+                    "master answered {} results for {} keys",
+                    r.results.len(),
+                    valid.len()
+                );
+                return fill(results, valid, || ClientError::Rpc(msg.clone()));
+            }
+            Err(e) => return fill(results, valid, || clone_err(&e)),
+        };
+
+        // Write every replica of every granted put, all at once.
+        let mut writes = Vec::new();
+        for (slot, ((i, key), grant)) in valid.iter().zip(&grants).enumerate() {
+            if grant.code != 0 {
+                continue;
+            }
+            for rep in &grant.replicas {
+                let data = items[*i].1;
+                writes.push(async move {
+                    let res = match SegmentName::parse(&rep.segment) {
+                        Ok(seg) => self
+                            .transport
+                            .write(&seg, key, rep.offset, data)
+                            .await
+                            .map_err(ClientError::from),
+                        Err(e) => Err(ClientError::Rpc(format!(
+                            "master sent a bad segment name: {e}"
+                        ))),
+                    };
+                    (slot, res)
+                });
+            }
+        }
+        let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
+        for (slot, res) in join_all(writes).await {
+            if let Err(e) = res {
+                tracing::debug!(key = %valid[slot].1, error = %e, "replica write failed; revoking the put");
+                write_errors[slot].get_or_insert(e);
+            }
+        }
+
+        let (mut end, mut revoke) = (Vec::new(), Vec::new());
+        for (slot, ((i, key), grant)) in valid.iter().zip(&grants).enumerate() {
+            let put_ref = pb::PutRef {
+                key: key.to_string(),
+                put_id: grant.put_id,
+            };
+            if grant.code == Code::ObjectAlreadyExists.as_i32() {
+                results[*i] = Some(Ok(PutOutcome::AlreadyExists));
+            } else if grant.code != 0 {
+                results[*i] = Some(Err(ClientError::master(grant.code, grant.message.clone())));
+            } else if let Some(e) = write_errors[slot].take() {
+                results[*i] = Some(Err(e));
+                revoke.push(put_ref);
+            } else {
+                end.push((*i, put_ref));
+            }
+        }
+        if !revoke.is_empty() {
+            if let Err(e) = self.master.put_revoke(revoke).await {
+                tracing::warn!(error = %e, "revoking failed puts failed; the master reclaims them after its release timeout");
+            }
+        }
+        if end.is_empty() {
+            return;
+        }
+        let (idx, refs): (Vec<usize>, Vec<pb::PutRef>) = end.into_iter().unzip();
+        match self.master.put_end(refs).await {
+            Ok(codes) if codes.len() == idx.len() => {
+                for (i, code) in idx.into_iter().zip(codes) {
+                    results[i] = Some(if code == 0 {
+                        Ok(PutOutcome::Stored)
+                    } else {
+                        Err(ClientError::master(code, "put end refused"))
+                    });
+                }
+            }
+            Ok(_) => {
+                for i in idx {
+                    results[i] = Some(Err(ClientError::Rpc(
+                        "master answered a wrong number of put-end results".into(),
+                    )));
+                }
+            }
+            Err(e) => {
+                for i in idx {
+                    results[i] = Some(Err(clone_err(&e)));
+                }
+            }
+        }
+    }
+
+    pub async fn get(&self, key: &str, buf: &mut [u8]) -> Result<usize, ClientError> {
+        self.batch_get(&[key], &mut [buf])
+            .await
+            .pop()
+            .expect("one result per key")
+    }
+
+    /// Reads each key into its buffer; returns the bytes read per key, in order. A buffer smaller
+    /// than its object gives INVALID_PARAMS (-600); a read that outlived its lease, LEASE_EXPIRED.
+    pub async fn batch_get(
+        &self,
+        keys: &[&str],
+        bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<usize, ClientError>> {
+        if keys.len() != bufs.len() {
+            let msg = format!("{} keys but {} buffers", keys.len(), bufs.len());
+            return keys
+                .iter()
+                .map(|_| Err(ClientError::Invalid(msg.clone())))
+                .collect();
+        }
+        let mut results: Vec<Option<Result<usize, ClientError>>> =
+            (0..keys.len()).map(|_| None).collect();
+        let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match ObjectKey::new(key) {
+                Ok(k) => valid.push((i, k)),
+                Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
+            }
+        }
+        if valid.is_empty() {
+            return results.into_iter().map(|r| r.expect("answered")).collect();
+        }
+        let asked_at = Instant::now();
+        let resp = match self
+            .master
+            .get_replicas(valid.iter().map(|(_, k)| k.to_string()).collect())
+            .await
+        {
+            Ok(r) if r.results.len() == valid.len() => r,
+            Ok(_) => {
+                fill(&mut results, &valid, || {
+                    ClientError::Rpc("master answered a wrong number of results".into())
+                });
+                return results.into_iter().map(|r| r.expect("answered")).collect();
+            }
+            Err(e) => {
+                fill(&mut results, &valid, || clone_err(&e));
+                return results.into_iter().map(|r| r.expect("answered")).collect();
+            }
+        };
+        // The lease started no earlier than our request did, so this deadline is conservative.
+        let lease_deadline = asked_at + Duration::from_millis(resp.lease_ttl_ms);
+
+        let mut slot_of = vec![usize::MAX; keys.len()];
+        for (slot, (i, _)) in valid.iter().enumerate() {
+            slot_of[*i] = slot;
+        }
+        let mut reads = Vec::new();
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            let slot = slot_of[i];
+            if slot == usize::MAX {
+                continue;
+            }
+            let found = &resp.results[slot];
+            let key = &valid[slot].1;
+            if found.code != 0 {
+                results[i] = Some(Err(ClientError::master(found.code, format!("get {key}"))));
+                continue;
+            }
+            if (buf.len() as u64) < found.size {
+                results[i] = Some(Err(ClientError::BufferTooSmall {
+                    need: found.size,
+                    have: buf.len(),
+                }));
+                continue;
+            }
+            let dst = &mut buf[..found.size as usize];
+            reads.push(async move {
+                let res = self.read_one(key, &found.replicas, dst).await;
+                (i, res)
+            });
+        }
+        for (i, res) in join_all(reads).await {
+            results[i] = Some(res.and_then(|n| {
+                if Instant::now() >= lease_deadline {
+                    Err(ClientError::LeaseExpired(keys[i].to_string()))
+                } else {
+                    Ok(n)
+                }
+            }));
+        }
+        results.into_iter().map(|r| r.expect("answered")).collect()
+    }
+
+    /// Reads from the preferred replica first, then the others; the last error if all fail.
+    async fn read_one(
+        &self,
+        key: &ObjectKey,
+        replicas: &[pb::ReplicaLocation],
+        dst: &mut [u8],
+    ) -> Result<usize, ClientError> {
+        let mut order: Vec<&pb::ReplicaLocation> = replicas.iter().collect();
+        if let Some(p) = &self.preferred {
+            order.sort_by_key(|r| r.segment != p.as_str());
+        }
+        let mut last = ClientError::master(
+            Code::ObjectNotFound.as_i32(),
+            format!("{key} has no replica"),
+        );
+        for rep in order {
+            let seg = match SegmentName::parse(&rep.segment) {
+                Ok(s) => s,
+                Err(e) => {
+                    last = ClientError::Rpc(format!("master sent a bad segment name: {e}"));
+                    continue;
+                }
+            };
+            match self.transport.read(&seg, key, rep.offset, dst).await {
+                Ok(()) => return Ok(dst.len()),
+                Err(e) => {
+                    tracing::debug!(%key, segment = %seg, error = %e, "replica read failed");
+                    last = e.into();
+                }
+            }
+        }
+        Err(last)
+    }
+
+    pub async fn exists(&self, key: &str) -> Result<bool, ClientError> {
+        self.batch_exists(&[key])
+            .await?
+            .pop()
+            .expect("one result per key")
+    }
+
+    /// Existence of each key; hits are leased. The outer error is a failed master call.
+    pub async fn batch_exists(
+        &self,
+        keys: &[&str],
+    ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
+        let resp = self
+            .master
+            .exists(keys.iter().map(|k| k.to_string()).collect())
+            .await?;
+        if resp.codes.len() != keys.len() {
+            return Err(ClientError::Rpc(
+                "master answered a wrong number of results".into(),
+            ));
+        }
+        Ok(resp
+            .codes
+            .into_iter()
+            .map(|c| match c {
+                1 => Ok(true),
+                0 => Ok(false),
+                c => Err(ClientError::master(c, "exists")),
+            })
+            .collect())
+    }
+
+    pub async fn remove(&self, key: &str, force: bool) -> Result<(), ClientError> {
+        self.batch_remove(&[key], force)
+            .await?
+            .pop()
+            .expect("one result per key")
+    }
+
+    pub async fn batch_remove(
+        &self,
+        keys: &[&str],
+        force: bool,
+    ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+        let codes = self
+            .master
+            .remove(keys.iter().map(|k| k.to_string()).collect(), force)
+            .await?;
+        if codes.len() != keys.len() {
+            return Err(ClientError::Rpc(
+                "master answered a wrong number of results".into(),
+            ));
+        }
+        Ok(codes
+            .into_iter()
+            .zip(keys)
+            .map(|(c, k)| {
+                if c == 0 {
+                    Ok(())
+                } else {
+                    Err(ClientError::master(c, format!("remove {k}")))
+                }
+            })
+            .collect())
+    }
+
+    /// Removes every object (leased ones only with `force`); returns how many.
+    pub async fn remove_all(&self, force: bool) -> Result<u64, ClientError> {
+        self.master.remove_all(force).await
+    }
+
+    /// Where each key's replicas are (leases the hits, like a get).
+    pub async fn batch_get_replica_desc(
+        &self,
+        keys: &[&str],
+    ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
+        let resp = self
+            .master
+            .get_replicas(keys.iter().map(|k| k.to_string()).collect())
+            .await?;
+        if resp.results.len() != keys.len() {
+            return Err(ClientError::Rpc(
+                "master answered a wrong number of results".into(),
+            ));
+        }
+        Ok(resp
+            .results
+            .into_iter()
+            .map(|r| {
+                if r.code != 0 {
+                    return Err(ClientError::master(r.code, "get replica list"));
+                }
+                let replicas = r
+                    .replicas
+                    .into_iter()
+                    .map(|l| {
+                        Ok(ReplicaDesc {
+                            segment: SegmentName::parse(&l.segment).map_err(|e| {
+                                ClientError::Rpc(format!("master sent a bad segment name: {e}"))
+                            })?,
+                            offset: l.offset,
+                            tier: if l.tier == pb::ReplicaTier::Disk as i32 {
+                                Tier::Disk
+                            } else {
+                                Tier::Memory
+                            },
+                        })
+                    })
+                    .collect::<Result<Vec<_>, ClientError>>()?;
+                Ok(ObjectDesc {
+                    size: r.size,
+                    replicas,
+                })
+            })
+            .collect())
+    }
+
+    /// Mounted segments with (capacity, allocated) bytes.
+    pub async fn list_segments(&self) -> Result<Vec<(SegmentName, u64, u64)>, ClientError> {
+        self.master
+            .list_segments()
+            .await?
+            .into_iter()
+            .map(|s| {
+                SegmentName::parse(&s.name)
+                    .map(|n| (n, s.capacity, s.allocated))
+                    .map_err(|e| ClientError::Rpc(format!("master sent a bad segment name: {e}")))
+            })
+            .collect()
+    }
+}
+
+fn fill<T>(
+    results: &mut [Option<Result<T, ClientError>>],
+    valid: &[(usize, ObjectKey)],
+    err: impl Fn() -> ClientError,
+) {
+    for (i, _) in valid {
+        results[*i] = Some(Err(err()));
+    }
+}
+
+/// ClientError holds io errors and is not Clone; batch-wide failures are copied by code and text.
+fn clone_err(e: &ClientError) -> ClientError {
+    match e {
+        ClientError::RpcTimeout(d) => ClientError::RpcTimeout(*d),
+        ClientError::Rpc(m) => ClientError::Rpc(m.clone()),
+        other => ClientError::Master {
+            code: other.code(),
+            message: other.to_string(),
+        },
+    }
+}

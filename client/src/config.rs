@@ -1,0 +1,126 @@
+//! The client's settings as data, and the preferred-segment resolution connectors rely on:
+//! explicit config first, then `MOONCAKE_PREFERRED_SEGMENT`, then none.
+
+use std::time::Duration;
+
+use mooncake_common::{config::duration, SegmentName};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ClientError;
+
+/// Environment variable a launcher (`scripts/mooncake_owner`) sets to the node-local owner.
+pub const PREFERRED_SEGMENT_ENV: &str = "MOONCAKE_PREFERRED_SEGMENT";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientConfig {
+    /// The master's gRPC address, "host:port".
+    pub master: String,
+    /// Segment tried first for puts and reads. `None`: take `MOONCAKE_PREFERRED_SEGMENT`.
+    pub preferred_segment: Option<String>,
+    /// Deadline of each master call.
+    #[serde(with = "duration")]
+    pub rpc_timeout: Duration,
+    /// Deadline for connecting to an owner.
+    #[serde(with = "duration")]
+    pub connect_timeout: Duration,
+    /// Deadline of one object's transfer once a connection is in hand.
+    #[serde(with = "duration")]
+    pub transfer_timeout: Duration,
+    /// Connections kept per owner; transfers beyond it queue.
+    pub connections_per_owner: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            master: "127.0.0.1:50051".into(),
+            preferred_segment: None,
+            rpc_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            transfer_timeout: Duration::from_secs(10),
+            connections_per_owner: 8,
+        }
+    }
+}
+
+impl ClientConfig {
+    pub fn new(master: impl Into<String>) -> Self {
+        ClientConfig {
+            master: master.into(),
+            ..Default::default()
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ClientError> {
+        if self.master.trim().is_empty() {
+            return Err(ClientError::Config("master address is empty".into()));
+        }
+        if self.connections_per_owner == 0 {
+            return Err(ClientError::Config(
+                "connections_per_owner must be at least 1".into(),
+            ));
+        }
+        for (name, d) in [
+            ("rpc_timeout", self.rpc_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("transfer_timeout", self.transfer_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(ClientError::Config(format!(
+                    "{name} must be greater than zero"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resolves the preferred segment from the explicit setting and the environment's value.
+/// An explicitly empty value, in either place, is a configuration error rather than "none".
+pub fn resolve_preferred(
+    explicit: Option<&str>,
+    env: Option<&str>,
+) -> Result<Option<SegmentName>, ClientError> {
+    let (value, source) = match (explicit, env) {
+        (Some(v), _) => (v, "preferred_segment"),
+        (None, Some(v)) => (v, PREFERRED_SEGMENT_ENV),
+        (None, None) => return Ok(None),
+    };
+    if value.trim().is_empty() {
+        return Err(ClientError::Config(format!(
+            "{source} is set but empty: name a segment \"host:port\" or leave it unset"
+        )));
+    }
+    SegmentName::parse(value.trim())
+        .map(Some)
+        .map_err(|e| ClientError::Config(format!("{source}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_wins_then_env_then_none() {
+        let seg = |s: &str| Some(SegmentName::parse(s).unwrap());
+        assert_eq!(
+            resolve_preferred(Some("a:1"), Some("b:2")).unwrap(),
+            seg("a:1")
+        );
+        assert_eq!(resolve_preferred(None, Some("b:2")).unwrap(), seg("b:2"));
+        assert_eq!(resolve_preferred(None, None).unwrap(), None);
+    }
+
+    #[test]
+    fn empty_or_malformed_is_an_error() {
+        for (e, v) in [(Some(""), None), (None, Some(" ")), (Some("nohost"), None)] {
+            let err = resolve_preferred(e, v).unwrap_err();
+            assert_eq!(err.code().as_i32(), -600, "{err}");
+        }
+        assert!(
+            resolve_preferred(Some(""), Some("b:2")).is_err(),
+            "explicit empty is not overridden"
+        );
+    }
+}

@@ -1,0 +1,299 @@
+//! The TCP data transport: a small pool of connections per owner, one request in flight per
+//! connection, payloads sent from and received into the caller's memory with no staging copy.
+//! Waiting for a free connection is bounded by the other transfers' deadlines; the transfer itself
+//! by the transfer timeout. A connection that saw any error is dropped, never reused.
+
+use std::{
+    collections::HashMap,
+    io::{self, IoSlice},
+    sync::Arc,
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use mooncake_common::{
+    transport::{DataTransport, TransferError},
+    wire::{self, Op, RequestHeader, ResponseHeader},
+    ObjectKey, SegmentName,
+};
+use parking_lot::Mutex;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    pub connect_timeout: Duration,
+    pub transfer_timeout: Duration,
+    pub connections_per_owner: usize,
+}
+
+pub struct TcpTransport {
+    config: TcpConfig,
+    owners: Mutex<HashMap<SegmentName, Arc<OwnerConns>>>,
+}
+
+struct OwnerConns {
+    permits: Arc<Semaphore>,
+    idle: Mutex<Vec<Conn>>,
+}
+
+struct Conn {
+    stream: TcpStream,
+    next_id: u64,
+}
+
+/// A connection taken from an owner's pool, with its slot. Dropped without `give_back`, the
+/// connection is closed and the slot freed.
+struct Checkout {
+    owner: Arc<OwnerConns>,
+    conn: Option<Conn>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Checkout {
+    fn give_back(mut self) {
+        if let Some(c) = self.conn.take() {
+            self.owner.idle.lock().push(c);
+        }
+    }
+}
+
+impl TcpTransport {
+    pub fn new(config: TcpConfig) -> Self {
+        TcpTransport {
+            config,
+            owners: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn owner(&self, target: &SegmentName) -> Arc<OwnerConns> {
+        self.owners
+            .lock()
+            .entry(target.clone())
+            .or_insert_with(|| {
+                Arc::new(OwnerConns {
+                    permits: Arc::new(Semaphore::new(self.config.connections_per_owner)),
+                    idle: Mutex::new(Vec::new()),
+                })
+            })
+            .clone()
+    }
+
+    /// Takes an idle connection to `target`, or opens one, once fewer than the limit are busy.
+    async fn checkout(&self, target: &SegmentName) -> Result<Checkout, TransferError> {
+        let owner = self.owner(target);
+        let permit = owner
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
+        let pooled = owner.idle.lock().pop();
+        let conn = match pooled {
+            Some(c) => c,
+            None => self.connect(target).await?,
+        };
+        Ok(Checkout {
+            owner,
+            conn: Some(conn),
+            _permit: permit,
+        })
+    }
+
+    /// Runs one exchange under the transfer deadline; the connection goes back to the pool only
+    /// if the exchange left it at a frame boundary (success or a refusal).
+    async fn exchange<T>(
+        &self,
+        target: &SegmentName,
+        mut checkout: Checkout,
+        f: impl AsyncFnOnce(&mut Conn) -> Result<T, TransferError>,
+    ) -> Result<T, TransferError> {
+        let after = self.config.transfer_timeout;
+        let conn = checkout.conn.as_mut().expect("checked out");
+        match tokio::time::timeout(after, f(conn)).await {
+            Ok(Ok(v)) => {
+                checkout.give_back();
+                Ok(v)
+            }
+            Ok(Err(e @ TransferError::Remote { .. })) => {
+                checkout.give_back();
+                Err(e)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransferError::Timeout {
+                target: target.clone(),
+                after,
+            }),
+        }
+    }
+
+    async fn connect(&self, target: &SegmentName) -> Result<Conn, TransferError> {
+        let err = |source| TransferError::Connect {
+            target: target.clone(),
+            source,
+        };
+        let stream = match tokio::time::timeout(
+            self.config.connect_timeout,
+            TcpStream::connect(target.as_str()),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(err)?,
+            Err(_) => {
+                return Err(err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connect timed out",
+                )))
+            }
+        };
+        stream.set_nodelay(true).map_err(err)?;
+        Ok(Conn { stream, next_id: 1 })
+    }
+}
+
+impl Conn {
+    async fn send(
+        &mut self,
+        op: Op,
+        key: &ObjectKey,
+        offset: u64,
+        length: u64,
+        payload: &[u8],
+    ) -> io::Result<u64> {
+        let request_id = self.next_id;
+        self.next_id += 1;
+        let header = RequestHeader {
+            op,
+            key_len: key.as_str().len() as u16,
+            flags: 0,
+            request_id,
+            offset,
+            length,
+        }
+        .encode();
+        let mut slices = [
+            IoSlice::new(&header),
+            IoSlice::new(key.as_str().as_bytes()),
+            IoSlice::new(payload),
+        ];
+        write_all_vectored(&mut self.stream, &mut slices).await?;
+        Ok(request_id)
+    }
+
+    /// Reads a response header; on a refusal, also its message.
+    async fn receive(
+        &mut self,
+        target: &SegmentName,
+        op: Op,
+        request_id: u64,
+    ) -> Result<ResponseHeader, TransferError> {
+        let io_err = |source| TransferError::Io {
+            target: target.clone(),
+            source,
+        };
+        let mut hb = [0u8; wire::RESPONSE_HEADER_LEN];
+        self.stream.read_exact(&mut hb).await.map_err(io_err)?;
+        let h = ResponseHeader::decode(&hb).map_err(|source| TransferError::Protocol {
+            target: target.clone(),
+            source,
+        })?;
+        if h.request_id != request_id || (h.op != op && h.status == 0) {
+            return Err(io_err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "response {} does not match request {request_id}",
+                    h.request_id
+                ),
+            )));
+        }
+        if h.status != 0 {
+            let mut msg = vec![0u8; h.length as usize];
+            self.stream.read_exact(&mut msg).await.map_err(io_err)?;
+            return Err(TransferError::Remote {
+                target: target.clone(),
+                code: h.code(),
+                message: String::from_utf8_lossy(&msg).into_owned(),
+            });
+        }
+        Ok(h)
+    }
+}
+
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    mut slices: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    while !slices.is_empty() {
+        let n = stream.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+impl DataTransport for TcpTransport {
+    fn write<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        key: &'a ObjectKey,
+        offset: u64,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let checkout = self.checkout(target).await?;
+            self.exchange(target, checkout, async |conn: &mut Conn| {
+                let id = conn
+                    .send(Op::Write, key, offset, data.len() as u64, data)
+                    .await
+                    .map_err(|source| TransferError::Io {
+                        target: target.clone(),
+                        source,
+                    })?;
+                conn.receive(target, Op::Write, id).await.map(|_| ())
+            })
+            .await
+        })
+    }
+
+    fn read<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        key: &'a ObjectKey,
+        offset: u64,
+        buf: &'a mut [u8],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let checkout = self.checkout(target).await?;
+            self.exchange(target, checkout, async |conn: &mut Conn| {
+                let io_err = |source| TransferError::Io {
+                    target: target.clone(),
+                    source,
+                };
+                let id = conn
+                    .send(Op::Read, key, offset, buf.len() as u64, &[])
+                    .await
+                    .map_err(io_err)?;
+                let h = conn.receive(target, Op::Read, id).await?;
+                if h.length != buf.len() as u64 {
+                    // The stream now carries a payload nobody reads: drop the connection.
+                    return Err(io_err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "owner sent {} bytes, {} were asked for",
+                            h.length,
+                            buf.len()
+                        ),
+                    )));
+                }
+                conn.stream.read_exact(buf).await.map_err(io_err)?;
+                Ok(())
+            })
+            .await
+        })
+    }
+}

@@ -1,0 +1,163 @@
+//! Values from 1 byte to 16 MiB round-trip byte for byte through a master and two owners on
+//! loopback; batches mix hits, misses and bad items; codes follow Mooncake's conventions.
+
+use mooncake_client::{get_code, put_code, PutOutcome, ReplicateConfig};
+use mooncake_tests::{payload, Cluster};
+
+const MIB: u64 = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_from_one_byte_to_16_mib_round_trip() {
+    let c = Cluster::start(&[64 * MIB, 64 * MIB]).await;
+    let client = c.client().await;
+    let sizes = [
+        1usize,
+        2,
+        63,
+        64,
+        65,
+        4095,
+        4096,
+        4097,
+        65_536 + 3,
+        1 << 20,
+        (4 << 20) - 1,
+        16 << 20,
+    ];
+    let keys: Vec<String> = sizes.iter().map(|s| format!("rt/{s}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().zip(sizes).map(|(k, s)| payload(k, s)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    let put = client.batch_put(&items, &ReplicateConfig::default()).await;
+    for (k, r) in keys.iter().zip(&put) {
+        assert!(matches!(r, Ok(PutOutcome::Stored)), "{k}: {r:?}");
+    }
+
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|s| vec![0u8; *s]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let key_refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let got = client.batch_get(&key_refs, &mut slices).await;
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(*r.as_ref().unwrap(), sizes[i], "{}", keys[i]);
+        assert!(bufs[i] == values[i], "{}: bytes differ", keys[i]);
+    }
+
+    // Single-key get into a larger buffer returns the object size and leaves the tail alone.
+    let mut big = vec![0xAAu8; 100];
+    assert_eq!(client.get("rt/63", &mut big).await.unwrap(), 63);
+    assert_eq!(&big[..63], &values[2][..]);
+    assert!(big[63..].iter().all(|b| *b == 0xAA));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_mix_hits_misses_and_bad_items_with_mooncake_codes() {
+    let c = Cluster::start(&[16 * MIB]).await;
+    let client = c.client().await;
+    let v = payload("hit", 5000);
+    let cfg = ReplicateConfig::default();
+    let first = client.put("hit", &v, &cfg).await;
+    assert_eq!(first.unwrap(), PutOutcome::Stored);
+
+    // Write-once: the same key again is a success no-op (0), and the original bytes stay.
+    let other = payload("other", 5000);
+    let again = client
+        .batch_put(&[("hit", &other), ("", &v), ("zero", &[])], &cfg)
+        .await;
+    assert_eq!(again[0].as_ref().unwrap(), &PutOutcome::AlreadyExists);
+    assert_eq!(put_code(&again[0]), 0);
+    assert_eq!(put_code(&again[1]), -600, "empty key");
+    assert_eq!(put_code(&again[2]), -600, "zero size");
+
+    let mut a = vec![0u8; 5000];
+    let mut b = vec![0u8; 10];
+    let mut m = vec![0u8; 10];
+    let mut e = vec![0u8; 10];
+    let mut bufs: Vec<&mut [u8]> = vec![&mut a, &mut b, &mut m, &mut e];
+    let got = client
+        .batch_get(&["hit", "hit", "miss", ""], &mut bufs)
+        .await;
+    assert_eq!(get_code(&got[0]), 5000);
+    assert_eq!(get_code(&got[1]), -600, "buffer too small");
+    assert_eq!(get_code(&got[2]), -704, "miss");
+    assert_eq!(get_code(&got[3]), -600, "empty key");
+    assert!(a == v);
+
+    let ex = client.batch_exists(&["hit", "miss"]).await.unwrap();
+    assert!(ex[0].as_ref().unwrap());
+    assert!(!ex[1].as_ref().unwrap());
+
+    // The hit was just leased by get/exists: a plain remove is refused, force works.
+    let err = client.remove("hit", false).await.unwrap_err();
+    assert_eq!(err.code().as_i32(), -706);
+    client.remove("hit", true).await.unwrap();
+    assert_eq!(
+        client
+            .remove("hit", false)
+            .await
+            .unwrap_err()
+            .code()
+            .as_i32(),
+        -704
+    );
+    assert!(!client.exists("hit").await.unwrap());
+
+    for i in 0..5 {
+        client
+            .put(&format!("all/{i}"), &payload("x", 100), &cfg)
+            .await
+            .unwrap();
+    }
+    assert_eq!(client.remove_all(false).await.unwrap(), 5);
+    assert!(!client.exists("all/0").await.unwrap());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_larger_than_any_segment_is_a_clear_error_and_the_store_keeps_serving() {
+    let c = Cluster::start(&[4 * MIB]).await;
+    let client = c.client().await;
+    let big = vec![1u8; 5 << 20];
+    let err = client
+        .put("big", &big, &ReplicateConfig::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_i32(), -600);
+    assert!(
+        err.to_string()
+            .contains("larger than the largest mounted segment"),
+        "{err}"
+    );
+    let v = payload("small", 1000);
+    client
+        .put("small", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 1000];
+    assert_eq!(client.get("small", &mut buf).await.unwrap(), 1000);
+    assert!(buf == v);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_outlives_its_lease_is_lease_expired() {
+    let config = mooncake_master::MasterConfig {
+        default_kv_lease_ttl: std::time::Duration::from_millis(1),
+        ..mooncake_tests::master_config()
+    };
+    let c = Cluster::start_with(config, &[64 * MIB]).await;
+    let client = c.client().await;
+    // 16 MiB cannot cross loopback in under a millisecond, so the lease is always over.
+    let v = payload("slow", 16 << 20);
+    client
+        .put("slow", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; v.len()];
+    let err = client.get("slow", &mut buf).await.unwrap_err();
+    assert_eq!(err.code().as_i32(), -707, "{err}");
+    c.shutdown().await;
+}
