@@ -206,6 +206,32 @@ impl ChildGuard {
         }
     }
 
+    /// Sends SIGSTOP and waits until every thread of the child is stopped.
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let task_dir = format!("/proc/{}/task", self.pid());
+        while std::time::Instant::now() < deadline {
+            let all_stopped = std::fs::read_dir(&task_dir)
+                .map(|tasks| {
+                    tasks.flatten().all(|t| {
+                        std::fs::read_to_string(t.path().join("status"))
+                            .map(|s| {
+                                s.lines()
+                                    .any(|l| l.starts_with("State:") && l.contains("T (stopped)"))
+                            })
+                            .unwrap_or(true)
+                    })
+                })
+                .unwrap_or(false);
+            if all_stopped {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("child {} did not stop", self.pid());
+    }
+
     /// Waits for exit up to `timeout`; None if still running.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let deadline = std::time::Instant::now() + timeout;

@@ -1,0 +1,131 @@
+//! Leases, eviction and abandoned puts through the running master: a leased object refuses a
+//! plain remove, eviction frees space under pressure without touching leased objects, and an
+//! abandoned put's space returns after the release timeout on an injected clock.
+
+use std::{sync::Arc, time::Duration};
+
+use mooncake_client::ReplicateConfig;
+use mooncake_master::clock::{ManualClock, Millis};
+use mooncake_proto::master::{master_client::MasterClient, BatchPutStartRequest, PutStartItem};
+use mooncake_tests::{master_config, payload, Cluster};
+
+const MIB: u64 = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() {
+    let c = Cluster::start(&[16 * MIB]).await;
+    let client = c.client().await;
+    let cfg = ReplicateConfig::default();
+    client
+        .put("leased", &payload("leased", MIB as usize), &cfg)
+        .await
+        .unwrap();
+    assert!(client.exists("leased").await.unwrap()); // leases it for 10 s
+
+    // Write 40 MiB into a 16 MiB segment: every put must succeed by evicting older objects.
+    for i in 0..40 {
+        let k = format!("fill/{i}");
+        client
+            .put(&k, &payload(&k, MIB as usize), &cfg)
+            .await
+            .unwrap_or_else(|e| panic!("{k}: {e}"));
+    }
+    let mut buf = vec![0u8; MIB as usize];
+    assert_eq!(client.get("leased", &mut buf).await.unwrap(), MIB as usize);
+    assert!(
+        buf == payload("leased", MIB as usize),
+        "the leased object survived intact"
+    );
+    let evicted = c.master.with_state(|s| s.counters().evicted_objects);
+    assert!(evicted >= 24, "only {evicted} evicted");
+    // The newest objects are there and intact.
+    let mut buf = vec![0u8; MIB as usize];
+    client.get("fill/39", &mut buf).await.unwrap();
+    assert!(buf == payload("fill/39", MIB as usize));
+    c.master.with_state(|s| s.check_invariants()).unwrap();
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_store_of_leased_objects_rejects_puts_with_no_available_handle() {
+    let c = Cluster::start(&[4 * MIB]).await;
+    let client = c.client().await;
+    let cfg = ReplicateConfig::default();
+    for i in 0..4 {
+        let k = format!("l/{i}");
+        client
+            .put(&k, &payload(&k, MIB as usize), &cfg)
+            .await
+            .unwrap();
+    }
+    let keys = ["l/0", "l/1", "l/2", "l/3"];
+    assert!(client
+        .batch_exists(&keys)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| *r.as_ref().unwrap()));
+    let err = client
+        .put("more", &payload("more", MIB as usize), &cfg)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_i32(), -200, "{err}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_put_is_released_after_the_release_timeout_on_an_injected_clock() {
+    let clock = Arc::new(ManualClock::new(Millis(0)));
+    let config = mooncake_master::MasterConfig {
+        // Owners heartbeat on the real clock's schedule but the master's time is frozen, so a
+        // large TTL keeps them alive while the test moves time by minutes.
+        client_ttl: Duration::from_secs(24 * 3600),
+        ..master_config()
+    };
+    let c = Cluster::start_with_clock(config, clock.clone(), &[8 * MIB]).await;
+    // A writer that starts a put and disappears.
+    let mut raw = MasterClient::connect(format!("http://{}", c.master_addr()))
+        .await
+        .unwrap();
+    let r = raw
+        .batch_put_start(BatchPutStartRequest {
+            items: vec![PutStartItem {
+                key: "abandoned".into(),
+                size: 2 * MIB,
+            }],
+            config: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.results[0].code, 0);
+    let allocated = || c.master.with_state(|s| s.allocated());
+    assert_eq!(allocated(), 2 * MIB);
+
+    let client = c.client().await;
+    // Before the discard timeout the key counts as being written (a success no-op for puts).
+    let out = client
+        .put("abandoned", &payload("a", 100), &ReplicateConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(out, mooncake_client::PutOutcome::AlreadyExists);
+    let mut buf = vec![0u8; 100];
+    assert_eq!(
+        client
+            .get("abandoned", &mut buf)
+            .await
+            .unwrap_err()
+            .code()
+            .as_i32(),
+        -703
+    );
+
+    clock.advance(Duration::from_secs(599));
+    c.master.upkeep();
+    assert_eq!(allocated(), 2 * MIB, "space held until the release timeout");
+    clock.advance(Duration::from_secs(1));
+    c.master.upkeep();
+    assert_eq!(allocated(), 0, "space returned after the release timeout");
+    assert!(!client.exists("abandoned").await.unwrap());
+    c.shutdown().await;
+}

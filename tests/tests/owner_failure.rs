@@ -1,0 +1,197 @@
+//! Real processes on loopback: an owner killed with SIGKILL loses its objects after the client
+//! TTL, new puts go to the surviving owner, and calls in flight finish (with errors) within their
+//! deadlines. A stopped (SIGSTOP) owner turns reads into errors within the transfer timeout.
+
+use std::time::{Duration, Instant};
+
+use mooncake_client::{get_code, Client, ClientConfig, ReplicateConfig};
+use mooncake_common::SegmentName;
+use mooncake_tests::{eventually, payload, spawn_master, spawn_owner, transport};
+
+fn client_config(master: &str) -> ClientConfig {
+    ClientConfig {
+        transfer_timeout: Duration::from_secs(2),
+        rpc_timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(1),
+        ..ClientConfig::new(master)
+    }
+}
+
+async fn client_preferring(master: &str, seg: &str) -> Client {
+    let cfg = client_config(master);
+    Client::connect_with(
+        cfg.clone(),
+        Some(SegmentName::parse(seg).unwrap()),
+        transport(&cfg),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_owner_disappears_after_the_ttl_and_puts_go_to_the_survivor() {
+    let (_master, rpc, _http) = spawn_master(&["--client_ttl", "2"]);
+    let (owner_a, seg_a) = spawn_owner(&rpc, "64MiB", &["--heartbeat-interval", "200ms"]);
+    let (_owner_b, seg_b) = spawn_owner(&rpc, "64MiB", &["--heartbeat-interval", "200ms"]);
+    let on_a = client_preferring(&rpc, &seg_a).await;
+    let on_b = client_preferring(&rpc, &seg_b).await;
+    let cfg = ReplicateConfig::default();
+    const N: usize = 16;
+    const SIZE: usize = 512 << 10;
+    let keys_a: Vec<String> = (0..N).map(|i| format!("a/{i}")).collect();
+    let keys_b: Vec<String> = (0..N).map(|i| format!("b/{i}")).collect();
+    for (client, keys) in [(&on_a, &keys_a), (&on_b, &keys_b)] {
+        let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .map(|k| k.as_str())
+            .zip(vals.iter().map(|v| v.as_slice()))
+            .collect();
+        assert!(client
+            .batch_put(&items, &cfg)
+            .await
+            .iter()
+            .all(|r| r.is_ok()));
+    }
+    let d = on_a
+        .batch_get_replica_desc(&[&keys_a[0]])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.replicas[0].segment.as_str(), seg_a);
+
+    // Readers hammer owner A while it is killed; every call must come back within its deadline.
+    let reader = {
+        let keys = keys_a.clone();
+        let client = client_preferring(&rpc, &seg_a).await;
+        tokio::spawn(async move {
+            let mut worst = Duration::ZERO;
+            let mut failures = 0;
+            let stop = Instant::now() + Duration::from_secs(3);
+            while Instant::now() < stop {
+                let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+                let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; SIZE]).collect();
+                let mut slices: Vec<&mut [u8]> =
+                    bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                let t = Instant::now();
+                let res = client.batch_get(&refs, &mut slices).await;
+                worst = worst.max(t.elapsed());
+                for (i, r) in res.iter().enumerate() {
+                    match r {
+                        Ok(n) => assert!(
+                            bufs[i][..*n] == payload(&keys[i], SIZE)[..],
+                            "wrong bytes for {}",
+                            keys[i]
+                        ),
+                        Err(_) => failures += 1,
+                    }
+                }
+            }
+            (worst, failures)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let killed_at = Instant::now();
+    owner_a.signal(libc::SIGKILL);
+    let (worst, failures) = reader.await.unwrap();
+    assert!(failures > 0, "reads of a killed owner must fail");
+    // Deadlines: 2 s transfer + 2 s RPC; a batch must never take longer than both together.
+    assert!(worst < Duration::from_secs(5), "a batch took {worst:?}");
+
+    // After the 2 s TTL the master forgets A's objects; B's stay readable.
+    let gone = eventually(Duration::from_secs(10), async || {
+        on_b.batch_exists(&[&keys_a[0]])
+            .await
+            .map(|r| !*r[0].as_ref().unwrap())
+            .unwrap_or(false)
+    })
+    .await;
+    assert!(
+        gone,
+        "objects of the dead owner still listed after {:?}",
+        killed_at.elapsed()
+    );
+    let segs = on_b.list_segments().await.unwrap();
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].0.as_str(), seg_b);
+    let mut buf = vec![0u8; SIZE];
+    assert_eq!(on_b.get(&keys_b[3], &mut buf).await.unwrap(), SIZE);
+    assert!(buf == payload(&keys_b[3], SIZE));
+
+    // New puts that prefer the dead owner land on the survivor.
+    let v = payload("after", SIZE);
+    on_a.put("after", &v, &cfg).await.unwrap();
+    let d = on_a
+        .batch_get_replica_desc(&["after"])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.replicas[0].segment.as_str(), seg_b);
+    let mut buf = vec![0u8; SIZE];
+    let r = on_a.get("after", &mut buf).await;
+    assert_eq!(get_code(&r), SIZE as i64);
+    assert!(buf == v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_owner_turns_reads_and_writes_into_errors_within_the_deadline() {
+    let (_master, rpc, _http) = spawn_master(&[]);
+    let (owner, seg) = spawn_owner(&rpc, "16MiB", &[]);
+    let client = client_preferring(&rpc, &seg).await;
+    let v = payload("frozen", 1 << 20);
+    client
+        .put("frozen", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    owner.stop();
+    let t = Instant::now();
+    let mut buf = vec![0u8; v.len()];
+    let r = client.get("frozen", &mut buf).await;
+    let took = t.elapsed();
+    assert_eq!(get_code(&r), -800, "{r:?}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(4),
+        "took {took:?}"
+    );
+    let t = Instant::now();
+    let r = client.put("frozen2", &v, &ReplicateConfig::default()).await;
+    assert_eq!(r.unwrap_err().code().as_i32(), -800);
+    assert!(t.elapsed() < Duration::from_secs(4));
+    owner.signal(libc::SIGCONT);
+    // The owner serves again; the failed put was revoked, so it can be retried.
+    client
+        .put("frozen2", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; v.len()];
+    client.get("frozen2", &mut buf).await.unwrap();
+    assert!(buf == v);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_master_is_an_rpc_error_within_the_deadline() {
+    let (mut master, rpc, _http) = spawn_master(&[]);
+    let (_owner, _seg) = spawn_owner(&rpc, "8MiB", &[]);
+    let client = Client::connect_with(client_config(&rpc), None, transport(&client_config(&rpc)))
+        .await
+        .unwrap();
+    master.stop();
+    let t = Instant::now();
+    let r = client.put("k", b"v", &ReplicateConfig::default()).await;
+    assert_eq!(r.unwrap_err().code().as_i32(), -901);
+    assert!(t.elapsed() < Duration::from_secs(4));
+    master.signal(libc::SIGKILL);
+    master.wait_exit(Duration::from_secs(5));
+    let t = Instant::now();
+    let err = client.exists("k").await.unwrap_err();
+    assert!(matches!(err.code().as_i32(), -900 | -901), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(4));
+    // Connecting to a master that is not there fails within the deadline too.
+    let t = Instant::now();
+    assert!(Client::connect(client_config(&rpc)).await.is_err());
+    assert!(t.elapsed() < Duration::from_secs(4));
+}
