@@ -143,6 +143,7 @@ pub fn bin_path(name: &str) -> PathBuf {
         let pkg = match name {
             "mooncake_master" => "mooncake-master",
             "mooncake_ownerd" => "mooncake-owner",
+            "mooncake_bench" => "mooncake-bench",
             other => panic!("unknown binary {other}"),
         };
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -39,7 +39,12 @@ fn a_typo_in_a_config_file_is_named() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("bad.toml");
     std::fs::write(&path, "segment_sise = \"1GiB\"\n").unwrap();
-    let err = load_toml::<mooncake_owner::OwnerConfig>(&path).unwrap_err().to_string();
-    assert!(err.contains("segment_sise") && err.contains("bad.toml"), "{err}");
+    let err = load_toml::<mooncake_owner::OwnerConfig>(&path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("segment_sise") && err.contains("bad.toml"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

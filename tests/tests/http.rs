@@ -12,7 +12,10 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
     let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -33,7 +36,10 @@ async fn metrics_health_and_segments() {
     let client = c.client().await;
     for i in 0..3 {
         let k = format!("m/{i}");
-        client.put(&k, &payload(&k, 1000), &ReplicateConfig::default()).await.unwrap();
+        client
+            .put(&k, &payload(&k, 1000), &ReplicateConfig::default())
+            .await
+            .unwrap();
     }
     let mut buf = vec![0u8; 1000];
     client.get("m/0", &mut buf).await.unwrap();
@@ -47,7 +53,11 @@ async fn metrics_health_and_segments() {
     assert_eq!(status, 200);
     assert_eq!(metric(&m, "master_key_count"), 3);
     assert_eq!(metric(&m, "master_total_capacity_bytes"), 12 << 20);
-    assert_eq!(metric(&m, "master_allocated_bytes"), 3 * 1024, "3 x 1000 B in 64 B granules");
+    assert_eq!(
+        metric(&m, "master_allocated_bytes"),
+        3 * 1024,
+        "3 x 1000 B in 64 B granules"
+    );
     assert_eq!(metric(&m, "master_active_clients"), 2);
     assert_eq!(metric(&m, "master_put_start_requests_total"), 3);
     assert_eq!(metric(&m, "master_get_replica_list_requests_total"), 2);

@@ -15,23 +15,51 @@ fn wrapper(master: &str, cmd: &[&str]) -> Command {
     let mut c = Command::new(script);
     c.env("MOONCAKE_OWNERD", bin_path("mooncake_ownerd"))
         .env_remove("MOONCAKE_PREFERRED_SEGMENT")
-        .args(["--master", master, "--host", "127.0.0.1", "--port", "0", "--segment-size", "8MiB", "--no-mlock", "--heartbeat-interval", "200ms", "--"])
+        .args([
+            "--master",
+            master,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--segment-size",
+            "8MiB",
+            "--no-mlock",
+            "--heartbeat-interval",
+            "200ms",
+            "--",
+        ])
         .args(cmd);
     c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exports_the_segment_returns_the_exit_code_and_stops_the_owner() {
-    let master = mooncake_master::RunningMaster::start(master_config()).await.unwrap();
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
     let addr = master.rpc_addr.to_string();
     let out = tokio::task::spawn_blocking(move || {
-        wrapper(&addr, &["sh", "-c", "echo SEG=$MOONCAKE_PREFERRED_SEGMENT; exit 7"]).output().unwrap()
+        wrapper(
+            &addr,
+            &["sh", "-c", "echo SEG=$MOONCAKE_PREFERRED_SEGMENT; exit 7"],
+        )
+        .output()
+        .unwrap()
     })
     .await
     .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
-    let seg = stdout.trim().strip_prefix("SEG=127.0.0.1:").expect("segment exported");
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seg = stdout
+        .trim()
+        .strip_prefix("SEG=127.0.0.1:")
+        .expect("segment exported");
     assert!(seg.parse::<u16>().unwrap() > 0);
     // The owner unmounted when it was stopped.
     assert_eq!(master.with_state(|s| s.segment_stats().len()), 0);
@@ -47,13 +75,18 @@ async fn exports_the_segment_returns_the_exit_code_and_stops_the_owner() {
     .await
     .unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "SEG=10.1.2.3:4444");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "SEG=10.1.2.3:4444"
+    );
     master.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_stops_the_command_and_the_owner() {
-    let master = mooncake_master::RunningMaster::start(master_config()).await.unwrap();
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
     let mut cmd = wrapper(&master.rpc_addr.to_string(), &["sleep", "30"]);
     cmd.stderr(Stdio::null());
     let mut w = ChildGuard::spawn_cmd(&mut cmd);
@@ -65,11 +98,21 @@ async fn ctrl_c_stops_the_command_and_the_owner() {
     tokio::time::sleep(Duration::from_millis(200)).await; // let the wrapper start the command
     let t = Instant::now();
     w.signal(libc::SIGINT);
-    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15))).await.unwrap();
+    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15)))
+        .await
+        .unwrap();
     let status = status.expect("wrapper did not exit after Ctrl-C");
-    assert_eq!(status.code(), Some(130), "sleep killed by SIGINT gives 128+2");
+    assert_eq!(
+        status.code(),
+        Some(130),
+        "sleep killed by SIGINT gives 128+2"
+    );
     assert!(t.elapsed() < Duration::from_secs(10));
-    assert_eq!(master.with_state(|s| s.segment_stats().len()), 0, "owner still mounted");
+    assert_eq!(
+        master.with_state(|s| s.segment_stats().len()),
+        0,
+        "owner still mounted"
+    );
     master.shutdown().await;
 }
 
@@ -78,11 +121,28 @@ fn an_owner_that_cannot_start_fails_the_wrapper_without_running_the_command() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/mooncake_owner");
     let out = Command::new(script)
         .env("MOONCAKE_OWNERD", bin_path("mooncake_ownerd"))
-        .args(["--master", "127.0.0.1:1", "--host", "127.0.0.1", "--segment-size", "1MiB", "--no-mlock", "--mount-timeout", "1s", "--", "sh", "-c", "echo RAN"])
+        .args([
+            "--master",
+            "127.0.0.1:1",
+            "--host",
+            "127.0.0.1",
+            "--segment-size",
+            "1MiB",
+            "--no-mlock",
+            "--mount-timeout",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            "echo RAN",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(!String::from_utf8_lossy(&out.stdout).contains("RAN"));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot mount") && err.contains("before serving"), "{err}");
+    assert!(
+        err.contains("cannot mount") && err.contains("before serving"),
+        "{err}"
+    );
 }

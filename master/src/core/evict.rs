@@ -1,5 +1,5 @@
 //! Periodic upkeep and eviction: expiring silent owners and abandoned puts, releasing deferred
-//! space, and evicting the least recently leased objects when memory runs high or an allocation
+//! space, and evicting the least recently used objects when memory runs high or an allocation
 //! failed. Leased, hard-pinned and unfinished objects are never evicted; soft-pinned ones only
 //! when nothing else is left.
 
@@ -55,11 +55,11 @@ impl MasterState {
     }
 
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
-    /// many evictable bytes exist; oldest lease first, soft-pinned objects last.
+    /// many evictable bytes exist; least recently used (put or leased) first, soft-pinned last.
     pub(super) fn evict(&mut self, now: Millis, need: u64) {
         self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
-        // (soft-pinned?, lease end, key): unpinned objects sort first, then by oldest lease.
+        // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
         let mut candidates: Vec<(bool, Millis, ObjectKey)> = self
             .objects
             .iter()
@@ -72,7 +72,7 @@ impl MasterState {
                     Pin::Soft { until } => until > now,
                     Pin::None => false,
                 };
-                Some((soft, o.lease_until, k.clone()))
+                Some((soft, o.last_access, k.clone()))
             })
             .collect();
         candidates.sort_unstable();

@@ -62,6 +62,8 @@ pub(super) struct Object {
     pub replicas: Vec<Replica>,
     /// The object may be read until this instant: no eviction, no non-forced removal.
     pub lease_until: Millis,
+    /// Last put or lease grant: eviction takes the least recently used first.
+    pub last_access: Millis,
     pub pin: Pin,
 }
 
@@ -144,6 +146,7 @@ impl MasterState {
                 phase: Phase::Processing { started: now },
                 replicas,
                 lease_until: Millis(0),
+                last_access: now,
                 pin,
             },
         );
@@ -246,6 +249,7 @@ impl MasterState {
             return Err(MasterError::NotReady(key.clone()));
         }
         obj.lease_until = obj.lease_until.max(lease);
+        obj.last_access = obj.last_access.max(now);
         let size = obj.size;
         let obj = &self.objects[key];
         Ok((
@@ -261,6 +265,7 @@ impl MasterState {
         match self.objects.get_mut(key) {
             Some(obj) if obj.phase == Phase::Complete => {
                 obj.lease_until = obj.lease_until.max(lease);
+                obj.last_access = obj.last_access.max(now);
                 true
             }
             _ => false,

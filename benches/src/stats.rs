@@ -1,0 +1,48 @@
+//! Throughput and batch-latency percentiles of one bench phase.
+
+use std::time::Duration;
+
+use crate::Row;
+
+#[derive(Default)]
+pub struct Phase {
+    latencies: Vec<Duration>,
+    bytes: usize,
+    pub errors: usize,
+    pub verified: usize,
+}
+
+impl Phase {
+    pub fn record(&mut self, took: Duration, bytes: usize) {
+        self.latencies.push(took);
+        self.bytes += bytes;
+    }
+
+    pub fn row(mut self, op: &'static str, size: usize, keys: usize, batch: usize) -> Row {
+        self.latencies.sort();
+        let total: Duration = self.latencies.iter().sum();
+        let pct = |p: f64| {
+            if self.latencies.is_empty() {
+                return 0.0;
+            }
+            let i = ((self.latencies.len() as f64 - 1.0) * p).round() as usize;
+            self.latencies[i].as_secs_f64() * 1e6
+        };
+        Row {
+            op,
+            value_size: size as u64,
+            keys,
+            batch,
+            gib_s: if total.is_zero() {
+                0.0
+            } else {
+                self.bytes as f64 / total.as_secs_f64() / (1u64 << 30) as f64
+            },
+            p50_us: pct(0.5),
+            p99_us: pct(0.99),
+            errors: self.errors,
+            verified: self.verified,
+            seconds: total.as_secs_f64(),
+        }
+    }
+}
