@@ -97,7 +97,7 @@ impl fmt::Display for ByteSize {
             ("MiB", 1 << 20),
             ("KiB", 1 << 10),
         ] {
-            if self.0 >= mult && self.0 % mult == 0 {
+            if self.0 >= mult && self.0.is_multiple_of(mult) {
                 return write!(f, "{}{unit}", self.0 / mult);
             }
         }

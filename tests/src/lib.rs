@@ -130,8 +130,10 @@ pub fn payload(key: &str, len: usize) -> Vec<u8> {
     out
 }
 
-/// Path of a workspace binary, built on demand when this test binary was built alone.
+/// Path of a workspace binary, (re)built once per test process so it is never stale: cargo only
+/// builds a package's binaries for that package's own integration tests.
 pub fn bin_path(name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe
         .parent()
@@ -139,7 +141,8 @@ pub fn bin_path(name: &str) -> PathBuf {
         .expect("target dir")
         .to_path_buf();
     let path = dir.join(name);
-    if !path.exists() {
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.iter().any(|b| b == name) {
         let pkg = match name {
             "mooncake_master" => "mooncake-master",
             "mooncake_ownerd" => "mooncake-owner",
@@ -147,11 +150,14 @@ pub fn bin_path(name: &str) -> PathBuf {
             other => panic!("unknown binary {other}"),
         };
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", pkg, "--bin", name])
-            .status()
-            .expect("run cargo build");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", pkg, "--bin", name]);
+        if dir.file_name().is_some_and(|d| d == "release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
         assert!(status.success(), "cargo build of {name} failed");
+        built.push(name.to_string());
     }
     assert!(path.exists(), "{} not found", path.display());
     path
