@@ -275,7 +275,8 @@ fn unknown_flags_and_bad_values_exit_non_zero_with_a_message() {
 
 #[test]
 fn an_owner_that_cannot_mount_exits_non_zero_with_a_clear_message() {
-    // Port 1 on loopback: nothing listens there.
+    // Port 1 on loopback: nothing listens there. Build before the clock starts.
+    bin_path("mooncake_ownerd");
     let t = Instant::now();
     let (code, err) = run(
         "mooncake_ownerd",
