@@ -1,11 +1,14 @@
 //! The owner: contributes a pinned memory pool to the store, mounts it at the master as a
 //! segment named by its data endpoint, and serves reads and writes of ranges of it.
+//! Raw memory access lives in `pool` alone.
+#![deny(unsafe_code)]
 
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
 pub mod index;
 pub mod master_link;
+#[allow(unsafe_code)]
 pub mod pool;
 
 pub use config::OwnerConfig;
