@@ -133,14 +133,30 @@ impl Client {
         items: &[(&str, &[u8])],
         config: &ReplicateConfig,
     ) -> Vec<Result<PutOutcome, ClientError>> {
+        let parts: Vec<[&[u8]; 1]> = items.iter().map(|(_, v)| [*v]).collect();
+        let items: Vec<(&str, &[&[u8]])> = items
+            .iter()
+            .zip(&parts)
+            .map(|((k, _), p)| (*k, &p[..]))
+            .collect();
+        self.batch_put_parts(&items, config).await
+    }
+
+    /// Puts objects each given as the concatenation of several buffers (e.g. K and V), sent
+    /// without first being copied together; one result per item, in order.
+    pub async fn batch_put_parts(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        config: &ReplicateConfig,
+    ) -> Vec<Result<PutOutcome, ClientError>> {
         let mut results: Vec<Option<Result<PutOutcome, ClientError>>> =
             (0..items.len()).map(|_| None).collect();
         // Validate locally; only valid items go to the master.
         let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(items.len());
-        for (i, (key, value)) in items.iter().enumerate() {
+        for (i, (key, parts)) in items.iter().enumerate() {
             match ObjectKey::new(key) {
                 Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
-                Ok(_) if value.is_empty() => {
+                Ok(_) if parts.iter().all(|p| p.is_empty()) => {
                     results[i] = Some(Err(ClientError::Invalid(format!(
                         "value of {key} is empty"
                     ))))
@@ -159,7 +175,7 @@ impl Client {
 
     async fn put_valid(
         &self,
-        items: &[(&str, &[u8])],
+        items: &[(&str, &[&[u8]])],
         valid: &[(usize, ObjectKey)],
         config: &ReplicateConfig,
         results: &mut [Option<Result<PutOutcome, ClientError>>],
@@ -173,7 +189,7 @@ impl Client {
                 .iter()
                 .map(|(i, k)| pb::PutStartItem {
                     key: k.to_string(),
-                    size: items[*i].1.len() as u64,
+                    size: items[*i].1.iter().map(|p| p.len() as u64).sum(),
                 })
                 .collect(),
             config: Some(pb::ReplicateConfig {
@@ -203,12 +219,12 @@ impl Client {
                 continue;
             }
             for rep in &grant.replicas {
-                let data = items[*i].1;
+                let parts = items[*i].1;
                 writes.push(async move {
                     let res = match SegmentName::parse(&rep.segment) {
                         Ok(seg) => self
                             .transport
-                            .write(&seg, key, rep.offset, data)
+                            .write(&seg, key, rep.offset, parts)
                             .await
                             .map_err(ClientError::from),
                         Err(e) => Err(ClientError::Rpc(format!(
@@ -292,8 +308,19 @@ impl Client {
         keys: &[&str],
         bufs: &mut [&mut [u8]],
     ) -> Vec<Result<usize, ClientError>> {
+        let mut parts: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| vec![&mut **b]).collect();
+        self.batch_get_parts(keys, &mut parts).await
+    }
+
+    /// Like `batch_get`, with each object scattered over several buffers in order; the buffers of
+    /// one key together must hold the object.
+    pub async fn batch_get_parts(
+        &self,
+        keys: &[&str],
+        bufs: &mut [Vec<&mut [u8]>],
+    ) -> Vec<Result<usize, ClientError>> {
         if keys.len() != bufs.len() {
-            let msg = format!("{} keys but {} buffers", keys.len(), bufs.len());
+            let msg = format!("{} keys but {} buffer lists", keys.len(), bufs.len());
             return keys
                 .iter()
                 .map(|_| Err(ClientError::Invalid(msg.clone())))
@@ -348,16 +375,17 @@ impl Client {
                 results[i] = Some(Err(ClientError::master(found.code, format!("get {key}"))));
                 continue;
             }
-            if (buf.len() as u64) < found.size {
+            let have: usize = buf.iter().map(|b| b.len()).sum();
+            if (have as u64) < found.size {
                 results[i] = Some(Err(ClientError::BufferTooSmall {
                     need: found.size,
-                    have: buf.len(),
+                    have,
                 }));
                 continue;
             }
-            let dst = &mut buf[..found.size as usize];
+            let mut dst = clip(std::mem::take(buf), found.size as usize);
             reads.push(async move {
-                let res = self.read_one(key, &found.replicas, dst).await;
+                let res = self.read_one(key, &found.replicas, &mut dst).await;
                 (i, res)
             });
         }
@@ -378,8 +406,9 @@ impl Client {
         &self,
         key: &ObjectKey,
         replicas: &[pb::ReplicaLocation],
-        dst: &mut [u8],
+        dst: &mut [&mut [u8]],
     ) -> Result<usize, ClientError> {
+        let len = dst.iter().map(|d| d.len()).sum();
         let mut order: Vec<&pb::ReplicaLocation> = replicas.iter().collect();
         if let Some(p) = &self.preferred {
             order.sort_by_key(|r| r.segment != p.as_str());
@@ -397,7 +426,7 @@ impl Client {
                 }
             };
             match self.transport.read(&seg, key, rep.offset, dst).await {
-                Ok(()) => return Ok(dst.len()),
+                Ok(()) => return Ok(len),
                 Err(e) => {
                     tracing::debug!(%key, segment = %seg, error = %e, "replica read failed");
                     last = e.into();
@@ -537,6 +566,20 @@ impl Client {
             })
             .collect()
     }
+}
+
+/// The leading `n` bytes of `parts`, as parts.
+fn clip(parts: Vec<&mut [u8]>, mut n: usize) -> Vec<&mut [u8]> {
+    let mut out = Vec::with_capacity(parts.len());
+    for p in parts {
+        if n == 0 {
+            break;
+        }
+        let take = p.len().min(n);
+        out.push(&mut p[..take]);
+        n -= take;
+    }
+    out
 }
 
 fn fill<T>(

@@ -53,24 +53,26 @@ impl TransferError {
     }
 }
 
-/// Moves bytes between the caller's memory and a range of an owner's segment.
+/// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
+/// scattered over several caller buffers (e.g. K and V): `parts` are its bytes in order.
 pub trait DataTransport: Send + Sync + 'static {
-    /// Writes `data` at `offset` of `target`'s segment, naming the key the range now holds.
-    /// Returns only after the owner acknowledged that the bytes landed.
+    /// Writes the concatenation of `parts` at `offset` of `target`'s segment, naming the key the
+    /// range now holds. Returns only after the owner acknowledged that the bytes landed.
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
-        data: &'a [u8],
+        parts: &'a [&'a [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 
-    /// Fills `buf` from `offset` of `target`'s segment, which must hold `key`.
-    fn read<'a>(
+    /// Fills `parts`, in order, from `offset` of `target`'s segment, which must hold `key`; the
+    /// range read is as long as the parts together.
+    fn read<'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
-        buf: &'a mut [u8],
+        parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 }

@@ -161,3 +161,41 @@ async fn a_read_that_outlives_its_lease_is_lease_expired() {
     assert_eq!(err.code().as_i32(), -707, "{err}");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_scattered_over_several_buffers_round_trip() {
+    let c = Cluster::start(&[16 * MIB]).await;
+    let client = c.client().await;
+    let (k, v) = (payload("k-half", 3000), payload("v-half", 5000));
+    let kv_parts: [&[u8]; 2] = [&k, &v];
+    let empty_parts: [&[u8]; 2] = [&[], &[]];
+    let items: Vec<(&str, &[&[u8]])> = vec![("kv", &kv_parts), ("empty-parts", &empty_parts)];
+    let put = client
+        .batch_put_parts(&items, &ReplicateConfig::default())
+        .await;
+    assert_eq!(put[0].as_ref().unwrap(), &PutOutcome::Stored);
+    assert_eq!(put_code(&put[1]), -600);
+    // Read back split differently, with spare room at the end.
+    let (mut a, mut b, mut tail) = (vec![0u8; 1000], vec![0u8; 6000], vec![0xEEu8; 4000]);
+    let mut bufs = vec![vec![&mut a[..], &mut b[..], &mut tail[..]]];
+    let got = client.batch_get_parts(&["kv"], &mut bufs).await;
+    assert_eq!(*got[0].as_ref().unwrap(), 8000);
+    let mut joined = a.clone();
+    joined.extend_from_slice(&b);
+    joined.extend_from_slice(&tail[..1000]);
+    let mut want = k.clone();
+    want.extend_from_slice(&v);
+    assert!(joined == want);
+    assert!(
+        tail[1000..].iter().all(|x| *x == 0xEE),
+        "bytes past the object are untouched"
+    );
+    // Parts that cannot hold the object together are too small.
+    let (mut s1, mut s2) = (vec![0u8; 4000], vec![0u8; 3999]);
+    let mut bufs = vec![vec![&mut s1[..], &mut s2[..]]];
+    assert_eq!(
+        get_code(&client.batch_get_parts(&["kv"], &mut bufs).await[0]),
+        -600
+    );
+    c.shutdown().await;
+}

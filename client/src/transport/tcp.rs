@@ -161,7 +161,7 @@ impl Conn {
         key: &ObjectKey,
         offset: u64,
         length: u64,
-        payload: &[u8],
+        payload: &[&[u8]],
     ) -> io::Result<u64> {
         let request_id = self.next_id;
         self.next_id += 1;
@@ -174,11 +174,10 @@ impl Conn {
             length,
         }
         .encode();
-        let mut slices = [
-            IoSlice::new(&header),
-            IoSlice::new(key.as_str().as_bytes()),
-            IoSlice::new(payload),
-        ];
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 + payload.len());
+        slices.push(IoSlice::new(&header));
+        slices.push(IoSlice::new(key.as_str().as_bytes()));
+        slices.extend(payload.iter().map(|p| IoSlice::new(p)));
         write_all_vectored(&mut self.stream, &mut slices).await?;
         Ok(request_id)
     }
@@ -242,13 +241,14 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
-        data: &'a [u8],
+        parts: &'a [&'a [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
+            let length: u64 = parts.iter().map(|p| p.len() as u64).sum();
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
-                    .send(Op::Write, key, offset, data.len() as u64, data)
+                    .send(Op::Write, key, offset, length, parts)
                     .await
                     .map_err(|source| TransferError::Io {
                         target: target.clone(),
@@ -260,37 +260,36 @@ impl DataTransport for TcpTransport {
         })
     }
 
-    fn read<'a>(
+    fn read<'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
-        buf: &'a mut [u8],
+        parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
+            let length: u64 = parts.iter().map(|p| p.len() as u64).sum();
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),
                     source,
                 };
                 let id = conn
-                    .send(Op::Read, key, offset, buf.len() as u64, &[])
+                    .send(Op::Read, key, offset, length, &[])
                     .await
                     .map_err(io_err)?;
                 let h = conn.receive(target, Op::Read, id).await?;
-                if h.length != buf.len() as u64 {
+                if h.length != length {
                     // The stream now carries a payload nobody reads: drop the connection.
                     return Err(io_err(io::Error::new(
                         io::ErrorKind::InvalidData,
-                        format!(
-                            "owner sent {} bytes, {} were asked for",
-                            h.length,
-                            buf.len()
-                        ),
+                        format!("owner sent {} bytes, {length} were asked for", h.length),
                     )));
                 }
-                conn.stream.read_exact(buf).await.map_err(io_err)?;
+                for part in parts.iter_mut() {
+                    conn.stream.read_exact(part).await.map_err(io_err)?;
+                }
                 Ok(())
             })
             .await
