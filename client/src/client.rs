@@ -401,6 +401,45 @@ impl Client {
         results.into_iter().map(|r| r.expect("answered")).collect()
     }
 
+    /// Reads each key into a freshly allocated buffer of the object's size (one master round
+    /// trip, like `batch_get`), for callers that cannot know sizes in advance.
+    pub async fn batch_get_owned(&self, keys: &[&str]) -> Vec<Result<Vec<u8>, ClientError>> {
+        let valid: Vec<Result<ObjectKey, ClientError>> = keys
+            .iter()
+            .map(|k| ObjectKey::new(k).map_err(|e| ClientError::Invalid(e.to_string())))
+            .collect();
+        let names: Vec<String> = valid.iter().flatten().map(|k| k.to_string()).collect();
+        if names.is_empty() {
+            return valid.into_iter().map(|k| k.map(|_| Vec::new())).collect();
+        }
+        let asked_at = Instant::now();
+        let resp = match self.master.get_replicas(names).await {
+            Ok(r) => r,
+            Err(e) => return keys.iter().map(|_| Err(clone_err(&e))).collect(),
+        };
+        let lease_deadline = asked_at + Duration::from_millis(resp.lease_ttl_ms);
+        let mut found = resp.results.iter();
+        let reads = valid.into_iter().map(|k| {
+            let hit = k.as_ref().ok().and_then(|_| found.next());
+            async move {
+                let key = k?;
+                let hit =
+                    hit.ok_or_else(|| ClientError::Rpc("master answered too few results".into()))?;
+                if hit.code != 0 {
+                    return Err(ClientError::master(hit.code, format!("get {key}")));
+                }
+                let mut buf = vec![0u8; hit.size as usize];
+                self.read_one(&key, &hit.replicas, &mut [&mut buf[..]])
+                    .await?;
+                if Instant::now() >= lease_deadline {
+                    return Err(ClientError::LeaseExpired(key.to_string()));
+                }
+                Ok(buf)
+            }
+        });
+        join_all(reads).await
+    }
+
     /// Reads from the preferred replica first, then the others; the last error if all fail.
     async fn read_one(
         &self,

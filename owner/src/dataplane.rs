@@ -15,7 +15,18 @@ use tokio::{
     sync::watch,
 };
 
-use crate::{index::KeyIndex, pool::MemoryPool};
+use crate::{
+    index::KeyIndex,
+    pool::{MemoryPool, RangeError},
+};
+
+/// A range outside the segment is the caller's mistake; a busy one is worth retrying.
+fn range_code(e: &RangeError) -> Code {
+    match e {
+        RangeError::OutOfBounds { .. } => Code::InvalidParams,
+        RangeError::Busy { .. } => Code::TransferFail,
+    }
+}
 
 /// Serves connections until `stop` turns true.
 pub async fn serve(
@@ -182,14 +193,18 @@ impl Connection {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
                 }
                 return Ok(Err(Refusal {
-                    code: Code::InvalidParams,
+                    code: range_code(&e),
                     message: e.to_string(),
                 }));
             }
         };
+        // While the guard is held no reader overlaps the range. The range stops naming its old
+        // key before the first byte changes, and names the new one only once every byte landed,
+        // so a read never returns a torn or foreign value: it is refused instead.
+        self.index.forget(h.offset, h.length);
         self.reader.read_exact(&mut guard).await?;
-        drop(guard);
         self.index.record(h.offset, h.length, key);
+        drop(guard);
         Ok(Ok(()))
     }
 
@@ -204,21 +219,22 @@ impl Connection {
                 message: e.to_string(),
             }));
         }
+        // Take the range first, then check what it holds: no write can start in between.
+        let guard = match self.pool.read_range(h.offset, h.length) {
+            Ok(g) => g,
+            Err(e) => {
+                return Ok(Err(Refusal {
+                    code: range_code(&e),
+                    message: e.to_string(),
+                }))
+            }
+        };
         if !self.index.holds(h.offset, h.length, key) {
             return Ok(Err(Refusal {
                 code: Code::ObjectNotFound,
                 message: format!("range at offset {} does not hold key {key}", h.offset),
             }));
         }
-        let guard = match self.pool.read_range(h.offset, h.length) {
-            Ok(g) => g,
-            Err(e) => {
-                return Ok(Err(Refusal {
-                    code: Code::TransferFail,
-                    message: e.to_string(),
-                }))
-            }
-        };
         let ok = ResponseHeader {
             op: Op::Read,
             status: 0,

@@ -15,8 +15,18 @@ pub struct KeyIndex {
 impl KeyIndex {
     /// Records that `[offset, offset + len)` now holds `key`, forgetting every range it overlaps.
     pub fn record(&self, offset: u64, len: u64, key: ObjectKey) {
-        let end = offset + len;
         let mut ranges = self.ranges.lock();
+        Self::remove_overlapping(&mut ranges, offset, len);
+        ranges.insert(offset, (key, len));
+    }
+
+    /// Forgets every recorded range overlapping `[offset, offset + len)`.
+    pub fn forget(&self, offset: u64, len: u64) {
+        Self::remove_overlapping(&mut self.ranges.lock(), offset, len);
+    }
+
+    fn remove_overlapping(ranges: &mut BTreeMap<u64, (ObjectKey, u64)>, offset: u64, len: u64) {
+        let end = offset + len;
         let overlapping: Vec<u64> = ranges
             .range(..end)
             .rev()
@@ -28,7 +38,6 @@ impl KeyIndex {
         for start in overlapping {
             ranges.remove(&start);
         }
-        ranges.insert(offset, (key, len));
     }
 
     /// Whether the range starting at `offset` was last written as `key` with at least `len` bytes.
@@ -70,5 +79,8 @@ mod tests {
         assert!(idx.holds(300, 50, &k("c")));
         idx.record(200, 100, k("e")); // touches c's start but does not overlap
         assert_eq!(idx.snapshot().len(), 3);
+        idx.forget(250, 60);
+        assert!(!idx.holds(200, 100, &k("e")) && !idx.holds(300, 50, &k("c")));
+        assert!(idx.holds(50, 100, &k("d")));
     }
 }

@@ -273,7 +273,9 @@ impl MasterState {
     }
 
     /// Removes an object. Without `force`, a leased object or an unfinished put is refused. With
-    /// it, a reader still inside its lease keeps the bytes until the lease ends.
+    /// it the space is free at once: a reader still inside its lease cannot get another key's
+    /// bytes, because owners refuse a read of a range being rewritten or no longer holding the
+    /// key (the reader gets an error instead).
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
         let obj = self
             .objects
@@ -288,11 +290,7 @@ impl MasterState {
             }
         }
         let obj = self.objects.remove(key).expect("checked above");
-        if obj.is_leased(now) {
-            self.defer_release(obj.replicas, obj.lease_until);
-        } else {
-            self.free_replicas(obj.replicas);
-        }
+        self.free_replicas(obj.replicas);
         Ok(())
     }
 

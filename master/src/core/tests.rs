@@ -153,7 +153,7 @@ fn preferred_segment_first_then_fallback() {
 }
 
 #[test]
-fn lease_blocks_plain_remove_and_force_defers_space() {
+fn lease_blocks_plain_remove_and_force_frees_at_once() {
     let mut s = state_with(&[8 * MIB]);
     put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
     s.get_replicas(&k("a"), Millis(100)).unwrap();
@@ -164,14 +164,10 @@ fn lease_blocks_plain_remove_and_force_defers_space() {
     assert_eq!(s.key_count(), 0);
     assert_eq!(
         s.allocated(),
-        MIB,
-        "a reader inside its lease keeps the range"
+        0,
+        "force frees at once; owners protect readers still in flight"
     );
     s.check_invariants().unwrap();
-    s.tick(Millis(lease_end - 1));
-    assert_eq!(s.allocated(), MIB);
-    s.tick(Millis(lease_end));
-    assert_eq!(s.allocated(), 0);
     // Once the lease ran out a plain remove works; a miss is -704.
     put(&mut s, "b", MIB, &cfg(1), 0).unwrap();
     assert!(s.exists(&k("b"), Millis(lease_end)));

@@ -79,6 +79,7 @@ async fn main() -> ExitCode {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = match config(Args::parse()) {
         Ok(c) => c,

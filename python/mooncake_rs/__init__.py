@@ -1,0 +1,12 @@
+"""mooncake-rs: Python client of the mooncake-rs KV object store.
+
+Switch from Mooncake by changing one import::
+
+    from mooncake_rs.store import MooncakeDistributedStore, ReplicateConfig
+"""
+
+from . import store
+from ._native import __version__
+from .store import MooncakeDistributedStore, ReplicateConfig
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "store", "__version__"]

@@ -1,0 +1,202 @@
+//! `ReplicateConfig` as Python sees it (Mooncake's field names), and the arguments of `setup` in
+//! both of Mooncake's forms: seven positional arguments, or one dict.
+
+use mooncake_client::ReplicateConfig as ClientReplicateConfig;
+use pyo3::{
+    exceptions::{PyTypeError, PyValueError},
+    prelude::*,
+    types::{PyDict, PyTuple},
+};
+
+#[pyclass(module = "mooncake_rs._native", get_all, set_all)]
+#[derive(Clone, Debug, Default)]
+pub struct ReplicateConfig {
+    pub replica_num: usize,
+    pub preferred_segment: String,
+    pub preferred_segments: Vec<String>,
+    pub with_soft_pin: bool,
+    pub with_hard_pin: bool,
+}
+
+#[pymethods]
+impl ReplicateConfig {
+    #[new]
+    #[pyo3(signature = (replica_num=1, preferred_segment=String::new(), preferred_segments=Vec::new(), with_soft_pin=false, with_hard_pin=false))]
+    fn new(
+        replica_num: usize,
+        preferred_segment: String,
+        preferred_segments: Vec<String>,
+        with_soft_pin: bool,
+        with_hard_pin: bool,
+    ) -> Self {
+        ReplicateConfig {
+            replica_num,
+            preferred_segment,
+            preferred_segments,
+            with_soft_pin,
+            with_hard_pin,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, with_soft_pin={}, with_hard_pin={})",
+            self.replica_num,
+            self.preferred_segment,
+            self.preferred_segments,
+            if self.with_soft_pin { "True" } else { "False" },
+            if self.with_hard_pin { "True" } else { "False" },
+        )
+    }
+}
+
+impl ReplicateConfig {
+    /// The client's form: `preferred_segment` goes first, then `preferred_segments`.
+    pub fn to_client(&self) -> ClientReplicateConfig {
+        let mut preferred = Vec::new();
+        if !self.preferred_segment.is_empty() {
+            preferred.push(self.preferred_segment.clone());
+        }
+        preferred.extend(
+            self.preferred_segments
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned(),
+        );
+        ClientReplicateConfig {
+            replica_num: self.replica_num.max(1),
+            preferred_segments: preferred,
+            soft_pin: self.with_soft_pin,
+            hard_pin: self.with_hard_pin,
+        }
+    }
+}
+
+/// What `setup` was given. `metadata_server`, `local_buffer_size` and `rdma_devices` are accepted
+/// for compatibility; this design needs no metadata service and no staging buffer.
+#[derive(Debug, Clone)]
+pub struct SetupArgs {
+    pub local_hostname: String,
+    pub global_segment_size: u64,
+    pub protocol: String,
+    pub master_server_addr: String,
+}
+
+const NAMES: [&str; 7] = [
+    "local_hostname",
+    "metadata_server",
+    "global_segment_size",
+    "local_buffer_size",
+    "protocol",
+    "rdma_devices",
+    "master_server_addr",
+];
+
+/// Mooncake keyword arguments after the seven that are accepted and have no effect here.
+const IGNORED: [&str; 6] = [
+    "engine",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
+];
+
+impl SetupArgs {
+    pub fn parse(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        if args.len() == 1 && kwargs.is_none() {
+            if let Ok(d) = args.get_item(0)?.cast_into::<PyDict>() {
+                return Self::from_dict(&d);
+            }
+        }
+        let mut values: Vec<Option<Bound<'_, PyAny>>> = vec![None; NAMES.len()];
+        if args.len() > NAMES.len() + IGNORED.len() {
+            return Err(PyTypeError::new_err(format!(
+                "setup() takes at most {} positional arguments ({} given)",
+                NAMES.len() + IGNORED.len(),
+                args.len()
+            )));
+        }
+        for (i, a) in args.iter().enumerate().take(NAMES.len()) {
+            values[i] = Some(a);
+        }
+        if let Some(kw) = kwargs {
+            for (k, v) in kw.iter() {
+                let name: String = k.extract()?;
+                match NAMES.iter().position(|n| *n == name) {
+                    Some(i) if values[i].is_some() => {
+                        return Err(PyTypeError::new_err(format!(
+                            "setup() got multiple values for argument '{name}'"
+                        )))
+                    }
+                    Some(i) => values[i] = Some(v),
+                    None if IGNORED.contains(&name.as_str()) => {}
+                    None => {
+                        return Err(PyTypeError::new_err(format!(
+                            "setup() got an unexpected keyword argument '{name}'"
+                        )))
+                    }
+                }
+            }
+        }
+        let get = |i: usize| -> PyResult<Bound<'_, PyAny>> {
+            values[i].clone().ok_or_else(|| {
+                PyTypeError::new_err(format!("setup() missing required argument '{}'", NAMES[i]))
+            })
+        };
+        Ok(SetupArgs {
+            local_hostname: get(0)?.extract()?,
+            global_segment_size: int_arg(&get(2)?, NAMES[2])?,
+            protocol: get(4)?.extract()?,
+            master_server_addr: get(6)?.extract()?,
+        })
+    }
+
+    /// Mooncake's dict form; values may be strings (its config dicts are string maps) or ints.
+    fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<Self> {
+        for (k, _) in d.iter() {
+            let name: String = k.extract()?;
+            let known = NAMES.contains(&name.as_str())
+                || IGNORED.contains(&name.as_str())
+                || name == "ipc_socket_path";
+            if !known {
+                return Err(PyValueError::new_err(format!(
+                    "setup(): unknown config key '{name}'"
+                )));
+            }
+        }
+        let text = |name: &str, default: Option<&str>| -> PyResult<String> {
+            match d.get_item(name)? {
+                Some(v) => v.str()?.extract(),
+                None => default.map(str::to_string).ok_or_else(|| {
+                    PyValueError::new_err(format!("setup(): config key '{name}' is required"))
+                }),
+            }
+        };
+        let size = |name: &str, default: u64| -> PyResult<u64> {
+            match d.get_item(name)? {
+                Some(v) => int_arg(&v, name),
+                None => Ok(default),
+            }
+        };
+        Ok(SetupArgs {
+            local_hostname: text("local_hostname", None)?,
+            global_segment_size: size("global_segment_size", 16 << 20)?,
+            protocol: text("protocol", Some("tcp"))?,
+            master_server_addr: text("master_server_addr", Some("127.0.0.1:50051"))?,
+        })
+    }
+}
+
+/// An int, or a string holding one (decimal, or a size such as "4GiB").
+fn int_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if let Ok(n) = v.extract::<u64>() {
+        return Ok(n);
+    }
+    let s: String = v.extract().map_err(|_| {
+        PyTypeError::new_err(format!("setup(): '{name}' must be a non-negative int"))
+    })?;
+    mooncake_common::ByteSize::parse(&s)
+        .map(|b| b.bytes())
+        .map_err(|e| PyValueError::new_err(format!("setup(): '{name}': {e}")))
+}

@@ -1,0 +1,119 @@
+//! Memory the caller registered for zero-copy transfers. Every raw pointer coming from Python is
+//! checked to lie inside one registered range before it becomes a slice; anything else is refused
+//! and never dereferenced. An operation holds the registry's read lock while it uses the memory,
+//! so `unregister_buffer` waits for transfers in flight instead of pulling memory from under them.
+
+use std::collections::BTreeMap;
+
+use parking_lot::{RwLock, RwLockReadGuard};
+
+#[derive(Default)]
+pub struct Registry {
+    ranges: RwLock<BTreeMap<usize, usize>>,
+}
+
+#[derive(Debug)]
+pub enum RegistryError {
+    NullOrEmpty,
+    Overflow,
+    NotRegistered,
+}
+
+impl std::error::Error for RegistryError {}
+
+impl std::fmt::Display for RegistryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RegistryError::NullOrEmpty => "buffer pointer is null or size is zero",
+            RegistryError::Overflow => "buffer range overflows the address space",
+            RegistryError::NotRegistered => "buffer is not registered",
+        })
+    }
+}
+
+impl Registry {
+    pub fn register(&self, ptr: usize, len: usize) -> Result<(), RegistryError> {
+        if ptr == 0 || len == 0 {
+            return Err(RegistryError::NullOrEmpty);
+        }
+        ptr.checked_add(len).ok_or(RegistryError::Overflow)?;
+        let mut ranges = self.ranges.write();
+        let entry = ranges.entry(ptr).or_insert(len);
+        *entry = (*entry).max(len);
+        Ok(())
+    }
+
+    pub fn unregister(&self, ptr: usize) -> Result<(), RegistryError> {
+        self.ranges
+            .write()
+            .remove(&ptr)
+            .map(|_| ())
+            .ok_or(RegistryError::NotRegistered)
+    }
+
+    /// Holds registrations stable while memory is in use.
+    pub fn pin(&self) -> Pinned<'_> {
+        Pinned {
+            ranges: self.ranges.read(),
+        }
+    }
+}
+
+pub struct Pinned<'a> {
+    ranges: RwLockReadGuard<'a, BTreeMap<usize, usize>>,
+}
+
+impl Pinned<'_> {
+    fn registered(&self, ptr: usize, len: usize) -> bool {
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        ptr != 0
+            && self
+                .ranges
+                .range(..=ptr)
+                .any(|(start, l)| *start <= ptr && end <= start + l)
+    }
+
+    /// `len` bytes at `ptr` if they lie inside one registration.
+    pub fn slice(&self, ptr: usize, len: usize) -> Option<&[u8]> {
+        if len == 0 {
+            return Some(&[]);
+        }
+        if !self.registered(ptr, len) {
+            return None;
+        }
+        // SAFETY: the caller registered [ptr, ptr+len) as memory valid for transfers until it
+        // unregisters it, and unregistering waits for this guard. Concurrent writes by the
+        // caller's own code during the call are the caller's contract (as in Mooncake).
+        Some(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) })
+    }
+
+    /// Mutable slices for `ranges`, each `None` when it is not registered or overlaps an earlier
+    /// range of the same request (two destinations must never alias).
+    // The memory is the caller's, not the registry's: `&self` only proves the registration is
+    // pinned, and aliasing is ruled out by the overlap check below.
+    #[allow(clippy::mut_from_ref)]
+    pub fn slices_mut(&self, ranges: &[(usize, usize)]) -> Vec<Option<&mut [u8]>> {
+        let mut taken: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+        ranges
+            .iter()
+            .map(|&(ptr, len)| {
+                if len == 0 {
+                    return Some(&mut [][..]);
+                }
+                if !self.registered(ptr, len) {
+                    return None;
+                }
+                let end = ptr + len;
+                if taken.iter().any(|&(s, e)| s < end && ptr < e) {
+                    return None;
+                }
+                taken.push((ptr, end));
+                // SAFETY: registered as above; no other slice of this request overlaps it, and
+                // the registry's read guard keeps the registration alive while the slice lives.
+                Some(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,169 @@
+//! One `setup()`'s worth of state: the I/O runtime, the client, and the embedded owner when the
+//! process contributes memory itself (`global_segment_size > 0`).
+
+use std::time::Duration;
+
+use mooncake_client::{Client, ClientConfig, ClientError};
+use mooncake_common::{Code, SegmentName};
+use tokio::runtime::Runtime;
+
+use crate::config::SetupArgs;
+
+pub struct Session {
+    pub rt: Runtime,
+    pub client: Client,
+    pub hostname: String,
+    #[cfg(feature = "embedded-owner")]
+    owner: Option<mooncake_owner::RunningOwner>,
+}
+
+/// Why `setup` failed, as the code it returns and the message it logs.
+pub struct SetupError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl From<ClientError> for SetupError {
+    fn from(e: ClientError) -> Self {
+        SetupError {
+            code: e.code(),
+            message: e.to_string(),
+        }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> SetupError {
+    SetupError {
+        code: Code::InvalidParams,
+        message: message.into(),
+    }
+}
+
+impl Session {
+    pub fn start(args: &SetupArgs) -> Result<Session, SetupError> {
+        match args.protocol.to_ascii_lowercase().as_str() {
+            "tcp" => {}
+            "rdma" => return Err(invalid(
+                "protocol \"rdma\" is not available: this build has no RDMA transport; use \"tcp\"",
+            )),
+            other => {
+                return Err(invalid(format!(
+                    "unknown protocol {other:?}: expected \"tcp\""
+                )))
+            }
+        }
+        if args.master_server_addr.trim().is_empty() {
+            return Err(invalid("master_server_addr is empty"));
+        }
+        let threads = std::env::var("MOONCAKE_IO_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("mooncake-io")
+            .enable_all()
+            .build()
+            .map_err(|e| SetupError {
+                code: Code::InternalError,
+                message: format!("cannot start I/O threads: {e}"),
+            })?;
+        let config = ClientConfig {
+            connect_timeout: Duration::from_secs(2),
+            rpc_timeout: Duration::from_secs(5),
+            ..ClientConfig::new(args.master_server_addr.trim())
+        };
+        // Connect first: an unreachable master fails here within the connect deadline.
+        let client = rt.block_on(Client::connect(config.clone()))?;
+        let (host, port) = split_host(&args.local_hostname)?;
+        if args.global_segment_size == 0 {
+            return Ok(Session {
+                rt,
+                client,
+                hostname: args.local_hostname.clone(),
+                #[cfg(feature = "embedded-owner")]
+                owner: None,
+            });
+        }
+        Self::with_owner(rt, config, args, host, port)
+    }
+
+    #[cfg(feature = "embedded-owner")]
+    fn with_owner(
+        rt: Runtime,
+        config: ClientConfig,
+        args: &SetupArgs,
+        host: String,
+        port: u16,
+    ) -> Result<Session, SetupError> {
+        let owner_config = mooncake_owner::OwnerConfig {
+            master: args.master_server_addr.trim().to_string(),
+            host,
+            port,
+            segment_size: mooncake_common::ByteSize(args.global_segment_size),
+            mount_timeout: Duration::from_secs(3),
+            ..Default::default()
+        };
+        let owner = rt
+            .block_on(mooncake_owner::RunningOwner::start(owner_config))
+            .map_err(|e| SetupError {
+                code: Code::InternalError,
+                message: e.to_string(),
+            })?;
+        // Puts and reads prefer this process's own segment unless configured otherwise.
+        let env = std::env::var(mooncake_client::PREFERRED_SEGMENT_ENV).ok();
+        let preferred = mooncake_client::resolve_preferred(
+            config.preferred_segment.as_deref(),
+            env.as_deref(),
+        )?
+        .or_else(|| Some(owner.segment.clone()));
+        let transport = std::sync::Arc::new(mooncake_client::transport::TcpTransport::new(
+            mooncake_client::transport::tcp::TcpConfig {
+                connect_timeout: config.connect_timeout,
+                transfer_timeout: config.transfer_timeout,
+                connections_per_owner: config.connections_per_owner,
+            },
+        ));
+        let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
+        Ok(Session {
+            hostname: owner.segment.to_string(),
+            rt,
+            client,
+            owner: Some(owner),
+        })
+    }
+
+    #[cfg(not(feature = "embedded-owner"))]
+    fn with_owner(
+        _: Runtime,
+        _: ClientConfig,
+        _: &SetupArgs,
+        _: String,
+        _: u16,
+    ) -> Result<Session, SetupError> {
+        Err(invalid("global_segment_size > 0 needs the embedded-owner feature; pass 0 for a requester-only client"))
+    }
+
+    /// Stops the embedded owner (unmounting its segment) and the I/O threads.
+    pub fn close(self) {
+        #[cfg(feature = "embedded-owner")]
+        if let Some(owner) = self.owner {
+            self.rt.block_on(owner.shutdown());
+        }
+        self.rt.shutdown_timeout(Duration::from_secs(2));
+    }
+}
+
+/// "host" or "host:port" (port 0 or absent: pick a free one).
+fn split_host(s: &str) -> Result<(String, u16), SetupError> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(invalid("local_hostname is empty"));
+    }
+    if let Ok(seg) = SegmentName::parse(s) {
+        let (h, p) = seg.as_str().rsplit_once(':').expect("validated");
+        let h = h.trim_start_matches('[').trim_end_matches(']');
+        return Ok((h.to_string(), p.parse().expect("validated")));
+    }
+    Ok((s.to_string(), 0))
+}

@@ -1,0 +1,601 @@
+//! `NativeStore`: Mooncake's `MooncakeDistributedStore` methods with its return conventions.
+//! Writes return 0 or a negative code; reads return bytes read or a negative code; existence is
+//! 1 / 0 / negative; `get` returns b"" on a miss; a store that was never set up answers -600
+//! (never a crash). The GIL is released around every network and copy step.
+
+use std::sync::Arc;
+
+use mooncake_client::{get_code, put_code, ClientError, ReplicateConfig as ClientConfig, Tier};
+use mooncake_common::Code;
+use parking_lot::RwLock;
+use pyo3::{
+    prelude::*,
+    types::{PyByteArray, PyBytes, PyDict, PyTuple},
+};
+
+use crate::{
+    buffer::PyBytesView,
+    config::{ReplicateConfig, SetupArgs},
+    registry::Registry,
+    replica::ReplicaDescriptor,
+    session::Session,
+};
+
+const INVALID: i32 = Code::InvalidParams as i32;
+
+#[pyclass(subclass, module = "mooncake_rs._native")]
+pub struct NativeStore {
+    session: RwLock<Option<Arc<Session>>>,
+    registry: Registry,
+}
+
+fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> ClientConfig {
+    config.map(|c| c.to_client()).unwrap_or_default()
+}
+
+fn log_unregistered(what: &str, ptr: usize, size: usize) {
+    tracing::error!(
+        ptr = format_args!("{ptr:#x}"),
+        size,
+        "{what}: buffer is not inside a registered range; call register_buffer first"
+    );
+}
+
+impl NativeStore {
+    /// Runs `f` on the session with the GIL released; `missing` when setup has not succeeded.
+    fn with_session<T: Send>(
+        &self,
+        py: Python<'_>,
+        missing: T,
+        f: impl FnOnce(&Session) -> T + Send,
+    ) -> T {
+        let Some(session) = self.session.read().clone() else {
+            tracing::error!("the store is not set up: call setup() first");
+            return missing;
+        };
+        py.detach(|| f(&session))
+    }
+
+    fn close_session(&self, py: Python<'_>) {
+        let taken = self.session.write().take();
+        if let Some(session) = taken {
+            match Arc::try_unwrap(session) {
+                Ok(s) => py.detach(|| s.close()),
+                // Calls still in flight hold the session; it ends with the last of them.
+                Err(_) => tracing::warn!(
+                    "close() while calls are in flight; the session ends when they finish"
+                ),
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl NativeStore {
+    #[new]
+    fn new() -> Self {
+        NativeStore {
+            session: RwLock::new(None),
+            registry: Registry::default(),
+        }
+    }
+
+    /// `setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+    /// rdma_devices, master_server_addr)` or `setup(config: dict)`; returns 0 or a negative code.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn setup(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<i32> {
+        let parsed = SetupArgs::parse(args, kwargs)?;
+        if self.session.read().is_some() {
+            tracing::error!("setup() called twice; call close() first");
+            return Ok(INVALID);
+        }
+        match py.detach(|| Session::start(&parsed)) {
+            Ok(s) => {
+                *self.session.write() = Some(Arc::new(s));
+                Ok(0)
+            }
+            Err(e) => {
+                tracing::error!(code = e.code.as_i32(), "setup failed: {}", e.message);
+                Ok(e.code.as_i32())
+            }
+        }
+    }
+
+    fn close(&self, py: Python<'_>) -> i32 {
+        self.close_session(py);
+        0
+    }
+
+    /// This process's segment ("host:port") when it contributes memory, else its local hostname.
+    fn get_hostname(&self) -> String {
+        self.session
+            .read()
+            .as_ref()
+            .map(|s| s.hostname.clone())
+            .unwrap_or_default()
+    }
+
+    /// 0 healthy, 1 not set up, 2 master unreachable.
+    fn health_check(&self, py: Python<'_>) -> i32 {
+        self.with_session(py, 1, |s| {
+            if s.rt.block_on(s.client.list_segments()).is_ok() {
+                0
+            } else {
+                2
+            }
+        })
+    }
+
+    fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i32 {
+        match py.detach(|| self.registry.register(buffer_ptr, size)) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!(
+                    ptr = format_args!("{buffer_ptr:#x}"),
+                    size,
+                    "register_buffer: {e}"
+                );
+                INVALID
+            }
+        }
+    }
+
+    /// Waits for transfers using the buffer to finish, then forgets it.
+    fn unregister_buffer(&self, py: Python<'_>, buffer_ptr: usize) -> i32 {
+        match py.detach(|| self.registry.unregister(buffer_ptr)) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!(
+                    ptr = format_args!("{buffer_ptr:#x}"),
+                    "unregister_buffer: {e}"
+                );
+                INVALID
+            }
+        }
+    }
+
+    #[pyo3(signature = (key, value, config=None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let view = PyBytesView::readable(value)?;
+        let parts = [view.as_slice()];
+        let cfg = replicate(config);
+        Ok(self.with_session(py, INVALID, |s| {
+            put_code(
+                &s.rt
+                    .block_on(s.client.batch_put_parts(&[(key, &parts)], &cfg))[0],
+            )
+        }))
+    }
+
+    /// Stores the concatenation of `parts` (bytes-like objects) under `key`, without joining
+    /// them first.
+    #[pyo3(signature = (key, *parts, config=None))]
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let views = parts
+            .iter()
+            .map(|p| PyBytesView::readable(&p))
+            .collect::<PyResult<Vec<_>>>()?;
+        let slices: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
+        let cfg = replicate(config);
+        Ok(self.with_session(py, INVALID, |s| {
+            put_code(
+                &s.rt
+                    .block_on(s.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
+            )
+        }))
+    }
+
+    /// Puts each (key, value); returns 0, or the first failure's code.
+    #[pyo3(signature = (keys, values, config=None))]
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let values: Vec<Bound<'_, PyAny>> = values.try_iter()?.collect::<PyResult<_>>()?;
+        if values.len() != keys.len() {
+            tracing::error!("put_batch: {} keys but {} values", keys.len(), values.len());
+            return Ok(INVALID);
+        }
+        let views = values
+            .iter()
+            .map(PyBytesView::readable)
+            .collect::<PyResult<Vec<_>>>()?;
+        let parts: Vec<[&[u8]; 1]> = views.iter().map(|v| [v.as_slice()]).collect();
+        let items: Vec<(&str, &[&[u8]])> = keys
+            .iter()
+            .map(|k| k.as_str())
+            .zip(parts.iter().map(|p| &p[..]))
+            .collect();
+        let cfg = replicate(config);
+        Ok(self.with_session(py, INVALID, |s| {
+            let res = s.rt.block_on(s.client.batch_put_parts(&items, &cfg));
+            res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
+        }))
+    }
+
+    /// The object's bytes, or b"" on a miss or an error.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
+        let got = self.with_session(py, None, |s| {
+            s.rt.block_on(s.client.batch_get_owned(&[key])).pop()
+        });
+        match got {
+            Some(Ok(v)) => PyBytes::new(py, &v),
+            Some(Err(e)) => {
+                log_miss("get", key, &e);
+                PyBytes::new(py, b"")
+            }
+            None => PyBytes::new(py, b""),
+        }
+    }
+
+    /// Like `get` for several keys; b"" for each miss.
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let got = self.with_session(py, Vec::new(), |s| {
+            s.rt.block_on(s.client.batch_get_owned(&refs))
+        });
+        if got.is_empty() {
+            return keys.iter().map(|_| PyBytes::new(py, b"")).collect();
+        }
+        got.into_iter()
+            .map(|r| PyBytes::new(py, r.as_deref().unwrap_or(b"")))
+            .collect()
+    }
+
+    /// The object's bytes as a new bytearray (writable, for wrapping as an array), or None.
+    fn _get_bytearray<'py>(&self, py: Python<'py>, key: &str) -> Option<Bound<'py, PyByteArray>> {
+        let got = self.with_session(py, None, |s| {
+            s.rt.block_on(s.client.batch_get_owned(&[key])).pop()
+        });
+        match got {
+            Some(Ok(v)) => Some(PyByteArray::new(py, &v)),
+            Some(Err(e)) => {
+                log_miss("get", key, &e);
+                None
+            }
+            None => None,
+        }
+    }
+
+    #[pyo3(signature = (key, buffer_ptr, size, config=None))]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i32 {
+        self.batch_put_from(
+            py,
+            vec![key.to_string()],
+            vec![buffer_ptr],
+            vec![size],
+            config,
+        )[0]
+    }
+
+    fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
+        self.batch_get_into(py, vec![key.to_string()], vec![buffer_ptr], vec![size])[0]
+    }
+
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config=None))]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let ptrs: Vec<Vec<usize>> = buffer_ptrs.into_iter().map(|p| vec![p]).collect();
+        let sizes: Vec<Vec<usize>> = sizes.into_iter().map(|s| vec![s]).collect();
+        self.batch_put_from_multi_buffers(py, keys, ptrs, sizes, config)
+    }
+
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> Vec<i64> {
+        let ptrs: Vec<Vec<usize>> = buffer_ptrs.into_iter().map(|p| vec![p]).collect();
+        let sizes: Vec<Vec<usize>> = sizes.into_iter().map(|s| vec![s]).collect();
+        self.batch_get_into_multi_buffers(py, keys, ptrs, sizes, false)
+    }
+
+    /// Each key's value is the concatenation of its buffers, all inside registered memory.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, config=None))]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        if !shapes_match(&keys, &all_buffer_ptrs, &all_sizes) {
+            return vec![INVALID; keys.len()];
+        }
+        let cfg = replicate(config);
+        let pinned = self.registry.pin();
+        let mut out = vec![INVALID; keys.len()];
+        let mut idx = Vec::with_capacity(keys.len());
+        let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
+        for (i, (ptrs, sizes)) in all_buffer_ptrs.iter().zip(&all_sizes).enumerate() {
+            let slices: Option<Vec<&[u8]>> = ptrs
+                .iter()
+                .zip(sizes)
+                .map(|(&p, &n)| pinned.slice(p, n))
+                .collect();
+            match slices {
+                Some(s) => {
+                    idx.push(i);
+                    parts.push(s);
+                }
+                None => log_unregistered(
+                    "batch_put_from",
+                    ptrs.first().copied().unwrap_or(0),
+                    sizes.iter().sum(),
+                ),
+            }
+        }
+        let items: Vec<(&str, &[&[u8]])> = idx
+            .iter()
+            .zip(&parts)
+            .map(|(&i, p)| (keys[i].as_str(), &p[..]))
+            .collect();
+        let codes = self.with_session(py, None, |s| {
+            Some(
+                s.rt.block_on(s.client.batch_put_parts(&items, &cfg))
+                    .iter()
+                    .map(put_code)
+                    .collect::<Vec<_>>(),
+            )
+        });
+        if let Some(codes) = codes {
+            for (i, c) in idx.into_iter().zip(codes) {
+                out[i] = c;
+            }
+        }
+        out
+    }
+
+    /// Each object is scattered over its buffers in order; they must hold it together (-600 if not).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node=false))]
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        prefer_alloc_in_same_node: bool,
+    ) -> Vec<i64> {
+        let _ = prefer_alloc_in_same_node; // placement is the master's; reads prefer the local replica already
+        if !shapes_match(&keys, &all_buffer_ptrs, &all_sizes) {
+            return vec![INVALID as i64; keys.len()];
+        }
+        let pinned = self.registry.pin();
+        // Destinations of the whole batch must not alias: check them all together.
+        let flat: Vec<(usize, usize)> = all_buffer_ptrs
+            .iter()
+            .zip(&all_sizes)
+            .flat_map(|(p, s)| p.iter().copied().zip(s.iter().copied()))
+            .collect();
+        let mut slices = pinned.slices_mut(&flat).into_iter();
+        let mut out = vec![INVALID as i64; keys.len()];
+        let mut idx = Vec::with_capacity(keys.len());
+        let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
+        for (i, ptrs) in all_buffer_ptrs.iter().enumerate() {
+            let mine: Option<Vec<&mut [u8]>> = slices.by_ref().take(ptrs.len()).collect();
+            match mine {
+                Some(b) => {
+                    idx.push(i);
+                    bufs.push(b);
+                }
+                None => log_unregistered(
+                    "batch_get_into",
+                    ptrs.first().copied().unwrap_or(0),
+                    all_sizes[i].iter().sum(),
+                ),
+            }
+        }
+        let key_refs: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
+        let got = self.with_session(py, None, |s| {
+            let res =
+                s.rt.block_on(s.client.batch_get_parts(&key_refs, &mut bufs));
+            Some(
+                res.iter()
+                    .zip(&key_refs)
+                    .map(|(r, k)| {
+                        if let Err(e) = r {
+                            log_miss("get", k, e);
+                        }
+                        get_code(r)
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        });
+        if let Some(got) = got {
+            for (i, c) in idx.into_iter().zip(got) {
+                out[i] = c;
+            }
+        }
+        out
+    }
+
+    /// 1 if the key exists, 0 if not, a negative code on error. A hit is leased.
+    fn is_exist(&self, py: Python<'_>, key: &str) -> i32 {
+        self.batch_is_exist(py, vec![key.to_string()])[0]
+    }
+
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let n = keys.len();
+        self.with_session(py, vec![INVALID; n], |s| {
+            match s.rt.block_on(s.client.batch_exists(&refs)) {
+                Ok(r) => r
+                    .iter()
+                    .map(|x| match x {
+                        Ok(true) => 1,
+                        Ok(false) => 0,
+                        Err(e) => e.code().as_i32(),
+                    })
+                    .collect(),
+                Err(e) => vec![e.code().as_i32(); n],
+            }
+        })
+    }
+
+    /// The object's size in bytes, or a negative code (-704 on a miss).
+    fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
+        self.with_session(py, INVALID as i64, |s| {
+            match s.rt.block_on(s.client.batch_get_replica_desc(&[key])) {
+                Ok(mut r) => match r.pop().expect("one result") {
+                    Ok(d) => d.size as i64,
+                    Err(e) => e.code().as_i32() as i64,
+                },
+                Err(e) => e.code().as_i32() as i64,
+            }
+        })
+    }
+
+    #[pyo3(signature = (key, force=false))]
+    fn remove(&self, py: Python<'_>, key: &str, force: bool) -> i32 {
+        self.batch_remove(py, vec![key.to_string()], force)[0]
+    }
+
+    #[pyo3(signature = (keys, force=false))]
+    fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i32> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let n = keys.len();
+        self.with_session(py, vec![INVALID; n], |s| {
+            match s.rt.block_on(s.client.batch_remove(&refs, force)) {
+                Ok(r) => r
+                    .iter()
+                    .map(|x| x.as_ref().map(|_| 0).unwrap_or_else(|e| e.code().as_i32()))
+                    .collect(),
+                Err(e) => vec![e.code().as_i32(); n],
+            }
+        })
+    }
+
+    /// How many objects were removed, or a negative code.
+    #[pyo3(signature = (force=false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        self.with_session(py, INVALID as i64, |s| {
+            match s.rt.block_on(s.client.remove_all(force)) {
+                Ok(n) => n as i64,
+                Err(e) => e.code().as_i32() as i64,
+            }
+        })
+    }
+
+    /// The replicas of `key` ([] on a miss).
+    fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
+        self.replica_descs(py, &[key.to_string()])
+            .pop()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// {key: [ReplicaDescriptor, ...]} for the keys that exist; misses are left out.
+    fn batch_get_replica_desc<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let descs = self.replica_descs(py, &keys);
+        let out = PyDict::new(py);
+        for (k, d) in keys.iter().zip(descs) {
+            if let Some(d) = d {
+                out.set_item(k, d)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl NativeStore {
+    fn replica_descs(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+    ) -> Vec<Option<Vec<ReplicaDescriptor>>> {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        let n = keys.len();
+        self.with_session(py, vec![None; n], |s| {
+            match s.rt.block_on(s.client.batch_get_replica_desc(&refs)) {
+                Ok(r) => r
+                    .into_iter()
+                    .map(|d| {
+                        d.ok().map(|d| {
+                            d.replicas
+                                .into_iter()
+                                .map(|r| {
+                                    ReplicaDescriptor::new(
+                                        r.segment.to_string(),
+                                        r.tier == Tier::Memory,
+                                        d.size,
+                                        r.offset,
+                                    )
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect(),
+                Err(_) => vec![None; n],
+            }
+        })
+    }
+}
+
+impl Drop for NativeStore {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.get_mut().take() {
+            if let Ok(s) = Arc::try_unwrap(session) {
+                s.close();
+            }
+        }
+    }
+}
+
+fn shapes_match(keys: &[String], ptrs: &[Vec<usize>], sizes: &[Vec<usize>]) -> bool {
+    let ok = keys.len() == ptrs.len()
+        && keys.len() == sizes.len()
+        && ptrs.iter().zip(sizes).all(|(p, s)| p.len() == s.len());
+    if !ok {
+        tracing::error!("keys, buffer pointers and sizes must have matching shapes");
+    }
+    ok
+}
+
+/// Misses are routine for a cache; only other failures are worth a warning.
+fn log_miss(op: &str, key: &str, e: &ClientError) {
+    if e.code() == Code::ObjectNotFound {
+        tracing::debug!(key, "{op}: miss");
+    } else {
+        tracing::warn!(key, code = e.code().as_i32(), "{op} failed: {e}");
+    }
+}

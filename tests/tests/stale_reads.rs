@@ -1,0 +1,69 @@
+//! No read ever returns another key's bytes: a reader holding the location of a removed object
+//! whose range was reused gets an error from the owner, not the new object's bytes.
+
+use mooncake_client::ReplicateConfig;
+use mooncake_common::ObjectKey;
+use mooncake_tests::{payload, transport, Cluster};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_location_reused_by_another_key_is_refused() {
+    let c = Cluster::start(&[1 << 20]).await;
+    let client = c.client().await;
+    let cfg = ReplicateConfig::default();
+    client
+        .put("old", &payload("old", 4096), &cfg)
+        .await
+        .unwrap();
+    let old = client
+        .batch_get_replica_desc(&["old"])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    let loc = old.replicas[0].clone();
+    // Forced removal frees the range at once although "old" is leased; the next put reuses it.
+    client.remove("old", true).await.unwrap();
+    client
+        .put("new", &payload("new", 4096), &cfg)
+        .await
+        .unwrap();
+    let new = client
+        .batch_get_replica_desc(&["new"])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        new.replicas[0].offset, loc.offset,
+        "the allocator reuses the freed range"
+    );
+
+    let t = transport(&c.client_config());
+    let mut buf = vec![0u8; 4096];
+    let err = t
+        .read(
+            &loc.segment,
+            &ObjectKey::new("old").unwrap(),
+            loc.offset,
+            &mut [&mut buf[..]],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_i32(), -704, "{err}");
+    assert!(
+        buf.iter().all(|b| *b == 0),
+        "no byte of the new object reached the stale reader"
+    );
+    t.read(
+        &loc.segment,
+        &ObjectKey::new("new").unwrap(),
+        loc.offset,
+        &mut [&mut buf[..]],
+    )
+    .await
+    .unwrap();
+    assert!(buf == payload("new", 4096));
+    c.shutdown().await;
+}
