@@ -63,6 +63,8 @@ struct Row {
     errors: usize,
     verified: usize,
     seconds: f64,
+    /// Which data path moved the bytes: "shm" (same-host shared memory), "tcp", or "mixed".
+    path: &'static str,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -113,8 +115,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if !args.json {
         println!(
-            "{:<4} {:>10} {:>6} {:>6} {:>8} {:>10} {:>10} {:>7} {:>9}",
-            "op", "value", "keys", "batch", "GiB/s", "p50_us", "p99_us", "errors", "verified"
+            "{:<4} {:>10} {:>6} {:>6} {:>8} {:>10} {:>10} {:>7} {:>9} {:>5}",
+            "op", "value", "keys", "batch", "GiB/s", "p50_us", "p99_us", "errors", "verified", "path"
         );
     }
     let run_id = std::process::id();
@@ -127,7 +129,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string(&row)?);
             } else {
                 println!(
-                    "{:<4} {:>10} {:>6} {:>6} {:>8.3} {:>10.0} {:>10.0} {:>7} {:>9}",
+                    "{:<4} {:>10} {:>6} {:>6} {:>8.3} {:>10.0} {:>10.0} {:>7} {:>9} {:>5}",
                     row.op,
                     ByteSize(row.value_size).to_string(),
                     row.keys,
@@ -136,7 +138,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     row.p50_us,
                     row.p99_us,
                     row.errors,
-                    row.verified
+                    row.verified,
+                    row.path
                 );
             }
         }
@@ -163,6 +166,7 @@ async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> V
     let mut bufs: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size]).collect();
 
     let mut put = stats::Phase::default();
+    let before = client.transfer_stats();
     for chunk in keys.chunks(batch) {
         for (k, b) in chunk.iter().zip(bufs.iter_mut()) {
             pattern::fill(k, b);
@@ -185,7 +189,9 @@ async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> V
         }
     }
 
+    let put_path = stats::path(before, client.transfer_stats());
     let mut get = stats::Phase::default();
+    let before = client.transfer_stats();
     for chunk in keys.chunks(batch) {
         for b in bufs.iter_mut() {
             b.fill(0);
@@ -215,13 +221,14 @@ async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> V
             }
         }
     }
+    let get_path = stats::path(before, client.transfer_stats());
     let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
     if let Err(e) = client.batch_remove(&refs, true).await {
         tracing::warn!(error = %e, "cleanup failed");
     }
     vec![
-        put.row("put", size, args.keys, batch),
-        get.row("get", size, args.keys, batch),
+        put.row("put", size, args.keys, batch, put_path),
+        get.row("get", size, args.keys, batch, get_path),
     ]
 }
 

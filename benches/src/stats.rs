@@ -2,7 +2,21 @@
 
 use std::time::Duration;
 
+use mooncake_common::transport::TransferStats;
+
 use crate::Row;
+
+/// Which path moved the bytes between two snapshots of the client's transfer counters.
+pub fn path(before: TransferStats, after: TransferStats) -> &'static str {
+    let local = after.local_bytes - before.local_bytes;
+    let tcp = after.tcp_bytes - before.tcp_bytes;
+    match (local > 0, tcp > 0) {
+        (true, false) => "shm",
+        (false, true) => "tcp",
+        (true, true) => "mixed",
+        (false, false) => "none",
+    }
+}
 
 #[derive(Default)]
 pub struct Phase {
@@ -18,7 +32,7 @@ impl Phase {
         self.bytes += bytes;
     }
 
-    pub fn row(mut self, op: &'static str, size: usize, keys: usize, batch: usize) -> Row {
+    pub fn row(mut self, op: &'static str, size: usize, keys: usize, batch: usize, path: &'static str) -> Row {
         self.latencies.sort();
         let total: Duration = self.latencies.iter().sum();
         let pct = |p: f64| {
@@ -43,6 +57,7 @@ impl Phase {
             errors: self.errors,
             verified: self.verified,
             seconds: total.as_secs_f64(),
+            path,
         }
     }
 }

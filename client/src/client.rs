@@ -8,14 +8,17 @@ use std::{
 };
 
 use futures::future::join_all;
-use mooncake_common::{transport::DataTransport, Code, ObjectKey, SegmentName};
+use mooncake_common::{
+    transport::{DataTransport, ReadItem, TransferStats, WriteItem},
+    Code, ObjectKey, SegmentName,
+};
 use mooncake_proto::master as pb;
 
 use crate::{
     config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV},
     error::ClientError,
     master::MasterRpc,
-    transport::{tcp::TcpConfig, TcpTransport},
+    transport::{tcp::TcpConfig, HybridConfig, HybridTransport},
 };
 
 /// Per-put replication settings.
@@ -87,12 +90,22 @@ impl Client {
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
         let env = std::env::var(PREFERRED_SEGMENT_ENV).ok();
         let preferred = resolve_preferred(config.preferred_segment.as_deref(), env.as_deref())?;
-        let transport = Arc::new(TcpTransport::new(TcpConfig {
-            connect_timeout: config.connect_timeout,
-            transfer_timeout: config.transfer_timeout,
-            connections_per_owner: config.connections_per_owner,
-        }));
+        let transport = Self::default_transport(&config);
         Self::connect_with(config, preferred, transport).await
+    }
+
+    /// The transport `connect` uses: the same-host path where available (unless turned off in
+    /// the config or by `MOONCAKE_SHM=0`), TCP elsewhere.
+    pub fn default_transport(config: &ClientConfig) -> Arc<dyn DataTransport> {
+        Arc::new(HybridTransport::new(HybridConfig {
+            tcp: TcpConfig {
+                connect_timeout: config.connect_timeout,
+                transfer_timeout: config.transfer_timeout,
+                connections_per_owner: config.connections_per_owner,
+            },
+            shared_memory: config.shared_memory && mooncake_common::local::shm_enabled(),
+            socket_dir: config.socket_dir.clone().unwrap_or_else(mooncake_common::local::socket_dir),
+        }))
     }
 
     /// Like `connect`, with an explicit preferred segment and transport.
@@ -213,33 +226,41 @@ impl Client {
         };
 
         // Write every replica of every granted put, all at once.
-        let mut writes = Vec::new();
+        // Every replica write, one batch per owner, all owners at once.
+        let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
+        let mut groups: Vec<(SegmentName, Vec<usize>, Vec<WriteItem<'_>>)> = Vec::new();
         for (slot, ((i, key), grant)) in valid.iter().zip(&grants).enumerate() {
             if grant.code != 0 {
                 continue;
             }
             for rep in &grant.replicas {
-                let parts = items[*i].1;
-                writes.push(async move {
-                    let res = match SegmentName::parse(&rep.segment) {
-                        Ok(seg) => self
-                            .transport
-                            .write(&seg, key, rep.offset, parts)
-                            .await
-                            .map_err(ClientError::from),
-                        Err(e) => Err(ClientError::Rpc(format!(
-                            "master sent a bad segment name: {e}"
-                        ))),
-                    };
-                    (slot, res)
-                });
+                let seg = match SegmentName::parse(&rep.segment) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        write_errors[slot].get_or_insert(ClientError::Rpc(format!("master sent a bad segment name: {e}")));
+                        continue;
+                    }
+                };
+                let g = match groups.iter().position(|(s, ..)| *s == seg) {
+                    Some(g) => g,
+                    None => {
+                        groups.push((seg, Vec::new(), Vec::new()));
+                        groups.len() - 1
+                    }
+                };
+                groups[g].1.push(slot);
+                groups[g].2.push(WriteItem { key, offset: rep.offset, parts: items[*i].1 });
             }
         }
-        let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
-        for (slot, res) in join_all(writes).await {
-            if let Err(e) = res {
-                tracing::debug!(key = %valid[slot].1, error = %e, "replica write failed; revoking the put");
-                write_errors[slot].get_or_insert(e);
+        let batches = groups.iter().map(|(seg, slots, witems)| async move {
+            (slots, self.transport.write_batch(seg, witems).await)
+        });
+        for (slots, res) in join_all(batches).await {
+            for (slot, r) in slots.iter().zip(res) {
+                if let Err(e) = r {
+                    tracing::debug!(key = %valid[*slot].1, error = %e, "replica write failed; revoking the put");
+                    write_errors[*slot].get_or_insert(e.into());
+                }
             }
         }
 
@@ -363,7 +384,8 @@ impl Client {
         for (slot, (i, _)) in valid.iter().enumerate() {
             slot_of[*i] = slot;
         }
-        let mut reads = Vec::new();
+        // First attempt: the preferred replica of every key, one batch per owner, all at once.
+        let mut jobs: Vec<ReadJob<'_, '_>> = Vec::new();
         for (i, buf) in bufs.iter_mut().enumerate() {
             let slot = slot_of[i];
             if slot == usize::MAX {
@@ -377,22 +399,63 @@ impl Client {
             }
             let have: usize = buf.iter().map(|b| b.len()).sum();
             if (have as u64) < found.size {
-                results[i] = Some(Err(ClientError::BufferTooSmall {
-                    need: found.size,
-                    have,
-                }));
+                results[i] = Some(Err(ClientError::BufferTooSmall { need: found.size, have }));
                 continue;
             }
-            let mut dst = clip(std::mem::take(buf), found.size as usize);
-            reads.push(async move {
-                let res = self.read_one(key, &found.replicas, &mut dst).await;
-                (i, res)
-            });
+            let replicas = self.replica_order(&found.replicas);
+            if replicas.is_empty() {
+                results[i] = Some(Err(ClientError::master(Code::ObjectNotFound.as_i32(), format!("{key} has no replica"))));
+                continue;
+            }
+            jobs.push(ReadJob { i, key, replicas, dst: clip(std::mem::take(buf), found.size as usize), done: None });
         }
-        for (i, res) in join_all(reads).await {
-            results[i] = Some(res.and_then(|n| {
+        {
+            let mut groups: Vec<(SegmentName, Vec<usize>, Vec<ReadItem<'_, '_>>)> = Vec::new();
+            for (j, job) in jobs.iter_mut().enumerate() {
+                let (seg, offset) = job.replicas[0].clone();
+                let g = match groups.iter().position(|(s, ..)| *s == seg) {
+                    Some(g) => g,
+                    None => {
+                        groups.push((seg, Vec::new(), Vec::new()));
+                        groups.len() - 1
+                    }
+                };
+                groups[g].1.push(j);
+                groups[g].2.push(ReadItem { key: job.key, offset, parts: &mut job.dst[..] });
+            }
+            let batches = groups.iter_mut().map(|(seg, js, ritems)| async move {
+                let res = self.transport.read_batch(seg, ritems).await;
+                (std::mem::take(js), res)
+            });
+            let outcomes = join_all(batches).await;
+            drop(groups);
+            for (js, res) in outcomes {
+                for (j, r) in js.into_iter().zip(res) {
+                    jobs[j].done = Some(r.map_err(ClientError::from));
+                }
+            }
+        }
+        // Keys whose first replica failed try the others, one by one.
+        let retries = jobs.iter_mut().filter(|j| matches!(j.done, Some(Err(_)))).map(|job| async move {
+            for (seg, offset) in job.replicas[1..].iter() {
+                match self.transport.read(seg, job.key, *offset, &mut job.dst[..]).await {
+                    Ok(()) => {
+                        job.done = Some(Ok(()));
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %job.key, segment = %seg, error = %e, "replica read failed");
+                        job.done = Some(Err(e.into()));
+                    }
+                }
+            }
+        });
+        join_all(retries).await;
+        for job in jobs {
+            let n: usize = job.dst.iter().map(|d| d.len()).sum();
+            results[job.i] = Some(job.done.expect("attempted").and_then(|()| {
                 if Instant::now() >= lease_deadline {
-                    Err(ClientError::LeaseExpired(keys[i].to_string()))
+                    Err(ClientError::LeaseExpired(keys[job.i].to_string()))
                 } else {
                     Ok(n)
                 }
@@ -440,6 +503,18 @@ impl Client {
         join_all(reads).await
     }
 
+    /// Replicas in the order to try them: the preferred segment first; unparsable names dropped.
+    fn replica_order(&self, replicas: &[pb::ReplicaLocation]) -> Vec<(SegmentName, u64)> {
+        let mut order: Vec<(SegmentName, u64)> = replicas
+            .iter()
+            .filter_map(|r| SegmentName::parse(&r.segment).ok().map(|s| (s, r.offset)))
+            .collect();
+        if let Some(p) = &self.preferred {
+            order.sort_by_key(|(s, _)| s != p);
+        }
+        order
+    }
+
     /// Reads from the preferred replica first, then the others; the last error if all fail.
     async fn read_one(
         &self,
@@ -448,23 +523,9 @@ impl Client {
         dst: &mut [&mut [u8]],
     ) -> Result<usize, ClientError> {
         let len = dst.iter().map(|d| d.len()).sum();
-        let mut order: Vec<&pb::ReplicaLocation> = replicas.iter().collect();
-        if let Some(p) = &self.preferred {
-            order.sort_by_key(|r| r.segment != p.as_str());
-        }
-        let mut last = ClientError::master(
-            Code::ObjectNotFound.as_i32(),
-            format!("{key} has no replica"),
-        );
-        for rep in order {
-            let seg = match SegmentName::parse(&rep.segment) {
-                Ok(s) => s,
-                Err(e) => {
-                    last = ClientError::Rpc(format!("master sent a bad segment name: {e}"));
-                    continue;
-                }
-            };
-            match self.transport.read(&seg, key, rep.offset, dst).await {
+        let mut last = ClientError::master(Code::ObjectNotFound.as_i32(), format!("{key} has no replica"));
+        for (seg, offset) in self.replica_order(replicas) {
+            match self.transport.read(&seg, key, offset, dst).await {
                 Ok(()) => return Ok(len),
                 Err(e) => {
                     tracing::debug!(%key, segment = %seg, error = %e, "replica read failed");
@@ -473,6 +534,11 @@ impl Client {
             }
         }
         Err(last)
+    }
+
+    /// Bytes moved so far through the same-host path and over TCP.
+    pub fn transfer_stats(&self) -> TransferStats {
+        self.transport.stats()
     }
 
     pub async fn exists(&self, key: &str) -> Result<bool, ClientError> {
@@ -605,6 +671,15 @@ impl Client {
             })
             .collect()
     }
+}
+
+/// One key of a batch get: where to try, where the bytes go, and how it went.
+struct ReadJob<'k, 'b> {
+    i: usize,
+    key: &'k ObjectKey,
+    replicas: Vec<(SegmentName, u64)>,
+    dst: Vec<&'b mut [u8]>,
+    done: Option<Result<(), ClientError>>,
 }
 
 /// The leading `n` bytes of `parts`, as parts.

@@ -29,6 +29,11 @@ pub struct ClientConfig {
     pub transfer_timeout: Duration,
     /// Connections kept per owner; transfers beyond it queue.
     pub connections_per_owner: usize,
+    /// Use the same-host shared-memory path to owners on this host that offer it
+    /// (`MOONCAKE_SHM=0` in the environment turns it off too).
+    pub shared_memory: bool,
+    /// Directory of owners' sockets; default: $MOONCAKE_SOCKET_DIR, else /tmp.
+    pub socket_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ClientConfig {
@@ -40,6 +45,8 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(2),
             transfer_timeout: Duration::from_secs(10),
             connections_per_owner: 8,
+            shared_memory: true,
+            socket_dir: None,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The requester-only client embedded in inference workers: batch put/get of KV-cache blocks
 //! between the caller's memory and the owners, with the master deciding placement and leases.
-//! It contributes no memory and pulls in nothing owner-only.
-#![forbid(unsafe_code)]
+//! It contributes no memory and pulls in nothing owner-only. Raw memory access lives in
+//! `transport::local::mapping` alone.
+#![deny(unsafe_code)]
 
 pub mod client;
 pub mod config;

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use futures::future::BoxFuture;
+use futures::future::{join_all, BoxFuture};
 
 use crate::{wire::FrameError, Code, ObjectKey, SegmentName};
 
@@ -53,6 +53,29 @@ impl TransferError {
     }
 }
 
+/// One object to write in a batch: its key, where it goes, and its bytes in order.
+pub struct WriteItem<'a> {
+    pub key: &'a ObjectKey,
+    pub offset: u64,
+    pub parts: &'a [&'a [u8]],
+}
+
+/// One object to read in a batch: its key, where it is, and the buffers it fills in order.
+pub struct ReadItem<'a, 'b> {
+    pub key: &'a ObjectKey,
+    pub offset: u64,
+    pub parts: &'a mut [&'b mut [u8]],
+}
+
+/// Bytes moved so far, by path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Through the same-host shared-memory path.
+    pub local_bytes: u64,
+    /// Over TCP.
+    pub tcp_bytes: u64,
+}
+
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
 /// scattered over several caller buffers (e.g. K and V): `parts` are its bytes in order.
 pub trait DataTransport: Send + Sync + 'static {
@@ -75,4 +98,28 @@ pub trait DataTransport: Send + Sync + 'static {
         offset: u64,
         parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>>;
+
+    /// Writes several objects to one owner; one result per item, in order. Transports that can
+    /// do better than one exchange per object override it.
+    fn write_batch<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a [WriteItem<'a>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(join_all(items.iter().map(|i| self.write(target, i.key, i.offset, i.parts))))
+    }
+
+    /// Reads several objects from one owner; one result per item, in order.
+    fn read_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(join_all(items.iter_mut().map(|i| self.read(target, i.key, i.offset, i.parts))))
+    }
+
+    /// Bytes moved so far, by path.
+    fn stats(&self) -> TransferStats {
+        TransferStats::default()
+    }
 }

@@ -31,6 +31,10 @@ pub struct OwnerConfig {
     pub frame_timeout: Duration,
     /// Written (atomically) with the segment name once the owner serves: a readiness signal.
     pub ready_file: Option<PathBuf>,
+    /// Offer the pool to clients on this host over a Unix-domain socket (memfd passing).
+    pub shared_memory: bool,
+    /// Directory of that socket; default: $MOONCAKE_SOCKET_DIR, else /tmp. Clients must agree.
+    pub socket_dir: Option<PathBuf>,
 }
 
 impl Default for OwnerConfig {
@@ -46,6 +50,8 @@ impl Default for OwnerConfig {
             mount_timeout: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(30),
             ready_file: None,
+            shared_memory: true,
+            socket_dir: None,
         }
     }
 }

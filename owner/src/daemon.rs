@@ -77,6 +77,30 @@ impl RunningOwner {
             stopped.clone(),
         ))];
 
+        let local_socket = if config.shared_memory {
+            let dir = config.socket_dir.clone().unwrap_or_else(mooncake_common::local::socket_dir);
+            let path = mooncake_common::local::socket_path(&dir, &segment);
+            match crate::local::bind(&path) {
+                Ok(listener) => {
+                    let server = Arc::new(crate::local::LocalServer {
+                        pool: pool.clone(),
+                        index: index.clone(),
+                        segment: segment.clone(),
+                        frame_timeout: config.frame_timeout,
+                        path: path.clone(),
+                    });
+                    tasks.push(tokio::spawn(server.serve(listener, stopped.clone())));
+                    Some(path)
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e,
+                        "cannot offer the same-host path; local clients will use TCP");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let link = MasterLink::new(
             &config.master,
             client_id,
@@ -98,7 +122,8 @@ impl RunningOwner {
                 source,
             })?;
         }
-        tracing::info!(%segment, size, locked = pool.is_locked(), %client_id, "owner serving");
+        tracing::info!(%segment, size, locked = pool.is_locked(), %client_id,
+            local_socket = ?local_socket, "owner serving");
         Ok(RunningOwner {
             segment,
             data_addr,

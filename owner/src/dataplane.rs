@@ -15,18 +15,8 @@ use tokio::{
     sync::watch,
 };
 
-use crate::{
-    index::KeyIndex,
-    pool::{MemoryPool, RangeError},
-};
+use crate::{index::KeyIndex, pool::MemoryPool};
 
-/// A range outside the segment is the caller's mistake; a busy one is worth retrying.
-fn range_code(e: &RangeError) -> Code {
-    match e {
-        RangeError::OutOfBounds { .. } => Code::InvalidParams,
-        RangeError::Busy { .. } => Code::TransferFail,
-    }
-}
 
 /// Serves connections until `stop` turns true.
 pub async fn serve(
@@ -193,7 +183,7 @@ impl Connection {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
                 }
                 return Ok(Err(Refusal {
-                    code: range_code(&e),
+                    code: e.code(),
                     message: e.to_string(),
                 }));
             }
@@ -224,7 +214,7 @@ impl Connection {
             Ok(g) => g,
             Err(e) => {
                 return Ok(Err(Refusal {
-                    code: range_code(&e),
+                    code: e.code(),
                     message: e.to_string(),
                 }))
             }

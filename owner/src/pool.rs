@@ -10,6 +10,7 @@ use std::{
     io,
     os::fd::{AsFd, BorrowedFd, FromRawFd},
     ptr::NonNull,
+    sync::Arc,
 };
 
 use memmap2::{MmapMut, MmapOptions};
@@ -21,6 +22,16 @@ pub enum RangeError {
     OutOfBounds { offset: u64, len: u64, size: u64 },
     #[error("range [{offset}, +{len}) is being accessed by a conflicting transfer")]
     Busy { offset: u64, len: u64 },
+}
+
+impl RangeError {
+    /// A range outside the segment is the caller's mistake; a busy one is worth retrying.
+    pub fn code(&self) -> mooncake_common::Code {
+        match self {
+            RangeError::OutOfBounds { .. } => mooncake_common::Code::InvalidParams,
+            RangeError::Busy { .. } => mooncake_common::Code::TransferFail,
+        }
+    }
 }
 
 pub struct MemoryPool {
@@ -75,6 +86,10 @@ impl MemoryPool {
         // fixed above; nothing truncates it while mapped.
         let mut map = unsafe { MmapOptions::new().len(len).populate().map_mut(&file)? };
         let base = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
+        // MAP_POPULATE maps shared pages read-only; fault them in writable now (Linux 5.14+) so
+        // the first write of every page does not fault on the data path.
+        // SAFETY: the range is exactly the mapping created above; madvise leaves contents alone.
+        unsafe { libc::madvise(base.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
         let mut locked = false;
         if lock {
             // SAFETY: the range is exactly the mapping created above.
@@ -144,6 +159,13 @@ impl MemoryPool {
         })
     }
 
+    /// Holds `[offset, offset + len)` for a same-host client that copies through its own mapping:
+    /// conflicting transfers are refused until the lock is dropped. No bytes are exposed here.
+    pub fn lock_range(self: &Arc<Self>, offset: u64, len: u64, write: bool) -> Result<RangeLock, RangeError> {
+        self.acquire(offset, len, write)?;
+        Ok(RangeLock { pool: self.clone(), offset, len, write })
+    }
+
     fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<(), RangeError> {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
@@ -173,6 +195,20 @@ impl MemoryPool {
     fn ptr(&self, offset: u64) -> *mut u8 {
         // SAFETY: callers pass an offset checked by `check_range`, so it is inside the mapping.
         unsafe { self.base.as_ptr().add(offset as usize) }
+    }
+}
+
+/// A range held on behalf of a same-host client; released when dropped.
+pub struct RangeLock {
+    pool: Arc<MemoryPool>,
+    offset: u64,
+    len: u64,
+    write: bool,
+}
+
+impl Drop for RangeLock {
+    fn drop(&mut self) {
+        self.pool.release(self.offset, self.len, self.write);
     }
 }
 

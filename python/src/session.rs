@@ -117,13 +117,7 @@ impl Session {
             env.as_deref(),
         )?
         .or_else(|| Some(owner.segment.clone()));
-        let transport = std::sync::Arc::new(mooncake_client::transport::TcpTransport::new(
-            mooncake_client::transport::tcp::TcpConfig {
-                connect_timeout: config.connect_timeout,
-                transfer_timeout: config.transfer_timeout,
-                connections_per_owner: config.connections_per_owner,
-            },
-        ));
+        let transport = Client::default_transport(&config);
         let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
         Ok(Session {
             hostname: owner.segment.to_string(),

@@ -38,6 +38,12 @@ struct Args {
     /// Do not try to lock the pool in memory.
     #[arg(long)]
     no_mlock: bool,
+    /// Do not offer the same-host shared-memory path (local clients then use TCP).
+    #[arg(long)]
+    no_shm: bool,
+    /// Directory of the same-host socket (default: $MOONCAKE_SOCKET_DIR, else /tmp).
+    #[arg(long)]
+    socket_dir: Option<PathBuf>,
     /// Heartbeat period, e.g. 1s.
     #[arg(long, value_parser = parse_duration)]
     heartbeat_interval: Option<Duration>,
@@ -67,6 +73,12 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     }
     if args.no_mlock {
         c.lock_memory = false;
+    }
+    if args.no_shm {
+        c.shared_memory = false;
+    }
+    if args.socket_dir.is_some() {
+        c.socket_dir = args.socket_dir;
     }
     c.validate()
         .map_err(|e| format!("invalid configuration: {e}"))?;

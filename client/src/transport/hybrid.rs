@@ -1,0 +1,190 @@
+//! The transport clients use: the same-host path for owners on this host that offer it (and
+//! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided once per owner without the
+//! caller being told. A same-host connection that fails is forgotten, so the next call probes
+//! again (an owner restart, for instance).
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
+
+use futures::future::BoxFuture;
+use mooncake_common::{
+    local::socket_path,
+    transport::{DataTransport, ReadItem, TransferError, TransferStats, WriteItem},
+    ObjectKey, SegmentName,
+};
+use parking_lot::Mutex;
+
+use super::{local::LocalOwner, tcp::TcpConfig, TcpTransport};
+
+#[derive(Debug, Clone)]
+pub struct HybridConfig {
+    pub tcp: TcpConfig,
+    /// Try the same-host path at all.
+    pub shared_memory: bool,
+    /// Where owners' sockets live.
+    pub socket_dir: PathBuf,
+}
+
+#[derive(Clone)]
+enum Route {
+    Local(Arc<LocalOwner>),
+    Tcp,
+}
+
+pub struct HybridTransport {
+    config: HybridConfig,
+    tcp: TcpTransport,
+    routes: Mutex<HashMap<SegmentName, Route>>,
+    local_bytes: AtomicU64,
+    tcp_bytes: AtomicU64,
+}
+
+impl HybridTransport {
+    pub fn new(config: HybridConfig) -> Self {
+        HybridTransport {
+            tcp: TcpTransport::new(config.tcp.clone()),
+            config,
+            routes: Mutex::new(HashMap::new()),
+            local_bytes: AtomicU64::new(0),
+            tcp_bytes: AtomicU64::new(0),
+        }
+    }
+
+    async fn route(&self, target: &SegmentName) -> Route {
+        if let Some(r) = self.routes.lock().get(target) {
+            return r.clone();
+        }
+        let route = self.probe(target).await;
+        self.routes.lock().insert(target.clone(), route.clone());
+        route
+    }
+
+    async fn probe(&self, target: &SegmentName) -> Route {
+        if !self.config.shared_memory {
+            return Route::Tcp;
+        }
+        let path = socket_path(&self.config.socket_dir, target);
+        if !path.exists() {
+            return Route::Tcp;
+        }
+        let (seg, timeout, conns) = (target.clone(), self.config.tcp.connect_timeout, self.config.tcp.connections_per_owner);
+        let connected = tokio::task::spawn_blocking(move || LocalOwner::connect(&path, &seg, timeout, conns)).await;
+        match connected {
+            Ok(Ok(owner)) => {
+                tracing::debug!(segment = %target, "using the same-host path");
+                Route::Local(Arc::new(owner))
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(segment = %target, error = %e, "same-host path unavailable; using TCP");
+                Route::Tcp
+            }
+            Err(e) => {
+                tracing::warn!(segment = %target, error = %e, "same-host probe failed; using TCP");
+                Route::Tcp
+            }
+        }
+    }
+
+    /// Forgets a same-host route after a connection-level failure.
+    fn forget_if_broken(&self, target: &SegmentName, results: &[Result<(), TransferError>]) {
+        let broken = results
+            .iter()
+            .any(|r| matches!(r, Err(TransferError::Io { .. } | TransferError::Timeout { .. } | TransferError::Connect { .. })));
+        if broken {
+            self.routes.lock().remove(target);
+        }
+    }
+
+    fn count(&self, local: bool, bytes: u64) {
+        let c = if local { &self.local_bytes } else { &self.tcp_bytes };
+        c.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+fn ok_bytes(results: &[Result<(), TransferError>], lens: impl Iterator<Item = u64>) -> u64 {
+    results.iter().zip(lens).filter(|(r, _)| r.is_ok()).map(|(_, l)| l).sum()
+}
+
+impl DataTransport for HybridTransport {
+    fn write<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        key: &'a ObjectKey,
+        offset: u64,
+        parts: &'a [&'a [u8]],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let items = [WriteItem { key, offset, parts }];
+            self.write_batch(target, &items).await.pop().expect("one result")
+        })
+    }
+
+    fn read<'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        key: &'a ObjectKey,
+        offset: u64,
+        parts: &'a mut [&'b mut [u8]],
+    ) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            let mut items = [ReadItem { key, offset, parts }];
+            self.read_batch(target, &mut items).await.pop().expect("one result")
+        })
+    }
+
+    fn write_batch<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a [WriteItem<'a>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(async move {
+            let lens = || items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum::<u64>());
+            match self.route(target).await {
+                Route::Local(owner) => {
+                    let res = owner.write_batch(items).await;
+                    self.forget_if_broken(target, &res);
+                    self.count(true, ok_bytes(&res, lens()));
+                    res
+                }
+                Route::Tcp => {
+                    let res = self.tcp.write_batch(target, items).await;
+                    self.count(false, ok_bytes(&res, lens()));
+                    res
+                }
+            }
+        })
+    }
+
+    fn read_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(async move {
+            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            let (res, local) = match self.route(target).await {
+                Route::Local(owner) => {
+                    let res = owner.read_batch(items).await;
+                    self.forget_if_broken(target, &res);
+                    (res, true)
+                }
+                Route::Tcp => (self.tcp.read_batch(target, items).await, false),
+            };
+            self.count(local, ok_bytes(&res, lens.into_iter()));
+            res
+        })
+    }
+
+    fn stats(&self) -> TransferStats {
+        TransferStats {
+            local_bytes: self.local_bytes.load(Ordering::Relaxed),
+            tcp_bytes: self.tcp_bytes.load(Ordering::Relaxed),
+        }
+    }
+}

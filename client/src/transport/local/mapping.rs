@@ -1,0 +1,124 @@
+//! The client's view of a same-host owner's pool: the memfd received over the owner's socket,
+//! mapped shared, and the copies in and out of it. Copies happen only inside ranges the owner
+//! has locked for this client (see `LocalOwner`), and every offset is checked against the pool.
+
+use std::{
+    fs::File,
+    io,
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+#[derive(Debug, thiserror::Error)]
+#[error("range [{offset}, +{len}) is outside the mapped pool of {size} bytes")]
+pub struct OutOfRange {
+    offset: u64,
+    len: u64,
+    size: u64,
+}
+
+pub struct SharedPool {
+    map: MmapRaw,
+    len: u64,
+}
+
+impl SharedPool {
+    /// Maps the whole pool, pre-faulting its page tables so copies do not take faults.
+    pub fn map(fd: OwnedFd, len: u64) -> io::Result<SharedPool> {
+        let file = File::from(fd);
+        let actual = file.metadata()?.len();
+        if actual < len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("owner announced a pool of {len} bytes but the memfd has {actual}"),
+            ));
+        }
+        let map = MmapOptions::new().len(len as usize).map_raw(&file)?;
+        // MAP_POPULATE maps shared pages read-only, so every first write would still fault;
+        // populate for writing instead (Linux 5.14+), and fall back to read-populating.
+        // SAFETY: the range is exactly the mapping just created; madvise does not touch contents.
+        let rc = unsafe { libc::madvise(map.as_mut_ptr().cast(), len as usize, libc::MADV_POPULATE_WRITE) };
+        if rc != 0 {
+            // SAFETY: as above.
+            unsafe { libc::madvise(map.as_mut_ptr().cast(), len as usize, libc::MADV_WILLNEED) };
+        }
+        Ok(SharedPool { map, len })
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), OutOfRange> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(OutOfRange { offset, len, size: self.len }),
+        }
+    }
+
+    /// Copies the concatenation of `parts` to `offset`. The owner holds the range locked for
+    /// this client's write.
+    pub fn copy_in(&self, offset: u64, parts: &[&[u8]]) -> Result<(), OutOfRange> {
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        self.check(offset, total)?;
+        let mut at = offset as usize;
+        for p in parts {
+            // SAFETY: [at, at + p.len()) lies inside the mapping (checked above); the owner has
+            // locked the range exclusively for this client, so no reader or writer it serves
+            // overlaps it, and `p` is caller memory that cannot overlap a mapping we created.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.map.as_mut_ptr().add(at), p.len()) };
+            at += p.len();
+        }
+        Ok(())
+    }
+
+    /// Fills `parts`, in order, from `offset`. The owner holds the range locked for this
+    /// client's read and has checked it holds the key.
+    pub fn copy_out(&self, offset: u64, parts: &mut [&mut [u8]]) -> Result<(), OutOfRange> {
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        self.check(offset, total)?;
+        let mut at = offset as usize;
+        for p in parts.iter_mut() {
+            // SAFETY: as in `copy_in`; the read lock keeps writers of this owner out of the range
+            // while we copy, and `p` is caller memory disjoint from the mapping.
+            unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), p.as_mut_ptr(), p.len()) };
+            at += p.len();
+        }
+        Ok(())
+    }
+}
+
+/// Receives up to `buf.len()` bytes and at most one file descriptor (SCM_RIGHTS) from the
+/// connected Unix socket `sock`.
+pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: CMSG_SPACE only computes a size from its argument.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: an all-zero msghdr is a valid empty header; the pointers set below refer to live
+    // buffers that outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as _;
+    // SAFETY: `sock` is a valid socket; MSG_CMSG_CLOEXEC keeps a received fd out of children.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fd = None;
+    // SAFETY: the kernel filled `msg_control`/`msg_controllen`; CMSG_FIRSTHDR/NXTHDR walk only
+    // within them, and an SCM_RIGHTS message carries ints.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const libc::c_int);
+                fd = Some(OwnedFd::from_raw_fd(raw));
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((n as usize, fd))
+}

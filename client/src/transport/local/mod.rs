@@ -1,0 +1,239 @@
+//! The same-host transport: a local owner hands this client its pool's memfd over a Unix-domain
+//! socket, and the client copies bytes itself. Each batch is one begin/end exchange with the owner
+//! around the copies: the owner locks the ranges (and, for reads, checks they hold the keys), so
+//! the guarantees are those of TCP with one memcpy instead of two socket copies.
+
+#[allow(unsafe_code)]
+mod mapping;
+
+use std::{
+    io::{self, Read, Write},
+    os::{fd::AsFd, unix::net::UnixStream as StdUnixStream},
+    path::Path,
+    sync::Arc,
+    time::Duration,
+};
+
+use mooncake_common::{
+    local::{frame_header, FrameReader, FrameWriter, LocalOp},
+    transport::{ReadItem, TransferError, WriteItem},
+    Code, SegmentName,
+};
+use parking_lot::Mutex;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::UnixStream,
+    sync::Semaphore,
+};
+
+use mapping::SharedPool;
+
+pub struct LocalOwner {
+    segment: SegmentName,
+    path: std::path::PathBuf,
+    pool: SharedPool,
+    idle: Mutex<Vec<UnixStream>>,
+    permits: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl LocalOwner {
+    /// Connects to the owner's socket, checks it serves `segment`, and maps its pool. Blocking:
+    /// call it off the async workers.
+    pub fn connect(path: &Path, segment: &SegmentName, timeout: Duration, conns: usize) -> io::Result<LocalOwner> {
+        let (stream, fd, size) = hello(path, segment, timeout)?;
+        let fd = fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
+        let pool = SharedPool::map(fd, size)?;
+        let first = UnixStream::from_std(stream)?;
+        Ok(LocalOwner {
+            segment: segment.clone(),
+            path: path.to_path_buf(),
+            pool,
+            idle: Mutex::new(vec![first]),
+            permits: Arc::new(Semaphore::new(conns.max(1))),
+            timeout,
+        })
+    }
+
+    fn io_err(&self, source: io::Error) -> TransferError {
+        TransferError::Io { target: self.segment.clone(), source }
+    }
+
+    async fn checkout(&self) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
+        let permit = self.permits.clone().acquire_owned().await.expect("semaphore never closed");
+        let pooled = self.idle.lock().pop();
+        let stream = match pooled {
+            Some(s) => s,
+            None => {
+                let (path, segment, timeout) = (self.path.clone(), self.segment.clone(), self.timeout);
+                let std_stream = tokio::task::spawn_blocking(move || hello(&path, &segment, timeout).map(|(s, _, _)| s))
+                    .await
+                    .map_err(|e| self.io_err(io::Error::other(e)))?
+                    .map_err(|e| self.io_err(e))?;
+                UnixStream::from_std(std_stream).map_err(|e| self.io_err(e))?
+            }
+        };
+        Ok((permit, stream))
+    }
+
+    /// Begin, copy, end: one exchange per batch in each direction. Results per item, in order.
+    pub async fn write_batch(&self, items: &[WriteItem<'_>]) -> Vec<Result<(), TransferError>> {
+        let all = |e: &TransferError| items.iter().map(|_| Err(clone(e))).collect::<Vec<_>>();
+        let (_permit, mut stream) = match self.checkout().await {
+            Ok(c) => c,
+            Err(e) => return all(&e),
+        };
+        let exchange = async {
+            let mut w = FrameWriter::new(LocalOp::BeginWrite);
+            w.u32(items.len() as u32);
+            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            for (i, len) in items.iter().zip(&lens) {
+                w.item(i.offset, *len, i.key.as_str());
+            }
+            let begun = self.call(&mut stream, w.finish(), items.len()).await?;
+            let mut results: Vec<Result<(), TransferError>> = Vec::with_capacity(items.len());
+            // Every begun item is ended, committed only if its copy succeeded.
+            let mut ended: Vec<(usize, u64, u64, bool)> = Vec::new();
+            for (idx, ((item, len), code)) in items.iter().zip(&lens).zip(&begun).enumerate() {
+                if *code != 0 {
+                    results.push(Err(self.refused(*code, "write")));
+                    continue;
+                }
+                let copied = self.pool.copy_in(item.offset, item.parts);
+                ended.push((idx, item.offset, *len, copied.is_ok()));
+                results.push(copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())));
+            }
+            let mut end = FrameWriter::new(LocalOp::EndWrite);
+            end.u32(ended.len() as u32);
+            for (_, offset, len, commit) in &ended {
+                end.u64(*offset).u64(*len).u8(*commit as u8);
+            }
+            let codes = self.call(&mut stream, end.finish(), ended.len()).await?;
+            for ((idx, ..), code) in ended.iter().zip(codes) {
+                if code != 0 && results[*idx].is_ok() {
+                    results[*idx] = Err(self.refused(code, "write end"));
+                }
+            }
+            Ok::<_, TransferError>(results)
+        };
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(Ok(results)) => {
+                self.idle.lock().push(stream);
+                results
+            }
+            Ok(Err(e)) => all(&e),
+            Err(_) => all(&TransferError::Timeout { target: self.segment.clone(), after: self.timeout }),
+        }
+    }
+
+    pub async fn read_batch(&self, items: &mut [ReadItem<'_, '_>]) -> Vec<Result<(), TransferError>> {
+        let n = items.len();
+        let all = |e: &TransferError| (0..n).map(|_| Err(clone(e))).collect::<Vec<_>>();
+        let (_permit, mut stream) = match self.checkout().await {
+            Ok(c) => c,
+            Err(e) => return all(&e),
+        };
+        let exchange = async {
+            let mut w = FrameWriter::new(LocalOp::BeginRead);
+            w.u32(n as u32);
+            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            for (i, len) in items.iter().zip(&lens) {
+                w.item(i.offset, *len, i.key.as_str());
+            }
+            let begun = self.call(&mut stream, w.finish(), n).await?;
+            let mut results = Vec::with_capacity(n);
+            let mut release = Vec::new();
+            for ((item, len), code) in items.iter_mut().zip(&lens).zip(&begun) {
+                if *code != 0 {
+                    results.push(Err(self.refused(*code, "read")));
+                    continue;
+                }
+                let copied = self.pool.copy_out(item.offset, item.parts);
+                release.push((item.offset, *len));
+                results.push(copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())));
+            }
+            if !release.is_empty() {
+                let mut end = FrameWriter::new(LocalOp::EndRead);
+                end.u32(release.len() as u32);
+                for (offset, len) in release {
+                    end.u64(offset).u64(len);
+                }
+                stream.write_all(&end.finish()).await.map_err(|e| self.io_err(e))?;
+            }
+            Ok::<_, TransferError>(results)
+        };
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(Ok(results)) => {
+                self.idle.lock().push(stream);
+                results
+            }
+            Ok(Err(e)) => all(&e),
+            Err(_) => all(&TransferError::Timeout { target: self.segment.clone(), after: self.timeout }),
+        }
+    }
+
+    /// Sends a request frame and reads the reply's per-item status codes.
+    async fn call(&self, stream: &mut UnixStream, frame: Vec<u8>, n: usize) -> Result<Vec<i32>, TransferError> {
+        stream.write_all(&frame).await.map_err(|e| self.io_err(e))?;
+        let mut h = [0u8; 5];
+        stream.read_exact(&mut h).await.map_err(|e| self.io_err(e))?;
+        let (len, _) = frame_header(h).map_err(|e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await.map_err(|e| self.io_err(e))?;
+        let mut r = FrameReader::new(&body);
+        let bad = |e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e));
+        let count = r.count().map_err(bad)?;
+        if count != n {
+            return Err(self.io_err(io::Error::new(io::ErrorKind::InvalidData, "owner answered a wrong number of items")));
+        }
+        (0..n).map(|_| r.i32().map_err(bad)).collect()
+    }
+
+    fn refused(&self, code: i32, what: &str) -> TransferError {
+        TransferError::Remote {
+            target: self.segment.clone(),
+            code: Code::from_i32(code),
+            message: format!("same-host {what} refused"),
+        }
+    }
+}
+
+/// Opens a control connection: hello, then the owner's answer with the pool size and its memfd.
+fn hello(path: &Path, segment: &SegmentName, timeout: Duration) -> io::Result<(StdUnixStream, Option<std::os::fd::OwnedFd>, u64)> {
+    let mut stream = StdUnixStream::connect(path)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let mut w = FrameWriter::new(LocalOp::Hello);
+    w.bytes(segment.as_str().as_bytes());
+    stream.write_all(&w.finish())?;
+    let mut buf = [0u8; 17];
+    let (n, fd) = mapping::recv_with_fd(stream.as_fd(), &mut buf)?;
+    if n < buf.len() {
+        stream.read_exact(&mut buf[n..])?;
+    }
+    let (_, op) = frame_header(buf[..5].try_into().expect("5 bytes")).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let mut r = FrameReader::new(&buf[5..]);
+    let status = r.i32().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let size = r.u64().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if op != LocalOp::Hello || status != 0 {
+        return Err(io::Error::new(io::ErrorKind::NotFound, format!("owner at {} does not serve {segment}", path.display())));
+    }
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    stream.set_nonblocking(true)?;
+    Ok((stream, fd, size))
+}
+
+/// Batch-wide failures are reported on every item; io errors are not Clone.
+fn clone(e: &TransferError) -> TransferError {
+    match e {
+        TransferError::Timeout { target, after } => TransferError::Timeout { target: target.clone(), after: *after },
+        TransferError::Remote { target, code, message } => {
+            TransferError::Remote { target: target.clone(), code: *code, message: message.clone() }
+        }
+        TransferError::Connect { target, source } | TransferError::Io { target, source } => {
+            TransferError::Io { target: target.clone(), source: io::Error::new(source.kind(), source.to_string()) }
+        }
+        TransferError::Protocol { target, source } => TransferError::Protocol { target: target.clone(), source: source.clone() },
+    }
+}

@@ -1,0 +1,237 @@
+//! The same-host path's control protocol. An owner listens on a Unix-domain socket next to its
+//! TCP endpoint; a local client says hello with the segment it wants and receives the pool's
+//! memfd (SCM_RIGHTS), so it copies bytes itself. Every copy is bracketed by a begin/end exchange
+//! in which the owner takes and releases range locks and keeps its key index exact, so the
+//! same-host path gives the same guarantees as TCP (no read of a range being written, no read of
+//! a range that does not hold the key). Only processes allowed to open the socket file can map
+//! the pool.
+//!
+//! ```text
+//! frame:  u32 body length | u8 op | body
+//! Hello      (c->o) segment name              reply: i32 status | u64 pool size  (+ memfd)
+//! BeginWrite (c->o) u32 n | n x item          reply: u32 n | n x i32 status
+//! EndWrite   (c->o) u32 n | n x (u64 offset, u64 len, u8 commit)   reply: as BeginWrite
+//! BeginRead  (c->o) u32 n | n x item          reply: as BeginWrite
+//! EndRead    (c->o) u32 n | n x (u64 offset, u64 len)              no reply
+//! item: u64 offset | u64 len | u16 key length | key
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::{ids::MAX_KEY_LEN, SegmentName};
+
+/// Environment variable naming the directory of owners' sockets (both sides must agree).
+pub const SOCKET_DIR_ENV: &str = "MOONCAKE_SOCKET_DIR";
+/// Setting it to "0" in a client turns the same-host path off.
+pub const SHM_ENV: &str = "MOONCAKE_SHM";
+pub const DEFAULT_SOCKET_DIR: &str = "/tmp";
+/// Largest control frame; a batch of thousands of keys fits many times over.
+pub const MAX_FRAME: usize = 64 << 20;
+pub const MAX_ITEMS: usize = 1 << 20;
+
+/// The socket directory from the environment, else the default.
+pub fn socket_dir() -> PathBuf {
+    std::env::var_os(SOCKET_DIR_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET_DIR))
+}
+
+/// Whether the environment allows the same-host path (anything but "0").
+pub fn shm_enabled() -> bool {
+    std::env::var(SHM_ENV).map(|v| v.trim() != "0").unwrap_or(true)
+}
+
+/// Where the owner of `segment` listens for local clients.
+pub fn socket_path(dir: &Path, segment: &SegmentName) -> PathBuf {
+    let name: String = segment
+        .as_str()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '_' })
+        .collect();
+    dir.join(format!("mooncake-{name}.sock"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum LocalOp {
+    Hello = 1,
+    BeginWrite = 2,
+    EndWrite = 3,
+    BeginRead = 4,
+    EndRead = 5,
+}
+
+impl LocalOp {
+    pub fn from_u8(v: u8) -> Option<LocalOp> {
+        Some(match v {
+            1 => LocalOp::Hello,
+            2 => LocalOp::BeginWrite,
+            3 => LocalOp::EndWrite,
+            4 => LocalOp::BeginRead,
+            5 => LocalOp::EndRead,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed same-host control frame: {0}")]
+pub struct LocalFrameError(pub &'static str);
+
+/// Builds one frame; `finish` patches the length prefix.
+pub struct FrameWriter {
+    buf: Vec<u8>,
+}
+
+impl FrameWriter {
+    pub fn new(op: LocalOp) -> Self {
+        let mut buf = Vec::with_capacity(256);
+        buf.extend_from_slice(&[0, 0, 0, 0, op as u8]);
+        FrameWriter { buf }
+    }
+
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self
+    }
+
+    /// An item: offset, length and key.
+    pub fn item(&mut self, offset: u64, len: u64, key: &str) -> &mut Self {
+        self.u64(offset).u64(len);
+        self.buf.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        self.bytes(key.as_bytes())
+    }
+
+    pub fn finish(mut self) -> Vec<u8> {
+        let body = (self.buf.len() - 4) as u32;
+        self.buf[..4].copy_from_slice(&body.to_le_bytes());
+        self.buf
+    }
+}
+
+/// Reads the body of one frame (after its length prefix and op).
+pub struct FrameReader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> FrameReader<'a> {
+    pub fn new(body: &'a [u8]) -> Self {
+        FrameReader { buf: body }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], LocalFrameError> {
+        if self.buf.len() < n {
+            return Err(LocalFrameError("truncated"));
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Ok(a)
+    }
+
+    pub fn u8(&mut self) -> Result<u8, LocalFrameError> {
+        Ok(self.take(1)?[0])
+    }
+
+    pub fn u32(&mut self) -> Result<u32, LocalFrameError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    pub fn i32(&mut self) -> Result<i32, LocalFrameError> {
+        Ok(i32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    pub fn u64(&mut self) -> Result<u64, LocalFrameError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+
+    /// A count of items, bounded.
+    pub fn count(&mut self) -> Result<usize, LocalFrameError> {
+        let n = self.u32()? as usize;
+        if n > MAX_ITEMS {
+            return Err(LocalFrameError("too many items"));
+        }
+        Ok(n)
+    }
+
+    /// (offset, len, key bytes).
+    pub fn item(&mut self) -> Result<(u64, u64, &'a [u8]), LocalFrameError> {
+        let offset = self.u64()?;
+        let len = self.u64()?;
+        let klen = u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")) as usize;
+        if klen == 0 || klen > MAX_KEY_LEN {
+            return Err(LocalFrameError("bad key length"));
+        }
+        Ok((offset, len, self.take(klen)?))
+    }
+
+    pub fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.buf)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+}
+
+/// Splits a frame's header: (body length, op) from its first five bytes.
+pub fn frame_header(h: [u8; 5]) -> Result<(usize, LocalOp), LocalFrameError> {
+    let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+    if len < 1 || len > MAX_FRAME {
+        return Err(LocalFrameError("bad frame length"));
+    }
+    let op = LocalOp::from_u8(h[4]).ok_or(LocalFrameError("unknown op"))?;
+    Ok((len - 1, op))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_truncation_is_an_error() {
+        let mut w = FrameWriter::new(LocalOp::BeginWrite);
+        w.u32(2).item(64, 100, "a").item(1 << 40, 7, "key-2");
+        let f = w.finish();
+        let (len, op) = frame_header(f[..5].try_into().unwrap()).unwrap();
+        assert_eq!((len, op), (f.len() - 5, LocalOp::BeginWrite));
+        let mut r = FrameReader::new(&f[5..]);
+        assert_eq!(r.count().unwrap(), 2);
+        assert_eq!(r.item().unwrap(), (64, 100, &b"a"[..]));
+        assert_eq!(r.item().unwrap(), (1 << 40, 7, &b"key-2"[..]));
+        assert!(r.is_empty());
+        let mut short = FrameReader::new(&f[5..f.len() - 1]);
+        short.count().unwrap();
+        short.item().unwrap();
+        assert!(short.item().is_err());
+        assert!(frame_header([0, 0, 0, 0, 1]).is_err());
+        assert!(frame_header([1, 0, 0, 0, 99]).is_err());
+    }
+
+    #[test]
+    fn socket_paths_are_file_names() {
+        let s = SegmentName::parse("[::1]:80").unwrap();
+        assert_eq!(socket_path(Path::new("/tmp"), &s), PathBuf::from("/tmp/mooncake-___1__80.sock"));
+        let s = SegmentName::parse("10.0.0.5:1234").unwrap();
+        assert_eq!(socket_path(Path::new("/d"), &s), PathBuf::from("/d/mooncake-10.0.0.5_1234.sock"));
+    }
+}

@@ -1,0 +1,223 @@
+//! The same-host path, owner side: a Unix-domain socket (file mode 0660, so only the owner's
+//! user and group can connect) that hands local clients the pool's memfd and brackets their
+//! copies with range locks and key-index updates. The owner never copies these bytes itself.
+
+use std::{
+    collections::HashMap,
+    io,
+    os::{fd::AsFd, unix::fs::PermissionsExt},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use mooncake_common::{
+    local::{frame_header, FrameReader, FrameWriter, LocalFrameError, LocalOp},
+    Code, ObjectKey, SegmentName,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{UnixListener, UnixStream},
+    sync::watch,
+};
+
+use crate::{
+    fdpass,
+    index::KeyIndex,
+    pool::{MemoryPool, RangeLock},
+};
+
+/// Binds the socket at `path`, replacing a stale file left by a dead owner.
+pub fn bind(path: &Path) -> io::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(listener)
+}
+
+pub struct LocalServer {
+    pub pool: Arc<MemoryPool>,
+    pub index: Arc<KeyIndex>,
+    pub segment: SegmentName,
+    pub frame_timeout: Duration,
+    pub path: PathBuf,
+}
+
+impl LocalServer {
+    /// Serves local clients until `stop`, then removes the socket file.
+    pub async fn serve(self: Arc<Self>, listener: UnixListener, mut stop: watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let me = self.clone();
+                        let stop = stop.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = me.session(stream, stop).await {
+                                tracing::debug!(error = %e, "local session closed");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "local accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                _ = stop.changed() => break,
+            }
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// One client connection. Its locks live in `held` and are released when it ends, however
+    /// it ends; a write that never ended leaves its range naming no key (reads are refused).
+    async fn session(&self, mut stream: UnixStream, mut stop: watch::Receiver<bool>) -> io::Result<()> {
+        let mut held = Held::default();
+        let mut body = Vec::new();
+        loop {
+            let mut h = [0u8; 5];
+            tokio::select! {
+                r = stream.read_exact(&mut h[..1]) => { if r.is_err() { return Ok(()); } }
+                _ = stop.changed() => return Ok(()),
+            }
+            let rest = async {
+                stream.read_exact(&mut h[1..]).await?;
+                let (len, op) = frame_header(h).map_err(invalid)?;
+                body.resize(len, 0);
+                stream.read_exact(&mut body).await?;
+                Ok::<_, io::Error>(op)
+            };
+            let op = tokio::time::timeout(self.frame_timeout, rest)
+                .await
+                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame"))??;
+            let mut r = FrameReader::new(&body);
+            match op {
+                LocalOp::Hello => self.hello(&mut stream, &mut r).await?,
+                LocalOp::BeginWrite => {
+                    let reply = self.begin(&mut r, &mut held, true).map_err(invalid)?;
+                    stream.write_all(&reply).await?;
+                }
+                LocalOp::EndWrite => {
+                    let reply = self.end_write(&mut r, &mut held).map_err(invalid)?;
+                    stream.write_all(&reply).await?;
+                }
+                LocalOp::BeginRead => {
+                    let reply = self.begin(&mut r, &mut held, false).map_err(invalid)?;
+                    stream.write_all(&reply).await?;
+                }
+                LocalOp::EndRead => {
+                    let n = r.count().map_err(invalid)?;
+                    for _ in 0..n {
+                        let range = (r.u64().map_err(invalid)?, r.u64().map_err(invalid)?);
+                        held.release_read(range);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn hello(&self, stream: &mut UnixStream, r: &mut FrameReader<'_>) -> io::Result<()> {
+        let wanted = std::str::from_utf8(r.rest()).unwrap_or("");
+        if wanted != self.segment.as_str() {
+            let mut w = FrameWriter::new(LocalOp::Hello);
+            w.i32(Code::SegmentNotFound.as_i32()).u64(0);
+            stream.write_all(&w.finish()).await?;
+            return Err(invalid(LocalFrameError("hello for another segment")));
+        }
+        let mut w = FrameWriter::new(LocalOp::Hello);
+        w.i32(0).u64(self.pool.len());
+        let frame = w.finish();
+        let mut sent = 0;
+        while sent < frame.len() {
+            stream.writable().await?;
+            let res = if sent == 0 {
+                fdpass::send_with_fd(stream.as_fd(), &frame, self.pool.memfd())
+            } else {
+                stream.try_write(&frame[sent..])
+            };
+            match res {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn begin(&self, r: &mut FrameReader<'_>, held: &mut Held, write: bool) -> Result<Vec<u8>, LocalFrameError> {
+        let n = r.count()?;
+        let op = if write { LocalOp::BeginWrite } else { LocalOp::BeginRead };
+        let mut w = FrameWriter::new(op);
+        w.u32(n as u32);
+        for _ in 0..n {
+            let (offset, len, key) = r.item()?;
+            let code = match ObjectKey::from_bytes(key) {
+                Err(_) => Code::InvalidParams,
+                Ok(key) => match self.pool.lock_range(offset, len, write) {
+                    Err(e) => e.code(),
+                    Ok(lock) if write => {
+                        // As on TCP: the range stops naming its old key before any byte changes.
+                        self.index.forget(offset, len);
+                        held.writes.insert((offset, len), (lock, key));
+                        Code::Ok
+                    }
+                    Ok(lock) => {
+                        if self.index.holds(offset, len, &key) {
+                            held.reads.push(((offset, len), lock));
+                            Code::Ok
+                        } else {
+                            Code::ObjectNotFound
+                        }
+                    }
+                },
+            };
+            w.i32(code.as_i32());
+        }
+        Ok(w.finish())
+    }
+
+    fn end_write(&self, r: &mut FrameReader<'_>, held: &mut Held) -> Result<Vec<u8>, LocalFrameError> {
+        let n = r.count()?;
+        let mut w = FrameWriter::new(LocalOp::EndWrite);
+        w.u32(n as u32);
+        for _ in 0..n {
+            let range = (r.u64()?, r.u64()?);
+            let commit = r.u8()? != 0;
+            let code = match held.writes.remove(&range) {
+                Some((lock, key)) => {
+                    if commit {
+                        self.index.record(range.0, range.1, key);
+                    }
+                    drop(lock);
+                    Code::Ok
+                }
+                None => Code::InvalidParams,
+            };
+            w.i32(code.as_i32());
+        }
+        Ok(w.finish())
+    }
+}
+
+#[derive(Default)]
+struct Held {
+    writes: HashMap<(u64, u64), (RangeLock, ObjectKey)>,
+    reads: Vec<((u64, u64), RangeLock)>,
+}
+
+impl Held {
+    fn release_read(&mut self, range: (u64, u64)) {
+        if let Some(i) = self.reads.iter().position(|(r, _)| *r == range) {
+            self.reads.swap_remove(i);
+        }
+    }
+}
+
+
+fn invalid(e: LocalFrameError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
