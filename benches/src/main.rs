@@ -116,10 +116,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if !args.json {
         println!(
             "{:<4} {:>10} {:>6} {:>6} {:>8} {:>10} {:>10} {:>7} {:>9} {:>5}",
-            "op", "value", "keys", "batch", "GiB/s", "p50_us", "p99_us", "errors", "verified", "path"
+            "op",
+            "value",
+            "keys",
+            "batch",
+            "GiB/s",
+            "p50_us",
+            "p99_us",
+            "errors",
+            "verified",
+            "path"
         );
     }
     let run_id = std::process::id();
+    warm_up(&client, run_id).await;
     let mut failed = false;
     for size in &args.value_size {
         let rows = phase_pair(&client, &args, size.bytes() as usize, run_id).await;
@@ -151,6 +161,29 @@ async fn run(args: Args) -> anyhow::Result<()> {
         bail!("some operations failed (see the errors column)");
     }
     Ok(())
+}
+
+/// Opens connections and maps same-host pools before anything is timed: one small put, get
+/// and remove on every owner the master places it on.
+async fn warm_up(client: &Client, run_id: u32) {
+    let segments = client
+        .list_segments()
+        .await
+        .map(|s| s.len())
+        .unwrap_or(1)
+        .max(1);
+    for i in 0..segments * 4 {
+        let key = format!("bench/{run_id}/warmup/{i}");
+        let mut buf = [0u8; 64];
+        if client
+            .put(&key, &buf, &ReplicateConfig::default())
+            .await
+            .is_ok()
+        {
+            let _ = client.get(&key, &mut buf).await;
+            let _ = client.remove(&key, true).await;
+        }
+    }
 }
 
 /// Puts then gets `keys` values of `size`, returning the two rows; removes the keys afterwards.

@@ -32,7 +32,14 @@ impl Phase {
         self.bytes += bytes;
     }
 
-    pub fn row(mut self, op: &'static str, size: usize, keys: usize, batch: usize, path: &'static str) -> Row {
+    pub fn row(
+        mut self,
+        op: &'static str,
+        size: usize,
+        keys: usize,
+        batch: usize,
+        path: &'static str,
+    ) -> Row {
         self.latencies.sort();
         let total: Duration = self.latencies.iter().sum();
         let pct = |p: f64| {

@@ -104,7 +104,10 @@ impl Client {
                 connections_per_owner: config.connections_per_owner,
             },
             shared_memory: config.shared_memory && mooncake_common::local::shm_enabled(),
-            socket_dir: config.socket_dir.clone().unwrap_or_else(mooncake_common::local::socket_dir),
+            socket_dir: config
+                .socket_dir
+                .clone()
+                .unwrap_or_else(mooncake_common::local::socket_dir),
         }))
     }
 
@@ -237,7 +240,9 @@ impl Client {
                 let seg = match SegmentName::parse(&rep.segment) {
                     Ok(s) => s,
                     Err(e) => {
-                        write_errors[slot].get_or_insert(ClientError::Rpc(format!("master sent a bad segment name: {e}")));
+                        write_errors[slot].get_or_insert(ClientError::Rpc(format!(
+                            "master sent a bad segment name: {e}"
+                        )));
                         continue;
                     }
                 };
@@ -249,7 +254,11 @@ impl Client {
                     }
                 };
                 groups[g].1.push(slot);
-                groups[g].2.push(WriteItem { key, offset: rep.offset, parts: items[*i].1 });
+                groups[g].2.push(WriteItem {
+                    key,
+                    offset: rep.offset,
+                    parts: items[*i].1,
+                });
             }
         }
         let batches = groups.iter().map(|(seg, slots, witems)| async move {
@@ -399,15 +408,27 @@ impl Client {
             }
             let have: usize = buf.iter().map(|b| b.len()).sum();
             if (have as u64) < found.size {
-                results[i] = Some(Err(ClientError::BufferTooSmall { need: found.size, have }));
+                results[i] = Some(Err(ClientError::BufferTooSmall {
+                    need: found.size,
+                    have,
+                }));
                 continue;
             }
             let replicas = self.replica_order(&found.replicas);
             if replicas.is_empty() {
-                results[i] = Some(Err(ClientError::master(Code::ObjectNotFound.as_i32(), format!("{key} has no replica"))));
+                results[i] = Some(Err(ClientError::master(
+                    Code::ObjectNotFound.as_i32(),
+                    format!("{key} has no replica"),
+                )));
                 continue;
             }
-            jobs.push(ReadJob { i, key, replicas, dst: clip(std::mem::take(buf), found.size as usize), done: None });
+            jobs.push(ReadJob {
+                i,
+                key,
+                replicas,
+                dst: clip(std::mem::take(buf), found.size as usize),
+                done: None,
+            });
         }
         {
             let mut groups: Vec<(SegmentName, Vec<usize>, Vec<ReadItem<'_, '_>>)> = Vec::new();
@@ -421,7 +442,11 @@ impl Client {
                     }
                 };
                 groups[g].1.push(j);
-                groups[g].2.push(ReadItem { key: job.key, offset, parts: &mut job.dst[..] });
+                groups[g].2.push(ReadItem {
+                    key: job.key,
+                    offset,
+                    parts: &mut job.dst[..],
+                });
             }
             let batches = groups.iter_mut().map(|(seg, js, ritems)| async move {
                 let res = self.transport.read_batch(seg, ritems).await;
@@ -523,7 +548,10 @@ impl Client {
         dst: &mut [&mut [u8]],
     ) -> Result<usize, ClientError> {
         let len = dst.iter().map(|d| d.len()).sum();
-        let mut last = ClientError::master(Code::ObjectNotFound.as_i32(), format!("{key} has no replica"));
+        let mut last = ClientError::master(
+            Code::ObjectNotFound.as_i32(),
+            format!("{key} has no replica"),
+        );
         for (seg, offset) in self.replica_order(replicas) {
             match self.transport.read(&seg, key, offset, dst).await {
                 Ok(()) => return Ok(len),

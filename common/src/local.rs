@@ -38,7 +38,9 @@ pub fn socket_dir() -> PathBuf {
 
 /// Whether the environment allows the same-host path (anything but "0").
 pub fn shm_enabled() -> bool {
-    std::env::var(SHM_ENV).map(|v| v.trim() != "0").unwrap_or(true)
+    std::env::var(SHM_ENV)
+        .map(|v| v.trim() != "0")
+        .unwrap_or(true)
 }
 
 /// Where the owner of `segment` listens for local clients.
@@ -46,7 +48,13 @@ pub fn socket_path(dir: &Path, segment: &SegmentName) -> PathBuf {
     let name: String = segment
         .as_str()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     dir.join(format!("mooncake-{name}.sock"))
 }
@@ -118,7 +126,8 @@ impl FrameWriter {
     /// An item: offset, length and key.
     pub fn item(&mut self, offset: u64, len: u64, key: &str) -> &mut Self {
         self.u64(offset).u64(len);
-        self.buf.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        self.buf
+            .extend_from_slice(&(key.len() as u16).to_le_bytes());
         self.bytes(key.as_bytes())
     }
 
@@ -153,15 +162,21 @@ impl<'a> FrameReader<'a> {
     }
 
     pub fn u32(&mut self) -> Result<u32, LocalFrameError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
 
     pub fn i32(&mut self) -> Result<i32, LocalFrameError> {
-        Ok(i32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(i32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
 
     pub fn u64(&mut self) -> Result<u64, LocalFrameError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 
     /// A count of items, bounded.
@@ -196,7 +211,7 @@ impl<'a> FrameReader<'a> {
 /// Splits a frame's header: (body length, op) from its first five bytes.
 pub fn frame_header(h: [u8; 5]) -> Result<(usize, LocalOp), LocalFrameError> {
     let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
-    if len < 1 || len > MAX_FRAME {
+    if !(1..=MAX_FRAME).contains(&len) {
         return Err(LocalFrameError("bad frame length"));
     }
     let op = LocalOp::from_u8(h[4]).ok_or(LocalFrameError("unknown op"))?;
@@ -230,8 +245,14 @@ mod tests {
     #[test]
     fn socket_paths_are_file_names() {
         let s = SegmentName::parse("[::1]:80").unwrap();
-        assert_eq!(socket_path(Path::new("/tmp"), &s), PathBuf::from("/tmp/mooncake-___1__80.sock"));
+        assert_eq!(
+            socket_path(Path::new("/tmp"), &s),
+            PathBuf::from("/tmp/mooncake-___1__80.sock")
+        );
         let s = SegmentName::parse("10.0.0.5:1234").unwrap();
-        assert_eq!(socket_path(Path::new("/d"), &s), PathBuf::from("/d/mooncake-10.0.0.5_1234.sock"));
+        assert_eq!(
+            socket_path(Path::new("/d"), &s),
+            PathBuf::from("/d/mooncake-10.0.0.5_1234.sock")
+        );
     }
 }

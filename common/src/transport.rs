@@ -106,7 +106,11 @@ pub trait DataTransport: Send + Sync + 'static {
         target: &'a SegmentName,
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(join_all(items.iter().map(|i| self.write(target, i.key, i.offset, i.parts))))
+        Box::pin(join_all(
+            items
+                .iter()
+                .map(|i| self.write(target, i.key, i.offset, i.parts)),
+        ))
     }
 
     /// Reads several objects from one owner; one result per item, in order.
@@ -115,7 +119,11 @@ pub trait DataTransport: Send + Sync + 'static {
         target: &'a SegmentName,
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(join_all(items.iter_mut().map(|i| self.read(target, i.key, i.offset, i.parts))))
+        Box::pin(join_all(
+            items
+                .iter_mut()
+                .map(|i| self.read(target, i.key, i.offset, i.parts)),
+        ))
     }
 
     /// Bytes moved so far, by path.

@@ -78,7 +78,10 @@ impl RunningOwner {
         ))];
 
         let local_socket = if config.shared_memory {
-            let dir = config.socket_dir.clone().unwrap_or_else(mooncake_common::local::socket_dir);
+            let dir = config
+                .socket_dir
+                .clone()
+                .unwrap_or_else(mooncake_common::local::socket_dir);
             let path = mooncake_common::local::socket_path(&dir, &segment);
             match crate::local::bind(&path) {
                 Ok(listener) => {

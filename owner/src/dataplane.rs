@@ -17,7 +17,6 @@ use tokio::{
 
 use crate::{index::KeyIndex, pool::MemoryPool};
 
-
 /// Serves connections until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,

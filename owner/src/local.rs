@@ -75,7 +75,11 @@ impl LocalServer {
 
     /// One client connection. Its locks live in `held` and are released when it ends, however
     /// it ends; a write that never ended leaves its range naming no key (reads are refused).
-    async fn session(&self, mut stream: UnixStream, mut stop: watch::Receiver<bool>) -> io::Result<()> {
+    async fn session(
+        &self,
+        mut stream: UnixStream,
+        mut stop: watch::Receiver<bool>,
+    ) -> io::Result<()> {
         let mut held = Held::default();
         let mut body = Vec::new();
         loop {
@@ -93,7 +97,9 @@ impl LocalServer {
             };
             let op = tokio::time::timeout(self.frame_timeout, rest)
                 .await
-                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame"))??;
+                .map_err(|_| {
+                    io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame")
+                })??;
             let mut r = FrameReader::new(&body);
             match op {
                 LocalOp::Hello => self.hello(&mut stream, &mut r).await?,
@@ -148,9 +154,18 @@ impl LocalServer {
         Ok(())
     }
 
-    fn begin(&self, r: &mut FrameReader<'_>, held: &mut Held, write: bool) -> Result<Vec<u8>, LocalFrameError> {
+    fn begin(
+        &self,
+        r: &mut FrameReader<'_>,
+        held: &mut Held,
+        write: bool,
+    ) -> Result<Vec<u8>, LocalFrameError> {
         let n = r.count()?;
-        let op = if write { LocalOp::BeginWrite } else { LocalOp::BeginRead };
+        let op = if write {
+            LocalOp::BeginWrite
+        } else {
+            LocalOp::BeginRead
+        };
         let mut w = FrameWriter::new(op);
         w.u32(n as u32);
         for _ in 0..n {
@@ -180,7 +195,11 @@ impl LocalServer {
         Ok(w.finish())
     }
 
-    fn end_write(&self, r: &mut FrameReader<'_>, held: &mut Held) -> Result<Vec<u8>, LocalFrameError> {
+    fn end_write(
+        &self,
+        r: &mut FrameReader<'_>,
+        held: &mut Held,
+    ) -> Result<Vec<u8>, LocalFrameError> {
         let n = r.count()?;
         let mut w = FrameWriter::new(LocalOp::EndWrite);
         w.u32(n as u32);
@@ -216,7 +235,6 @@ impl Held {
         }
     }
 }
-
 
 fn invalid(e: LocalFrameError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)

@@ -161,9 +161,19 @@ impl MemoryPool {
 
     /// Holds `[offset, offset + len)` for a same-host client that copies through its own mapping:
     /// conflicting transfers are refused until the lock is dropped. No bytes are exposed here.
-    pub fn lock_range(self: &Arc<Self>, offset: u64, len: u64, write: bool) -> Result<RangeLock, RangeError> {
+    pub fn lock_range(
+        self: &Arc<Self>,
+        offset: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<RangeLock, RangeError> {
         self.acquire(offset, len, write)?;
-        Ok(RangeLock { pool: self.clone(), offset, len, write })
+        Ok(RangeLock {
+            pool: self.clone(),
+            offset,
+            len,
+            write,
+        })
     }
 
     fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<(), RangeError> {

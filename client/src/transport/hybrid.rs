@@ -73,8 +73,14 @@ impl HybridTransport {
         if !path.exists() {
             return Route::Tcp;
         }
-        let (seg, timeout, conns) = (target.clone(), self.config.tcp.connect_timeout, self.config.tcp.connections_per_owner);
-        let connected = tokio::task::spawn_blocking(move || LocalOwner::connect(&path, &seg, timeout, conns)).await;
+        let (seg, timeout, conns) = (
+            target.clone(),
+            self.config.tcp.connect_timeout,
+            self.config.tcp.connections_per_owner,
+        );
+        let connected =
+            tokio::task::spawn_blocking(move || LocalOwner::connect(&path, &seg, timeout, conns))
+                .await;
         match connected {
             Ok(Ok(owner)) => {
                 tracing::debug!(segment = %target, "using the same-host path");
@@ -93,22 +99,36 @@ impl HybridTransport {
 
     /// Forgets a same-host route after a connection-level failure.
     fn forget_if_broken(&self, target: &SegmentName, results: &[Result<(), TransferError>]) {
-        let broken = results
-            .iter()
-            .any(|r| matches!(r, Err(TransferError::Io { .. } | TransferError::Timeout { .. } | TransferError::Connect { .. })));
+        let broken = results.iter().any(|r| {
+            matches!(
+                r,
+                Err(TransferError::Io { .. }
+                    | TransferError::Timeout { .. }
+                    | TransferError::Connect { .. })
+            )
+        });
         if broken {
             self.routes.lock().remove(target);
         }
     }
 
     fn count(&self, local: bool, bytes: u64) {
-        let c = if local { &self.local_bytes } else { &self.tcp_bytes };
+        let c = if local {
+            &self.local_bytes
+        } else {
+            &self.tcp_bytes
+        };
         c.fetch_add(bytes, Ordering::Relaxed);
     }
 }
 
 fn ok_bytes(results: &[Result<(), TransferError>], lens: impl Iterator<Item = u64>) -> u64 {
-    results.iter().zip(lens).filter(|(r, _)| r.is_ok()).map(|(_, l)| l).sum()
+    results
+        .iter()
+        .zip(lens)
+        .filter(|(r, _)| r.is_ok())
+        .map(|(_, l)| l)
+        .sum()
 }
 
 impl DataTransport for HybridTransport {
@@ -121,7 +141,10 @@ impl DataTransport for HybridTransport {
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let items = [WriteItem { key, offset, parts }];
-            self.write_batch(target, &items).await.pop().expect("one result")
+            self.write_batch(target, &items)
+                .await
+                .pop()
+                .expect("one result")
         })
     }
 
@@ -134,7 +157,10 @@ impl DataTransport for HybridTransport {
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let mut items = [ReadItem { key, offset, parts }];
-            self.read_batch(target, &mut items).await.pop().expect("one result")
+            self.read_batch(target, &mut items)
+                .await
+                .pop()
+                .expect("one result")
         })
     }
 
@@ -144,7 +170,11 @@ impl DataTransport for HybridTransport {
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let lens = || items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum::<u64>());
+            let lens = || {
+                items
+                    .iter()
+                    .map(|i| i.parts.iter().map(|p| p.len() as u64).sum::<u64>())
+            };
             match self.route(target).await {
                 Route::Local(owner) => {
                     let res = owner.write_batch(items).await;
@@ -167,7 +197,10 @@ impl DataTransport for HybridTransport {
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            let lens: Vec<u64> = items
+                .iter()
+                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
+                .collect();
             let (res, local) = match self.route(target).await {
                 Route::Local(owner) => {
                     let res = owner.read_batch(items).await;

@@ -38,7 +38,13 @@ impl SharedPool {
         // MAP_POPULATE maps shared pages read-only, so every first write would still fault;
         // populate for writing instead (Linux 5.14+), and fall back to read-populating.
         // SAFETY: the range is exactly the mapping just created; madvise does not touch contents.
-        let rc = unsafe { libc::madvise(map.as_mut_ptr().cast(), len as usize, libc::MADV_POPULATE_WRITE) };
+        let rc = unsafe {
+            libc::madvise(
+                map.as_mut_ptr().cast(),
+                len as usize,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
         if rc != 0 {
             // SAFETY: as above.
             unsafe { libc::madvise(map.as_mut_ptr().cast(), len as usize, libc::MADV_WILLNEED) };
@@ -49,7 +55,11 @@ impl SharedPool {
     fn check(&self, offset: u64, len: u64) -> Result<(), OutOfRange> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(OutOfRange { offset, len, size: self.len }),
+            _ => Err(OutOfRange {
+                offset,
+                len,
+                size: self.len,
+            }),
         }
     }
 
@@ -63,7 +73,9 @@ impl SharedPool {
             // SAFETY: [at, at + p.len()) lies inside the mapping (checked above); the owner has
             // locked the range exclusively for this client, so no reader or writer it serves
             // overlaps it, and `p` is caller memory that cannot overlap a mapping we created.
-            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.map.as_mut_ptr().add(at), p.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), self.map.as_mut_ptr().add(at), p.len())
+            };
             at += p.len();
         }
         Ok(())
@@ -78,7 +90,9 @@ impl SharedPool {
         for p in parts.iter_mut() {
             // SAFETY: as in `copy_in`; the read lock keeps writers of this owner out of the range
             // while we copy, and `p` is caller memory disjoint from the mapping.
-            unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), p.as_mut_ptr(), p.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), p.as_mut_ptr(), p.len())
+            };
             at += p.len();
         }
         Ok(())

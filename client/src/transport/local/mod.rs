@@ -26,7 +26,81 @@ use tokio::{
     sync::Semaphore,
 };
 
-use mapping::SharedPool;
+use mapping::{OutOfRange, SharedPool};
+
+/// Below this many bytes a batch is copied on the calling thread alone.
+const PARALLEL_COPY_BYTES: u64 = 4 << 20;
+
+/// Where to split `sizes` into two halves of about equal bytes, if the total is worth sharing.
+fn split_point(sizes: impl Iterator<Item = u64> + Clone) -> Option<usize> {
+    let total: u64 = sizes.clone().sum();
+    if total < PARALLEL_COPY_BYTES
+        || std::env::var("MOONCAKE_COPY_THREADS").is_ok_and(|v| v.trim() == "1")
+    {
+        return None;
+    }
+    let mut acc = 0;
+    for (i, s) in sizes.enumerate() {
+        acc += s;
+        if acc * 2 >= total {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
+/// Copies a batch in, on two threads when it is large enough (one memcpy stream does not
+/// saturate memory bandwidth).
+fn copy_in_all(pool: &SharedPool, jobs: &[(u64, &[&[u8]])]) -> Vec<Result<(), OutOfRange>> {
+    let sizes = jobs
+        .iter()
+        .map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum::<u64>());
+    let one = |js: &[(u64, &[&[u8]])]| {
+        js.iter()
+            .map(|(o, p)| pool.copy_in(*o, p))
+            .collect::<Vec<_>>()
+    };
+    match split_point(sizes) {
+        Some(mid) if mid < jobs.len() => {
+            let (a, b) = jobs.split_at(mid);
+            std::thread::scope(|s| {
+                let other = s.spawn(|| one(b));
+                let mut out = one(a);
+                out.extend(other.join().expect("copy thread panicked"));
+                out
+            })
+        }
+        _ => one(jobs),
+    }
+}
+
+/// Copies a batch out, on two threads when it is large enough.
+fn copy_out_all(
+    pool: &SharedPool,
+    jobs: &mut [(u64, &mut [&mut [u8]])],
+) -> Vec<Result<(), OutOfRange>> {
+    let sizes: Vec<u64> = jobs
+        .iter()
+        .map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum())
+        .collect();
+    let one = |js: &mut [(u64, &mut [&mut [u8]])]| {
+        js.iter_mut()
+            .map(|(o, p)| pool.copy_out(*o, p))
+            .collect::<Vec<_>>()
+    };
+    match split_point(sizes.into_iter()) {
+        Some(mid) if mid < jobs.len() => {
+            let (a, b) = jobs.split_at_mut(mid);
+            std::thread::scope(|s| {
+                let other = s.spawn(|| one(b));
+                let mut out = one(a);
+                out.extend(other.join().expect("copy thread panicked"));
+                out
+            })
+        }
+        _ => one(jobs),
+    }
+}
 
 pub struct LocalOwner {
     segment: SegmentName,
@@ -40,9 +114,15 @@ pub struct LocalOwner {
 impl LocalOwner {
     /// Connects to the owner's socket, checks it serves `segment`, and maps its pool. Blocking:
     /// call it off the async workers.
-    pub fn connect(path: &Path, segment: &SegmentName, timeout: Duration, conns: usize) -> io::Result<LocalOwner> {
+    pub fn connect(
+        path: &Path,
+        segment: &SegmentName,
+        timeout: Duration,
+        conns: usize,
+    ) -> io::Result<LocalOwner> {
         let (stream, fd, size) = hello(path, segment, timeout)?;
-        let fd = fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
+        let fd =
+            fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
         let pool = SharedPool::map(fd, size)?;
         let first = UnixStream::from_std(stream)?;
         Ok(LocalOwner {
@@ -56,20 +136,33 @@ impl LocalOwner {
     }
 
     fn io_err(&self, source: io::Error) -> TransferError {
-        TransferError::Io { target: self.segment.clone(), source }
+        TransferError::Io {
+            target: self.segment.clone(),
+            source,
+        }
     }
 
-    async fn checkout(&self) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
-        let permit = self.permits.clone().acquire_owned().await.expect("semaphore never closed");
+    async fn checkout(
+        &self,
+    ) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
         let pooled = self.idle.lock().pop();
         let stream = match pooled {
             Some(s) => s,
             None => {
-                let (path, segment, timeout) = (self.path.clone(), self.segment.clone(), self.timeout);
-                let std_stream = tokio::task::spawn_blocking(move || hello(&path, &segment, timeout).map(|(s, _, _)| s))
-                    .await
-                    .map_err(|e| self.io_err(io::Error::other(e)))?
-                    .map_err(|e| self.io_err(e))?;
+                let (path, segment, timeout) =
+                    (self.path.clone(), self.segment.clone(), self.timeout);
+                let std_stream = tokio::task::spawn_blocking(move || {
+                    hello(&path, &segment, timeout).map(|(s, _, _)| s)
+                })
+                .await
+                .map_err(|e| self.io_err(io::Error::other(e)))?
+                .map_err(|e| self.io_err(e))?;
                 UnixStream::from_std(std_stream).map_err(|e| self.io_err(e))?
             }
         };
@@ -86,7 +179,10 @@ impl LocalOwner {
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginWrite);
             w.u32(items.len() as u32);
-            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            let lens: Vec<u64> = items
+                .iter()
+                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
+                .collect();
             for (i, len) in items.iter().zip(&lens) {
                 w.item(i.offset, *len, i.key.as_str());
             }
@@ -94,14 +190,29 @@ impl LocalOwner {
             let mut results: Vec<Result<(), TransferError>> = Vec::with_capacity(items.len());
             // Every begun item is ended, committed only if its copy succeeded.
             let mut ended: Vec<(usize, u64, u64, bool)> = Vec::new();
+            let begun_items: Vec<(usize, &WriteItem<'_>)> = items
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| begun[*i] == 0)
+                .collect();
+            let mut copied = copy_in_all(
+                &self.pool,
+                &begun_items
+                    .iter()
+                    .map(|(_, it)| (it.offset, it.parts))
+                    .collect::<Vec<_>>(),
+            )
+            .into_iter();
             for (idx, ((item, len), code)) in items.iter().zip(&lens).zip(&begun).enumerate() {
                 if *code != 0 {
                     results.push(Err(self.refused(*code, "write")));
                     continue;
                 }
-                let copied = self.pool.copy_in(item.offset, item.parts);
+                let copied = copied.next().expect("one result per begun item");
                 ended.push((idx, item.offset, *len, copied.is_ok()));
-                results.push(copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())));
+                results.push(
+                    copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())),
+                );
             }
             let mut end = FrameWriter::new(LocalOp::EndWrite);
             end.u32(ended.len() as u32);
@@ -122,11 +233,17 @@ impl LocalOwner {
                 results
             }
             Ok(Err(e)) => all(&e),
-            Err(_) => all(&TransferError::Timeout { target: self.segment.clone(), after: self.timeout }),
+            Err(_) => all(&TransferError::Timeout {
+                target: self.segment.clone(),
+                after: self.timeout,
+            }),
         }
     }
 
-    pub async fn read_batch(&self, items: &mut [ReadItem<'_, '_>]) -> Vec<Result<(), TransferError>> {
+    pub async fn read_batch(
+        &self,
+        items: &mut [ReadItem<'_, '_>],
+    ) -> Vec<Result<(), TransferError>> {
         let n = items.len();
         let all = |e: &TransferError| (0..n).map(|_| Err(clone(e))).collect::<Vec<_>>();
         let (_permit, mut stream) = match self.checkout().await {
@@ -136,21 +253,33 @@ impl LocalOwner {
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginRead);
             w.u32(n as u32);
-            let lens: Vec<u64> = items.iter().map(|i| i.parts.iter().map(|p| p.len() as u64).sum()).collect();
+            let lens: Vec<u64> = items
+                .iter()
+                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
+                .collect();
             for (i, len) in items.iter().zip(&lens) {
                 w.item(i.offset, *len, i.key.as_str());
             }
             let begun = self.call(&mut stream, w.finish(), n).await?;
             let mut results = Vec::with_capacity(n);
             let mut release = Vec::new();
+            let mut jobs: Vec<(u64, &mut [&mut [u8]])> = Vec::new();
             for ((item, len), code) in items.iter_mut().zip(&lens).zip(&begun) {
+                if *code == 0 {
+                    release.push((item.offset, *len));
+                    jobs.push((item.offset, &mut *item.parts));
+                }
+            }
+            let mut copied = copy_out_all(&self.pool, &mut jobs).into_iter();
+            for code in &begun {
                 if *code != 0 {
                     results.push(Err(self.refused(*code, "read")));
                     continue;
                 }
-                let copied = self.pool.copy_out(item.offset, item.parts);
-                release.push((item.offset, *len));
-                results.push(copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())));
+                let copied = copied.next().expect("one result per begun item");
+                results.push(
+                    copied.map_err(|e| self.refused(Code::InvalidParams.as_i32(), &e.to_string())),
+                );
             }
             if !release.is_empty() {
                 let mut end = FrameWriter::new(LocalOp::EndRead);
@@ -158,7 +287,10 @@ impl LocalOwner {
                 for (offset, len) in release {
                     end.u64(offset).u64(len);
                 }
-                stream.write_all(&end.finish()).await.map_err(|e| self.io_err(e))?;
+                stream
+                    .write_all(&end.finish())
+                    .await
+                    .map_err(|e| self.io_err(e))?;
             }
             Ok::<_, TransferError>(results)
         };
@@ -168,23 +300,41 @@ impl LocalOwner {
                 results
             }
             Ok(Err(e)) => all(&e),
-            Err(_) => all(&TransferError::Timeout { target: self.segment.clone(), after: self.timeout }),
+            Err(_) => all(&TransferError::Timeout {
+                target: self.segment.clone(),
+                after: self.timeout,
+            }),
         }
     }
 
     /// Sends a request frame and reads the reply's per-item status codes.
-    async fn call(&self, stream: &mut UnixStream, frame: Vec<u8>, n: usize) -> Result<Vec<i32>, TransferError> {
+    async fn call(
+        &self,
+        stream: &mut UnixStream,
+        frame: Vec<u8>,
+        n: usize,
+    ) -> Result<Vec<i32>, TransferError> {
         stream.write_all(&frame).await.map_err(|e| self.io_err(e))?;
         let mut h = [0u8; 5];
-        stream.read_exact(&mut h).await.map_err(|e| self.io_err(e))?;
-        let (len, _) = frame_header(h).map_err(|e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+        stream
+            .read_exact(&mut h)
+            .await
+            .map_err(|e| self.io_err(e))?;
+        let (len, _) = frame_header(h)
+            .map_err(|e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
         let mut body = vec![0u8; len];
-        stream.read_exact(&mut body).await.map_err(|e| self.io_err(e))?;
+        stream
+            .read_exact(&mut body)
+            .await
+            .map_err(|e| self.io_err(e))?;
         let mut r = FrameReader::new(&body);
         let bad = |e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e));
         let count = r.count().map_err(bad)?;
         if count != n {
-            return Err(self.io_err(io::Error::new(io::ErrorKind::InvalidData, "owner answered a wrong number of items")));
+            return Err(self.io_err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "owner answered a wrong number of items",
+            )));
         }
         (0..n).map(|_| r.i32().map_err(bad)).collect()
     }
@@ -199,7 +349,11 @@ impl LocalOwner {
 }
 
 /// Opens a control connection: hello, then the owner's answer with the pool size and its memfd.
-fn hello(path: &Path, segment: &SegmentName, timeout: Duration) -> io::Result<(StdUnixStream, Option<std::os::fd::OwnedFd>, u64)> {
+fn hello(
+    path: &Path,
+    segment: &SegmentName,
+    timeout: Duration,
+) -> io::Result<(StdUnixStream, Option<std::os::fd::OwnedFd>, u64)> {
     let mut stream = StdUnixStream::connect(path)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
@@ -211,12 +365,20 @@ fn hello(path: &Path, segment: &SegmentName, timeout: Duration) -> io::Result<(S
     if n < buf.len() {
         stream.read_exact(&mut buf[n..])?;
     }
-    let (_, op) = frame_header(buf[..5].try_into().expect("5 bytes")).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let (_, op) = frame_header(buf[..5].try_into().expect("5 bytes"))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     let mut r = FrameReader::new(&buf[5..]);
-    let status = r.i32().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let size = r.u64().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let status = r
+        .i32()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let size = r
+        .u64()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     if op != LocalOp::Hello || status != 0 {
-        return Err(io::Error::new(io::ErrorKind::NotFound, format!("owner at {} does not serve {segment}", path.display())));
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("owner at {} does not serve {segment}", path.display()),
+        ));
     }
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
@@ -227,13 +389,28 @@ fn hello(path: &Path, segment: &SegmentName, timeout: Duration) -> io::Result<(S
 /// Batch-wide failures are reported on every item; io errors are not Clone.
 fn clone(e: &TransferError) -> TransferError {
     match e {
-        TransferError::Timeout { target, after } => TransferError::Timeout { target: target.clone(), after: *after },
-        TransferError::Remote { target, code, message } => {
-            TransferError::Remote { target: target.clone(), code: *code, message: message.clone() }
-        }
+        TransferError::Timeout { target, after } => TransferError::Timeout {
+            target: target.clone(),
+            after: *after,
+        },
+        TransferError::Remote {
+            target,
+            code,
+            message,
+        } => TransferError::Remote {
+            target: target.clone(),
+            code: *code,
+            message: message.clone(),
+        },
         TransferError::Connect { target, source } | TransferError::Io { target, source } => {
-            TransferError::Io { target: target.clone(), source: io::Error::new(source.kind(), source.to_string()) }
+            TransferError::Io {
+                target: target.clone(),
+                source: io::Error::new(source.kind(), source.to_string()),
+            }
         }
-        TransferError::Protocol { target, source } => TransferError::Protocol { target: target.clone(), source: source.clone() },
+        TransferError::Protocol { target, source } => TransferError::Protocol {
+            target: target.clone(),
+            source: source.clone(),
+        },
     }
 }

@@ -1,0 +1,116 @@
+//! The same-host path with a real owner process: it is used without being asked for, it can be
+//! turned off, the socket is private to the owner's user and group and goes away with the owner,
+//! and a dead or stopped owner turns same-host calls into errors within the deadlines.
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    time::{Duration, Instant},
+};
+
+use mooncake_client::{Client, ClientConfig, ReplicateConfig};
+use mooncake_common::{local::socket_path, SegmentName};
+use mooncake_tests::{payload, spawn_master, spawn_owner};
+
+fn config(master: &str, shm: bool) -> ClientConfig {
+    ClientConfig {
+        transfer_timeout: Duration::from_secs(2),
+        rpc_timeout: Duration::from_secs(2),
+        shared_memory: shm,
+        ..ClientConfig::new(master)
+    }
+}
+
+async fn client(master: &str, shm: bool) -> Client {
+    let cfg = config(master, shm);
+    let transport = Client::default_transport(&cfg);
+    Client::connect_with(cfg, None, transport).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_owner_is_reached_through_shared_memory_unless_turned_off() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (mut owner, seg) = spawn_owner(&rpc, "64MiB", &[]);
+    let path = socket_path(
+        &mooncake_common::local::socket_dir(),
+        &SegmentName::parse(&seg).unwrap(),
+    );
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        mode, 0o660,
+        "only the owner's user and group may map the pool"
+    );
+
+    let shm = client(&rpc, true).await;
+    let values: Vec<Vec<u8>> = (0..8)
+        .map(|i| payload(&format!("s/{i}"), 1 << 20))
+        .collect();
+    let keys: Vec<String> = (0..8).map(|i| format!("s/{i}")).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    assert!(shm
+        .batch_put(&items, &ReplicateConfig::default())
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    let after_put = shm.transfer_stats();
+    assert_eq!(after_put.local_bytes, 8 << 20);
+    assert_eq!(after_put.tcp_bytes, 0);
+
+    // A TCP-only client reads what the shared-memory client wrote, and the other way round.
+    let tcp = client(&rpc, false).await;
+    let mut buf = vec![0u8; 1 << 20];
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(tcp.get(k, &mut buf).await.unwrap(), v.len());
+        assert!(&buf == v);
+    }
+    assert_eq!(tcp.transfer_stats().local_bytes, 0);
+    let w = payload("from-tcp", 300_000);
+    tcp.put("from-tcp", &w, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; w.len()];
+    shm.get("from-tcp", &mut buf).await.unwrap();
+    assert!(buf == w);
+    assert!(shm.transfer_stats().local_bytes > after_put.local_bytes);
+
+    // The socket goes away with the owner.
+    owner.signal(libc::SIGTERM);
+    assert!(owner.wait_exit(Duration::from_secs(10)).is_some());
+    assert!(!path.exists(), "socket left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_or_killed_local_owner_is_an_error_within_the_deadline() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (owner, _seg) = spawn_owner(&rpc, "16MiB", &[]);
+    let c = client(&rpc, true).await;
+    let v = payload("frozen", 1 << 20);
+    c.put("frozen", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    assert!(c.transfer_stats().local_bytes > 0);
+
+    owner.stop();
+    let t = Instant::now();
+    let mut buf = vec![0u8; v.len()];
+    let r = c.get("frozen", &mut buf).await;
+    assert_eq!(r.unwrap_err().code().as_i32(), -800);
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
+
+    owner.signal(libc::SIGKILL);
+    let t = Instant::now();
+    let r = c.get("frozen", &mut buf).await;
+    assert!(r.is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
+}

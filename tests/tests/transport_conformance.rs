@@ -1,0 +1,160 @@
+//! One conformance suite for every data transport: TCP, and the same-host shared-memory path.
+//! Both must move bytes exactly, refuse bad ranges and wrong keys with the same codes, and report
+//! per-item results in batches.
+
+use std::sync::Arc;
+
+use mooncake_client::transport::{tcp::TcpConfig, HybridConfig, HybridTransport, TcpTransport};
+use mooncake_common::{
+    transport::{DataTransport, ReadItem, WriteItem},
+    ObjectKey, SegmentName,
+};
+use mooncake_tests::{payload, Cluster};
+
+const SEG: u64 = 4 << 20;
+
+fn tcp_config() -> TcpConfig {
+    TcpConfig {
+        connect_timeout: std::time::Duration::from_secs(2),
+        transfer_timeout: std::time::Duration::from_secs(5),
+        connections_per_owner: 4,
+    }
+}
+
+fn transports() -> Vec<(&'static str, Arc<dyn DataTransport>)> {
+    vec![
+        ("tcp", Arc::new(TcpTransport::new(tcp_config()))),
+        (
+            "shm",
+            Arc::new(HybridTransport::new(HybridConfig {
+                tcp: tcp_config(),
+                shared_memory: true,
+                socket_dir: mooncake_common::local::socket_dir(),
+            })),
+        ),
+    ]
+}
+
+fn k(s: &str) -> ObjectKey {
+    ObjectKey::new(s).unwrap()
+}
+
+async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
+    // Round trip, written in two parts and read back in three.
+    let v = payload(name, 10_000);
+    let (a, b) = v.split_at(3_000);
+    t.write(seg, &k("obj"), 4096, &[a, b])
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (mut x, mut y, mut z) = (vec![0u8; 1], vec![0u8; 8_999], vec![0u8; 1_000]);
+    t.read(
+        seg,
+        &k("obj"),
+        4096,
+        &mut [&mut x[..], &mut y[..], &mut z[..]],
+    )
+    .await
+    .unwrap();
+    assert!([x, y, z].concat() == v, "{name}: bytes differ");
+
+    // The wrong key at a valid range: not found, and the buffer is untouched.
+    let mut buf = vec![7u8; 10_000];
+    let e = t
+        .read(seg, &k("other"), 4096, &mut [&mut buf[..]])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code().as_i32(), -704, "{name}: {e}");
+    assert!(
+        buf.iter().all(|b| *b == 7),
+        "{name}: a refused read wrote into the buffer"
+    );
+
+    // Out of range, both ways.
+    let e = t
+        .write(seg, &k("far"), SEG - 10, &[&[1u8; 100][..]])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
+    let e = t
+        .read(seg, &k("obj"), u64::MAX - 5, &mut [&mut buf[..10]])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
+
+    // Batches answer per item.
+    let (p1, p2) = (payload("b1", 5000), payload("b2", 7000));
+    let p1s: [&[u8]; 1] = [&p1];
+    let p2s: [&[u8]; 1] = [&p2];
+    let bad: [&[u8]; 1] = [&[0u8; 64]];
+    let (k1, k2, k3) = (k("b1"), k("b2"), k("b3"));
+    let writes = [
+        WriteItem {
+            key: &k1,
+            offset: 65536,
+            parts: &p1s,
+        },
+        WriteItem {
+            key: &k3,
+            offset: SEG,
+            parts: &bad,
+        },
+        WriteItem {
+            key: &k2,
+            offset: 131072,
+            parts: &p2s,
+        },
+    ];
+    let res = t.write_batch(seg, &writes).await;
+    assert!(res[0].is_ok() && res[2].is_ok(), "{name}: {res:?}");
+    assert_eq!(res[1].as_ref().unwrap_err().code().as_i32(), -600, "{name}");
+    let (mut r1, mut r2, mut r3) = (vec![0u8; 5000], vec![0u8; 7000], vec![0u8; 64]);
+    let (mut d1, mut d2, mut d3) = ([&mut r1[..]], [&mut r2[..]], [&mut r3[..]]);
+    let mut reads = [
+        ReadItem {
+            key: &k2,
+            offset: 131072,
+            parts: &mut d2,
+        },
+        ReadItem {
+            key: &k3,
+            offset: 200_000,
+            parts: &mut d3,
+        },
+        ReadItem {
+            key: &k1,
+            offset: 65536,
+            parts: &mut d1,
+        },
+    ];
+    let res = t.read_batch(seg, &mut reads).await;
+    assert!(res[0].is_ok() && res[2].is_ok(), "{name}: {res:?}");
+    assert_eq!(res[1].as_ref().unwrap_err().code().as_i32(), -704, "{name}");
+    assert!(r1 == p1 && r2 == p2, "{name}: batch bytes differ");
+
+    // Rewriting a range replaces its key: the old key no longer reads.
+    t.write(seg, &k("newer"), 4096, &[&payload("newer", 10_000)[..]])
+        .await
+        .unwrap();
+    let e = t
+        .read(seg, &k("obj"), 4096, &mut [&mut buf[..]])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code().as_i32(), -704, "{name}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_transport_passes_the_same_suite() {
+    let c = Cluster::start(&[SEG]).await;
+    let seg = c.owners[0].segment.clone();
+    for (name, t) in transports() {
+        conformance(name, t.as_ref(), &seg).await;
+        let stats = t.stats();
+        if name == "shm" {
+            assert!(
+                stats.local_bytes > 0 && stats.tcp_bytes == 0,
+                "{name}: {stats:?}"
+            );
+        }
+    }
+    c.shutdown().await;
+}
