@@ -118,7 +118,12 @@ impl Client {
         transport: Arc<dyn DataTransport>,
     ) -> Result<Client, ClientError> {
         config.validate()?;
-        let master = MasterRpc::new(&config.master, config.rpc_timeout, config.connect_timeout)?;
+        let master = MasterRpc::new(
+            &config.master,
+            config.rpc_timeout,
+            config.connect_timeout,
+            config.master_protocol,
+        )?;
         master.list_segments().await?;
         Ok(Client {
             master,

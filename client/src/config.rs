@@ -34,6 +34,8 @@ pub struct ClientConfig {
     pub shared_memory: bool,
     /// Directory of owners' sockets; default: $MOONCAKE_SOCKET_DIR, else /tmp.
     pub socket_dir: Option<std::path::PathBuf>,
+    /// How to talk to the master: "framed" (default, lowest latency) or "grpc".
+    pub master_protocol: crate::master::MasterProtocol,
 }
 
 impl Default for ClientConfig {
@@ -47,6 +49,7 @@ impl Default for ClientConfig {
             connections_per_owner: 8,
             shared_memory: true,
             socket_dir: None,
+            master_protocol: Default::default(),
         }
     }
 }

@@ -15,4 +15,5 @@ pub use client::{
 };
 pub use config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV};
 pub use error::ClientError;
+pub use master::MasterProtocol;
 pub use mooncake_common::Code;

@@ -1,9 +1,20 @@
 //! The client's view of the master: one method per batch RPC, each under the RPC deadline, with
-//! transport failures turned into RPC_FAIL / RPC_TIMEOUT.
+//! transport failures turned into RPC_FAIL / RPC_TIMEOUT. Two wire forms carry the same protobuf
+//! messages: the framed RPC (default; plain length-prefixed frames on the master's RPC port, a
+//! pool of connections) and gRPC.
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, io, sync::Arc, time::Duration};
 
+use mooncake_common::rpc_wire::{self, Method};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
+use parking_lot::Mutex;
+use prost::Message;
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    sync::Semaphore,
+};
 use tonic::{
     transport::{Channel, Endpoint},
     Response, Status,
@@ -11,10 +22,27 @@ use tonic::{
 
 use crate::error::ClientError;
 
+/// How the client talks to the master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MasterProtocol {
+    /// Length-prefixed protobuf frames over plain TCP: the lowest latency.
+    #[default]
+    Framed,
+    /// gRPC (HTTP/2), for masters behind gRPC-aware proxies.
+    Grpc,
+}
+
 #[derive(Clone)]
 pub struct MasterRpc {
-    client: MasterClient<Channel>,
+    backend: Backend,
     timeout: Duration,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Grpc(MasterClient<Channel>),
+    Framed(Arc<FramedPool>),
 }
 
 impl MasterRpc {
@@ -22,37 +50,74 @@ impl MasterRpc {
         addr: &str,
         timeout: Duration,
         connect_timeout: Duration,
+        protocol: MasterProtocol,
     ) -> Result<Self, ClientError> {
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|_| {
-                ClientError::Config(format!(
-                    "invalid master address {addr:?}: expected HOST:PORT"
-                ))
-            })?
-            .connect_timeout(connect_timeout)
-            .timeout(timeout)
-            .tcp_nodelay(true);
-        let client = MasterClient::new(endpoint.connect_lazy())
-            .max_decoding_message_size(256 << 20)
-            .max_encoding_message_size(256 << 20);
-        Ok(MasterRpc { client, timeout })
+        let bad = || {
+            ClientError::Config(format!(
+                "invalid master address {addr:?}: expected HOST:PORT"
+            ))
+        };
+        let backend = match protocol {
+            MasterProtocol::Grpc => {
+                let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+                    .map_err(|_| bad())?
+                    .connect_timeout(connect_timeout)
+                    .timeout(timeout)
+                    .tcp_nodelay(true);
+                Backend::Grpc(
+                    MasterClient::new(endpoint.connect_lazy())
+                        .max_decoding_message_size(256 << 20)
+                        .max_encoding_message_size(256 << 20),
+                )
+            }
+            MasterProtocol::Framed => {
+                if addr
+                    .rsplit_once(':')
+                    .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+                {
+                    return Err(bad());
+                }
+                Backend::Framed(Arc::new(FramedPool {
+                    addr: addr.to_string(),
+                    connect_timeout,
+                    idle: Mutex::new(Vec::new()),
+                    permits: Semaphore::new(8),
+                }))
+            }
+        };
+        Ok(MasterRpc { backend, timeout })
     }
 
-    async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
+    async fn unary<Req, Resp, F, Fut>(
+        &self,
+        method: Method,
+        req: Req,
+        grpc: F,
+    ) -> Result<Resp, ClientError>
     where
-        F: FnOnce(MasterClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<Response<T>, Status>>,
+        Req: Message,
+        Resp: Message + Default,
+        F: FnOnce(MasterClient<Channel>, Req) -> Fut,
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
-        match tokio::time::timeout(self.timeout, f(self.client.clone())).await {
-            Err(_) => Err(ClientError::RpcTimeout(self.timeout)),
-            Ok(Err(s))
-                if s.code() == tonic::Code::DeadlineExceeded
-                    || s.code() == tonic::Code::Cancelled =>
-            {
-                Err(ClientError::RpcTimeout(self.timeout))
+        let call = async {
+            match &self.backend {
+                Backend::Grpc(c) => match grpc(c.clone(), req).await {
+                    Ok(r) => Ok(r.into_inner()),
+                    Err(s)
+                        if s.code() == tonic::Code::DeadlineExceeded
+                            || s.code() == tonic::Code::Cancelled =>
+                    {
+                        Err(ClientError::RpcTimeout(self.timeout))
+                    }
+                    Err(s) => Err(ClientError::Rpc(format!("{}: {}", s.code(), s.message()))),
+                },
+                Backend::Framed(pool) => pool.call(method, &req).await,
             }
-            Ok(Err(s)) => Err(ClientError::Rpc(format!("{}: {}", s.code(), s.message()))),
-            Ok(Ok(r)) => Ok(r.into_inner()),
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::RpcTimeout(self.timeout)),
         }
     }
 
@@ -60,55 +125,167 @@ impl MasterRpc {
         &self,
         req: pb::BatchPutStartRequest,
     ) -> Result<pb::BatchPutStartResponse, ClientError> {
-        self.call(|mut c| async move { c.batch_put_start(req).await })
-            .await
+        self.unary(Method::BatchPutStart, req, |mut c, r| async move {
+            c.batch_put_start(r).await
+        })
+        .await
     }
 
     pub async fn put_end(&self, items: Vec<pb::PutRef>) -> Result<Vec<i32>, ClientError> {
-        let r = self
-            .call(|mut c| async move { c.batch_put_end(pb::BatchPutEndRequest { items }).await });
-        Ok(r.await?.codes)
+        let req = pb::BatchPutEndRequest { items };
+        let r: pb::BatchPutEndResponse = self
+            .unary(Method::BatchPutEnd, req, |mut c, r| async move {
+                c.batch_put_end(r).await
+            })
+            .await?;
+        Ok(r.codes)
     }
 
     pub async fn put_revoke(&self, items: Vec<pb::PutRef>) -> Result<Vec<i32>, ClientError> {
-        let r = self.call(|mut c| async move {
-            c.batch_put_revoke(pb::BatchPutRevokeRequest { items })
-                .await
-        });
-        Ok(r.await?.codes)
+        let req = pb::BatchPutRevokeRequest { items };
+        let r: pb::BatchPutRevokeResponse = self
+            .unary(Method::BatchPutRevoke, req, |mut c, r| async move {
+                c.batch_put_revoke(r).await
+            })
+            .await?;
+        Ok(r.codes)
     }
 
     pub async fn get_replicas(
         &self,
         keys: Vec<String>,
     ) -> Result<pb::BatchGetReplicasResponse, ClientError> {
-        self.call(|mut c| async move {
-            c.batch_get_replicas(pb::BatchGetReplicasRequest { keys })
-                .await
+        let req = pb::BatchGetReplicasRequest { keys };
+        self.unary(Method::BatchGetReplicas, req, |mut c, r| async move {
+            c.batch_get_replicas(r).await
         })
         .await
     }
 
     pub async fn exists(&self, keys: Vec<String>) -> Result<pb::BatchExistsResponse, ClientError> {
-        self.call(|mut c| async move { c.batch_exists(pb::BatchExistsRequest { keys }).await })
-            .await
+        let req = pb::BatchExistsRequest { keys };
+        self.unary(Method::BatchExists, req, |mut c, r| async move {
+            c.batch_exists(r).await
+        })
+        .await
     }
 
     pub async fn remove(&self, keys: Vec<String>, force: bool) -> Result<Vec<i32>, ClientError> {
-        let r = self.call(|mut c| async move {
-            c.batch_remove(pb::BatchRemoveRequest { keys, force }).await
-        });
-        Ok(r.await?.codes)
+        let req = pb::BatchRemoveRequest { keys, force };
+        let r: pb::BatchRemoveResponse = self
+            .unary(Method::BatchRemove, req, |mut c, r| async move {
+                c.batch_remove(r).await
+            })
+            .await?;
+        Ok(r.codes)
     }
 
     pub async fn remove_all(&self, force: bool) -> Result<u64, ClientError> {
-        let r =
-            self.call(|mut c| async move { c.remove_all(pb::RemoveAllRequest { force }).await });
-        Ok(r.await?.removed)
+        let req = pb::RemoveAllRequest { force };
+        let r: pb::RemoveAllResponse = self
+            .unary(Method::RemoveAll, req, |mut c, r| async move {
+                c.remove_all(r).await
+            })
+            .await?;
+        Ok(r.removed)
     }
 
     pub async fn list_segments(&self) -> Result<Vec<pb::SegmentInfo>, ClientError> {
-        let r = self.call(|mut c| async move { c.list_segments(pb::ListSegmentsRequest {}).await });
-        Ok(r.await?.segments)
+        let req = pb::ListSegmentsRequest {};
+        let r: pb::ListSegmentsResponse = self
+            .unary(Method::ListSegments, req, |mut c, r| async move {
+                c.list_segments(r).await
+            })
+            .await?;
+        Ok(r.segments)
+    }
+}
+
+/// Pooled framed-RPC connections to the master; one request in flight per connection. A
+/// connection that saw any error is dropped (the caller's deadline bounds everything).
+struct FramedPool {
+    addr: String,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<FramedConn>>,
+    permits: Semaphore,
+}
+
+struct FramedConn {
+    stream: TcpStream,
+    next_id: u64,
+}
+
+impl FramedPool {
+    async fn call<Req: Message, Resp: Message + Default>(
+        &self,
+        method: Method,
+        req: &Req,
+    ) -> Result<Resp, ClientError> {
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .expect("semaphore never closed");
+        let pooled = self.idle.lock().pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => self.connect().await?,
+        };
+        let rpc_err =
+            |e: io::Error| ClientError::Rpc(format!("master {} connection failed: {e}", self.addr));
+        let id = conn.next_id;
+        conn.next_id += 1;
+        let body = req.encode_to_vec();
+        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + body.len());
+        frame.extend_from_slice(&rpc_wire::encode_header(body.len(), method as u32, id));
+        frame.extend_from_slice(&body);
+        conn.stream.write_all(&frame).await.map_err(rpc_err)?;
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        conn.stream.read_exact(&mut h).await.map_err(rpc_err)?;
+        let (len, status, got) = rpc_wire::decode_header(&h)
+            .map_err(|e| ClientError::Rpc(format!("master {}: {e}", self.addr)))?;
+        if got != id {
+            return Err(ClientError::Rpc(format!(
+                "master {} answered request {got}, expected {id}",
+                self.addr
+            )));
+        }
+        let mut out = vec![0u8; len];
+        conn.stream.read_exact(&mut out).await.map_err(rpc_err)?;
+        let status = status as i32;
+        if status != rpc_wire::STATUS_OK {
+            self.idle.lock().push(conn);
+            let text = String::from_utf8_lossy(&out);
+            return Err(if status == rpc_wire::STATUS_BAD_REQUEST {
+                ClientError::Invalid(text.into_owned())
+            } else {
+                ClientError::Rpc(format!("master {}: {text}", self.addr))
+            });
+        }
+        let resp = Resp::decode(&out[..]).map_err(|e| {
+            ClientError::Rpc(format!(
+                "master {} sent an undecodable answer: {e}",
+                self.addr
+            ))
+        })?;
+        self.idle.lock().push(conn);
+        Ok(resp)
+    }
+
+    async fn connect(&self) -> Result<FramedConn, ClientError> {
+        let fail =
+            |e: io::Error| ClientError::Rpc(format!("cannot connect to master {}: {e}", self.addr));
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| ClientError::RpcTimeout(self.connect_timeout))?
+            .map_err(fail)?;
+        stream.set_nodelay(true).map_err(fail)?;
+        let mut stream = stream;
+        stream.write_all(&rpc_wire::hello()).await.map_err(fail)?;
+        let mut hello = [0u8; rpc_wire::HELLO_LEN];
+        stream.read_exact(&mut hello).await.map_err(fail)?;
+        rpc_wire::check_hello(&hello)
+            .map_err(|e| ClientError::Rpc(format!("master {}: {e}", self.addr)))?;
+        Ok(FramedConn { stream, next_id: 1 })
     }
 }

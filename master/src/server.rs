@@ -5,7 +5,11 @@ use std::{future::Future, net::SocketAddr, sync::Arc};
 
 use mooncake_proto::master::master_server::MasterServer;
 use parking_lot::Mutex;
-use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::watch,
+    task::JoinHandle,
+};
 
 use crate::{
     clock::{Clock, SystemClock},
@@ -48,10 +52,21 @@ impl RunningMaster {
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
-        let svc = MasterServer::new(MasterService::new(shared.clone()))
+        let service = Arc::new(MasterService::new(shared.clone()));
+        let svc = MasterServer::from_arc(service.clone())
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20);
-        let incoming = tonic::transport::server::TcpIncoming::from(rpc).with_nodelay(Some(true));
+        // One port, two protocols: framed-RPC connections are served here, the rest go to tonic.
+        let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
+        tasks.push(tokio::spawn(split_connections(
+            rpc,
+            grpc_tx,
+            service,
+            stopped.clone(),
+        )));
+        let incoming = futures::stream::unfold(grpc_rx, |mut rx| async move {
+            rx.recv().await.map(|s| (Ok::<_, std::io::Error>(s), rx))
+        });
         let stop_rpc = wait_stop(stopped.clone());
         tasks.push(tokio::spawn(async move {
             if let Err(e) = tonic::transport::Server::builder()
@@ -124,6 +139,66 @@ impl RunningMaster {
     pub async fn run_until(self, signal: impl Future<Output = ()>) {
         signal.await;
         self.shutdown().await;
+    }
+}
+
+/// Accepts RPC connections and routes each by its first bytes: the framed RPC is served here,
+/// anything else (HTTP/2) goes to the gRPC server.
+async fn split_connections(
+    listener: TcpListener,
+    grpc: tokio::sync::mpsc::Sender<TcpStream>,
+    service: Arc<MasterService>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let _ = stream.set_nodelay(true);
+        let (grpc, service, stop) = (grpc.clone(), service.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut first = [0u8; 4];
+            // Wait for four bytes (or a clear mismatch) before deciding.
+            let peek = async {
+                loop {
+                    let n = stream.peek(&mut first).await?;
+                    if n == 0
+                        || n >= 4
+                        || !mooncake_common::rpc_wire::MAGIC.starts_with(&first[..n])
+                    {
+                        return Ok::<_, std::io::Error>(n);
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            };
+            let peeked = tokio::time::timeout(std::time::Duration::from_secs(10), peek).await;
+            match peeked {
+                Ok(Ok(n)) if crate::framed::is_framed(&first[..n]) => {
+                    if let Err(e) = crate::framed::serve(
+                        stream,
+                        service,
+                        std::time::Duration::from_secs(30),
+                        stop,
+                    )
+                    .await
+                    {
+                        tracing::debug!(error = %e, "framed RPC connection closed");
+                    }
+                }
+                Ok(Ok(_)) => {
+                    let _ = grpc.send(stream).await;
+                }
+                _ => {}
+            }
+        });
     }
 }
 

@@ -1,0 +1,93 @@
+//! The master answers the same calls over its framed RPC and over gRPC, on one port, and a
+//! malformed framed connection does not disturb it.
+
+use mooncake_client::{Client, MasterProtocol, ReplicateConfig};
+use mooncake_common::rpc_wire;
+use mooncake_tests::{payload, transport, Cluster};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framed_and_grpc_clients_see_the_same_store() {
+    let c = Cluster::start(&[8 << 20]).await;
+    let mut clients = Vec::new();
+    for protocol in [MasterProtocol::Framed, MasterProtocol::Grpc] {
+        let mut cfg = c.client_config();
+        cfg.master_protocol = protocol;
+        clients.push(
+            Client::connect_with(cfg.clone(), None, transport(&cfg))
+                .await
+                .unwrap(),
+        );
+    }
+    let v = payload("both", 70_000);
+    clients[0]
+        .put("both", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; v.len()];
+    clients[1].get("both", &mut buf).await.unwrap();
+    assert!(buf == v);
+    clients[1]
+        .put("g", b"from grpc", &ReplicateConfig::default())
+        .await
+        .unwrap();
+    for cl in &clients {
+        assert_eq!(
+            cl.batch_exists(&["both", "g", "none"])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| *r.as_ref().unwrap())
+                .collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        assert_eq!(cl.list_segments().await.unwrap().len(), 1);
+    }
+    assert_eq!(clients[0].remove_all(true).await.unwrap(), 2);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_framed_connection_is_dropped_and_the_master_keeps_serving() {
+    let c = Cluster::start(&[8 << 20]).await;
+    let addr = c.master.rpc_addr;
+    // A wrong version in the hello: the connection is closed.
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut hello = rpc_wire::hello();
+    hello[4] = 99;
+    s.write_all(&hello).await.unwrap();
+    let mut b = [0u8; 8];
+    assert!(matches!(s.read(&mut b).await, Ok(0) | Err(_)));
+    // A valid hello, then an unknown method and an undecodable body: error answers, same connection.
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(&rpc_wire::hello()).await.unwrap();
+    s.read_exact(&mut b).await.unwrap();
+    rpc_wire::check_hello(&b).unwrap();
+    for (method, body) in [
+        (99u32, vec![]),
+        (rpc_wire::Method::BatchExists as u32, vec![0xff, 0xff, 0xff]),
+    ] {
+        s.write_all(&rpc_wire::encode_header(body.len(), method, 5))
+            .await
+            .unwrap();
+        s.write_all(&body).await.unwrap();
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        s.read_exact(&mut h).await.unwrap();
+        let (len, status, id) = rpc_wire::decode_header(&h).unwrap();
+        assert_eq!((status as i32, id), (rpc_wire::STATUS_BAD_REQUEST, 5));
+        let mut text = vec![0u8; len];
+        s.read_exact(&mut text).await.unwrap();
+        assert!(!text.is_empty());
+    }
+    // A body longer than the limit: the connection is closed.
+    s.write_all(&rpc_wire::encode_header(rpc_wire::MAX_BODY + 1, 8, 6))
+        .await
+        .unwrap();
+    assert!(matches!(s.read(&mut b).await, Ok(0) | Err(_)));
+    let client = c.client().await;
+    client
+        .put("still", b"serving", &ReplicateConfig::default())
+        .await
+        .unwrap();
+    c.shutdown().await;
+}
