@@ -164,7 +164,11 @@ impl Connection {
                     .await?
             }
         }
-        self.writer.flush().await?;
+        // A pipelining client has more requests buffered already: answer them all, then flush
+        // once. With nothing buffered the peer is waiting for this answer.
+        if self.reader.buffer().is_empty() {
+            self.writer.flush().await?;
+        }
         Ok(true)
     }
 

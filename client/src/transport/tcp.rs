@@ -10,9 +10,9 @@ use std::{
     time::Duration,
 };
 
-use futures::future::BoxFuture;
+use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
-    transport::{DataTransport, TransferError},
+    transport::{DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
     ObjectKey, SegmentName,
 };
@@ -225,8 +225,11 @@ async fn write_all_vectored(
     stream: &mut TcpStream,
     mut slices: &mut [IoSlice<'_>],
 ) -> io::Result<()> {
+    // writev takes at most IOV_MAX (1024) buffers per call.
+    const MAX_IOV: usize = 512;
     while !slices.is_empty() {
-        let n = stream.write_vectored(slices).await?;
+        let end = slices.len().min(MAX_IOV);
+        let n = stream.write_vectored(&slices[..end]).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
@@ -235,7 +238,248 @@ async fn write_all_vectored(
     Ok(())
 }
 
+/// Bytes per connection below which a batch is not spread over more connections.
+const BYTES_PER_CONNECTION: u64 = 1 << 20;
+
+impl TcpTransport {
+    /// Into how many contiguous chunks (one connection each) a batch is split.
+    fn fan_out(&self, items: usize, bytes: u64) -> usize {
+        ((bytes / BYTES_PER_CONNECTION) as usize + 1)
+            .min(self.config.connections_per_owner)
+            .min(items)
+            .max(1)
+    }
+
+    /// Sends every write of `items` on one connection back to back, then reads the answers:
+    /// one round trip for the chunk instead of one per object.
+    async fn pipelined_writes(
+        &self,
+        target: &SegmentName,
+        items: &[WriteItem<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let checkout = match self.checkout(target).await {
+            Ok(c) => c,
+            Err(e) => return fail_all(items.len(), &e),
+        };
+        let n = items.len();
+        let res = self
+            .exchange(target, checkout, async |conn: &mut Conn| {
+                let io_err = |source| TransferError::Io {
+                    target: target.clone(),
+                    source,
+                };
+                let first = conn.next_id;
+                conn.next_id += n as u64;
+                let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, it)| {
+                        RequestHeader {
+                            op: Op::Write,
+                            key_len: it.key.as_str().len() as u16,
+                            flags: 0,
+                            request_id: first + i as u64,
+                            offset: it.offset,
+                            length: it.parts.iter().map(|p| p.len() as u64).sum(),
+                        }
+                        .encode()
+                    })
+                    .collect();
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 3);
+                for (h, it) in headers.iter().zip(items) {
+                    slices.push(IoSlice::new(h));
+                    slices.push(IoSlice::new(it.key.as_str().as_bytes()));
+                    slices.extend(it.parts.iter().map(|p| IoSlice::new(p)));
+                }
+                write_all_vectored(&mut conn.stream, &mut slices)
+                    .await
+                    .map_err(io_err)?;
+                let mut out = Vec::with_capacity(n);
+                for i in 0..n {
+                    match conn.receive(target, Op::Write, first + i as u64).await {
+                        Ok(_) => out.push(Ok(())),
+                        // A refusal keeps the stream in step; go on with the next answer.
+                        Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(out)
+            })
+            .await;
+        res.unwrap_or_else(|e| fail_all(n, &e))
+    }
+
+    /// Sends every read request of `items` back to back, then receives the payloads in order.
+    async fn pipelined_reads(
+        &self,
+        target: &SegmentName,
+        items: &mut [ReadItem<'_, '_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let n = items.len();
+        let checkout = match self.checkout(target).await {
+            Ok(c) => c,
+            Err(e) => return fail_all(n, &e),
+        };
+        let res = self
+            .exchange(target, checkout, async |conn: &mut Conn| {
+                let io_err = |source| TransferError::Io {
+                    target: target.clone(),
+                    source,
+                };
+                let first = conn.next_id;
+                conn.next_id += n as u64;
+                let lens: Vec<u64> = items
+                    .iter()
+                    .map(|it| it.parts.iter().map(|p| p.len() as u64).sum())
+                    .collect();
+                let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
+                    .iter()
+                    .zip(&lens)
+                    .enumerate()
+                    .map(|(i, (it, len))| {
+                        RequestHeader {
+                            op: Op::Read,
+                            key_len: it.key.as_str().len() as u16,
+                            flags: 0,
+                            request_id: first + i as u64,
+                            offset: it.offset,
+                            length: *len,
+                        }
+                        .encode()
+                    })
+                    .collect();
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(n * 2);
+                for (h, it) in headers.iter().zip(items.iter()) {
+                    slices.push(IoSlice::new(h));
+                    slices.push(IoSlice::new(it.key.as_str().as_bytes()));
+                }
+                write_all_vectored(&mut conn.stream, &mut slices)
+                    .await
+                    .map_err(io_err)?;
+                let mut out = Vec::with_capacity(n);
+                for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate() {
+                    match conn.receive(target, Op::Read, first + i as u64).await {
+                        Ok(h) if h.length == *len => {
+                            for part in it.parts.iter_mut() {
+                                conn.stream.read_exact(part).await.map_err(io_err)?;
+                            }
+                            out.push(Ok(()));
+                        }
+                        Ok(h) => {
+                            return Err(io_err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!("owner sent {} bytes, {len} were asked for", h.length),
+                            )))
+                        }
+                        Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(out)
+            })
+            .await;
+        res.unwrap_or_else(|e| fail_all(n, &e))
+    }
+}
+
+/// A connection-level failure, reported on every item it affected.
+fn fail_all(n: usize, e: &TransferError) -> Vec<Result<(), TransferError>> {
+    (0..n)
+        .map(|_| {
+            Err(match e {
+                TransferError::Timeout { target, after } => TransferError::Timeout {
+                    target: target.clone(),
+                    after: *after,
+                },
+                TransferError::Remote {
+                    target,
+                    code,
+                    message,
+                } => TransferError::Remote {
+                    target: target.clone(),
+                    code: *code,
+                    message: message.clone(),
+                },
+                TransferError::Protocol { target, source } => TransferError::Protocol {
+                    target: target.clone(),
+                    source: source.clone(),
+                },
+                TransferError::Connect { target, source } => TransferError::Connect {
+                    target: target.clone(),
+                    source: io::Error::new(source.kind(), source.to_string()),
+                },
+                TransferError::Io { target, source } => TransferError::Io {
+                    target: target.clone(),
+                    source: io::Error::new(source.kind(), source.to_string()),
+                },
+            })
+        })
+        .collect()
+}
+
+/// Splits `n` items into `k` contiguous chunks of nearly equal size.
+fn chunk_bounds(n: usize, k: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (n / k, n % k);
+    let mut out = Vec::with_capacity(k);
+    let mut start = 0;
+    for i in 0..k {
+        let len = base + usize::from(i < extra);
+        out.push((start, start + len));
+        start += len;
+    }
+    out
+}
+
 impl DataTransport for TcpTransport {
+    fn write_batch<'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a [WriteItem<'a>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(async move {
+            let bytes: u64 = items
+                .iter()
+                .flat_map(|i| i.parts.iter())
+                .map(|p| p.len() as u64)
+                .sum();
+            let k = self.fan_out(items.len(), bytes);
+            let chunks = chunk_bounds(items.len(), k);
+            let results = join_all(
+                chunks
+                    .iter()
+                    .map(|&(a, b)| self.pipelined_writes(target, &items[a..b])),
+            )
+            .await;
+            results.into_iter().flatten().collect()
+        })
+    }
+
+    fn read_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(async move {
+            let bytes: u64 = items
+                .iter()
+                .flat_map(|i| i.parts.iter())
+                .map(|p| p.len() as u64)
+                .sum();
+            let k = self.fan_out(items.len(), bytes);
+            let bounds = chunk_bounds(items.len(), k);
+            let mut rest: &mut [ReadItem<'k, 'b>] = items;
+            let mut chunks = Vec::with_capacity(k);
+            for (a, b) in bounds {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - a);
+                chunks.push(head);
+                rest = tail;
+            }
+            let results =
+                join_all(chunks.into_iter().map(|c| self.pipelined_reads(target, c))).await;
+            results.into_iter().flatten().collect()
+        })
+    }
+
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
