@@ -586,11 +586,18 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        let resp = self
-            .master
-            .exists(keys.iter().map(|k| k.to_string()).collect())
-            .await?;
-        if resp.codes.len() != keys.len() {
+        self.batch_exists_owned(keys.iter().map(|k| k.to_string()).collect())
+            .await
+    }
+
+    /// Like `batch_exists`, taking the keys by value (no copy when the caller owns them).
+    pub async fn batch_exists_owned(
+        &self,
+        keys: Vec<String>,
+    ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
+        let n = keys.len();
+        let resp = self.master.exists(keys).await?;
+        if resp.codes.len() != n {
             return Err(ClientError::Rpc(
                 "master answered a wrong number of results".into(),
             ));

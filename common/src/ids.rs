@@ -26,13 +26,19 @@ pub struct ObjectKey(Arc<str>);
 
 impl ObjectKey {
     pub fn new(key: &str) -> Result<Self, IdError> {
+        Self::validate(key)?;
+        Ok(ObjectKey(Arc::from(key)))
+    }
+
+    /// Checks that `key` would make a valid key, without allocating one.
+    pub fn validate(key: &str) -> Result<(), IdError> {
         if key.is_empty() {
             return Err(IdError::EmptyKey);
         }
         if key.len() > MAX_KEY_LEN {
             return Err(IdError::KeyTooLong(key.len()));
         }
-        Ok(ObjectKey(Arc::from(key)))
+        Ok(())
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, IdError> {

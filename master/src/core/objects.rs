@@ -260,7 +260,11 @@ impl MasterState {
 
     /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
     /// by a get of the same keys.
-    pub fn exists(&mut self, key: &ObjectKey, now: Millis) -> bool {
+    pub fn exists<Q>(&mut self, key: &Q, now: Millis) -> bool
+    where
+        ObjectKey: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
         let lease = now.plus(self.policy.lease_ttl);
         match self.objects.get_mut(key) {
             Some(obj) if obj.phase == Phase::Complete => {
