@@ -97,7 +97,9 @@ pub struct MasterState {
     segments: BTreeMap<SegmentId, Segment>,
     by_name: HashMap<SegmentName, SegmentId>,
     owners: HashMap<ClientId, Owner>,
-    objects: HashMap<ObjectKey, objects::Object>,
+    // Keys are ~100-byte strings looked up thousands of times per batch: a fast seeded hasher
+    // (foldhash) instead of SipHash, still randomised per process against crafted collisions.
+    objects: HashMap<ObjectKey, objects::Object, foldhash::fast::RandomState>,
     pending: Vec<PendingRelease>,
     next_segment: u64,
     next_put: u64,
@@ -117,7 +119,7 @@ impl MasterState {
             segments: BTreeMap::new(),
             by_name: HashMap::new(),
             owners: HashMap::new(),
-            objects: HashMap::new(),
+            objects: HashMap::default(),
             pending: Vec::new(),
             next_segment: 1,
             next_put: 1,
