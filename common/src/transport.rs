@@ -41,6 +41,39 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// A copy for reporting one batch-wide failure on every item (io errors are not Clone, so
+    /// the copy keeps their kind and text).
+    pub fn duplicate(&self) -> TransferError {
+        let io = |e: &std::io::Error| std::io::Error::new(e.kind(), e.to_string());
+        match self {
+            TransferError::Connect { target, source } => TransferError::Connect {
+                target: target.clone(),
+                source: io(source),
+            },
+            TransferError::Timeout { target, after } => TransferError::Timeout {
+                target: target.clone(),
+                after: *after,
+            },
+            TransferError::Io { target, source } => TransferError::Io {
+                target: target.clone(),
+                source: io(source),
+            },
+            TransferError::Protocol { target, source } => TransferError::Protocol {
+                target: target.clone(),
+                source: source.clone(),
+            },
+            TransferError::Remote {
+                target,
+                code,
+                message,
+            } => TransferError::Remote {
+                target: target.clone(),
+                code: *code,
+                message: message.clone(),
+            },
+        }
+    }
+
     /// The Mooncake code a caller sees for this failure.
     pub fn code(&self) -> Code {
         match self {

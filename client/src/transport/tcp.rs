@@ -270,21 +270,11 @@ impl TcpTransport {
                 };
                 let first = conn.next_id;
                 conn.next_id += n as u64;
-                let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
-                    .iter()
-                    .enumerate()
-                    .map(|(i, it)| {
-                        RequestHeader {
-                            op: Op::Write,
-                            key_len: it.key.as_str().len() as u16,
-                            flags: 0,
-                            request_id: first + i as u64,
-                            offset: it.offset,
-                            length: it.parts.iter().map(|p| p.len() as u64).sum(),
-                        }
-                        .encode()
-                    })
-                    .collect();
+                let headers = request_headers(
+                    Op::Write,
+                    first,
+                    items.iter().map(|it| (it.key, it.offset, total(it.parts))),
+                );
                 let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 3);
                 for (h, it) in headers.iter().zip(items) {
                     slices.push(IoSlice::new(h));
@@ -332,22 +322,14 @@ impl TcpTransport {
                     .iter()
                     .map(|it| it.parts.iter().map(|p| p.len() as u64).sum())
                     .collect();
-                let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
-                    .iter()
-                    .zip(&lens)
-                    .enumerate()
-                    .map(|(i, (it, len))| {
-                        RequestHeader {
-                            op: Op::Read,
-                            key_len: it.key.as_str().len() as u16,
-                            flags: 0,
-                            request_id: first + i as u64,
-                            offset: it.offset,
-                            length: *len,
-                        }
-                        .encode()
-                    })
-                    .collect();
+                let headers = request_headers(
+                    Op::Read,
+                    first,
+                    items
+                        .iter()
+                        .zip(&lens)
+                        .map(|(it, len)| (it.key, it.offset, *len)),
+                );
                 let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(n * 2);
                 for (h, it) in headers.iter().zip(items.iter()) {
                     slices.push(IoSlice::new(h));
@@ -384,37 +366,34 @@ impl TcpTransport {
 
 /// A connection-level failure, reported on every item it affected.
 fn fail_all(n: usize, e: &TransferError) -> Vec<Result<(), TransferError>> {
-    (0..n)
-        .map(|_| {
-            Err(match e {
-                TransferError::Timeout { target, after } => TransferError::Timeout {
-                    target: target.clone(),
-                    after: *after,
-                },
-                TransferError::Remote {
-                    target,
-                    code,
-                    message,
-                } => TransferError::Remote {
-                    target: target.clone(),
-                    code: *code,
-                    message: message.clone(),
-                },
-                TransferError::Protocol { target, source } => TransferError::Protocol {
-                    target: target.clone(),
-                    source: source.clone(),
-                },
-                TransferError::Connect { target, source } => TransferError::Connect {
-                    target: target.clone(),
-                    source: io::Error::new(source.kind(), source.to_string()),
-                },
-                TransferError::Io { target, source } => TransferError::Io {
-                    target: target.clone(),
-                    source: io::Error::new(source.kind(), source.to_string()),
-                },
-            })
+    (0..n).map(|_| Err(e.duplicate())).collect()
+}
+
+/// Request headers for a pipelined chunk: ids `first..`, one per (key, offset, length).
+fn request_headers<'k>(
+    op: Op,
+    first: u64,
+    items: impl Iterator<Item = (&'k ObjectKey, u64, u64)>,
+) -> Vec<[u8; wire::REQUEST_HEADER_LEN]> {
+    items
+        .enumerate()
+        .map(|(i, (key, offset, length))| {
+            RequestHeader {
+                op,
+                key_len: key.as_str().len() as u16,
+                flags: 0,
+                request_id: first + i as u64,
+                offset,
+                length,
+            }
+            .encode()
         })
         .collect()
+}
+
+/// Total bytes of parts.
+fn total(parts: &[impl AsRef<[u8]>]) -> u64 {
+    parts.iter().map(|p| p.as_ref().len() as u64).sum()
 }
 
 /// Splits `n` items into `k` contiguous chunks of nearly equal size.

@@ -171,7 +171,7 @@ impl LocalOwner {
 
     /// Begin, copy, end: one exchange per batch in each direction. Results per item, in order.
     pub async fn write_batch(&self, items: &[WriteItem<'_>]) -> Vec<Result<(), TransferError>> {
-        let all = |e: &TransferError| items.iter().map(|_| Err(clone(e))).collect::<Vec<_>>();
+        let all = |e: &TransferError| items.iter().map(|_| Err(e.duplicate())).collect::<Vec<_>>();
         let (_permit, mut stream) = match self.checkout().await {
             Ok(c) => c,
             Err(e) => return all(&e),
@@ -245,7 +245,7 @@ impl LocalOwner {
         items: &mut [ReadItem<'_, '_>],
     ) -> Vec<Result<(), TransferError>> {
         let n = items.len();
-        let all = |e: &TransferError| (0..n).map(|_| Err(clone(e))).collect::<Vec<_>>();
+        let all = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect::<Vec<_>>();
         let (_permit, mut stream) = match self.checkout().await {
             Ok(c) => c,
             Err(e) => return all(&e),
@@ -384,33 +384,4 @@ fn hello(
     stream.set_write_timeout(None)?;
     stream.set_nonblocking(true)?;
     Ok((stream, fd, size))
-}
-
-/// Batch-wide failures are reported on every item; io errors are not Clone.
-fn clone(e: &TransferError) -> TransferError {
-    match e {
-        TransferError::Timeout { target, after } => TransferError::Timeout {
-            target: target.clone(),
-            after: *after,
-        },
-        TransferError::Remote {
-            target,
-            code,
-            message,
-        } => TransferError::Remote {
-            target: target.clone(),
-            code: *code,
-            message: message.clone(),
-        },
-        TransferError::Connect { target, source } | TransferError::Io { target, source } => {
-            TransferError::Io {
-                target: target.clone(),
-                source: io::Error::new(source.kind(), source.to_string()),
-            }
-        }
-        TransferError::Protocol { target, source } => TransferError::Protocol {
-            target: target.clone(),
-            source: source.clone(),
-        },
-    }
 }
