@@ -113,6 +113,9 @@ impl RunningOwner {
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);
+            if let Some(path) = &local_socket {
+                let _ = std::fs::remove_file(path);
+            }
             return Err(e.into());
         }
         tasks.push(tokio::spawn(

@@ -10,11 +10,32 @@ use tokio::runtime::Runtime;
 use crate::config::SetupArgs;
 
 pub struct Session {
+    /// Drives the client's calls. A current-thread runtime by default: the calling Python thread
+    /// polls the sockets itself, with no hand-off to an I/O thread on every wait (the lowest
+    /// latency for the one-caller-per-process shape of inference workers; concurrent callers
+    /// take turns). `MOONCAKE_IO_THREADS=N` (N > 0) gives it N worker threads instead.
     pub rt: Runtime,
     pub client: Client,
     pub hostname: String,
     #[cfg(feature = "embedded-owner")]
-    owner: Option<mooncake_owner::RunningOwner>,
+    owner: Option<(Runtime, mooncake_owner::RunningOwner)>,
+}
+
+fn runtime(threads: usize, name: &str) -> Result<Runtime, SetupError> {
+    let mut b = if threads == 0 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(threads);
+        b
+    };
+    b.thread_name(name)
+        .enable_all()
+        .build()
+        .map_err(|e| SetupError {
+            code: Code::InternalError,
+            message: format!("cannot start I/O threads: {e}"),
+        })
 }
 
 /// Why `setup` failed, as the code it returns and the message it logs.
@@ -58,16 +79,8 @@ impl Session {
         let threads = std::env::var("MOONCAKE_IO_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(2);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .thread_name("mooncake-io")
-            .enable_all()
-            .build()
-            .map_err(|e| SetupError {
-                code: Code::InternalError,
-                message: format!("cannot start I/O threads: {e}"),
-            })?;
+            .unwrap_or(0);
+        let rt = runtime(threads, "mooncake-io")?;
         let config = ClientConfig {
             connect_timeout: Duration::from_secs(2),
             rpc_timeout: Duration::from_secs(5),
@@ -104,7 +117,10 @@ impl Session {
             mount_timeout: Duration::from_secs(3),
             ..Default::default()
         };
-        let owner = rt
+        // The owner serves other processes whether or not this one is inside a call: it gets
+        // threads of its own.
+        let owner_rt = runtime(2, "mooncake-owner")?;
+        let owner = owner_rt
             .block_on(mooncake_owner::RunningOwner::start(owner_config))
             .map_err(|e| SetupError {
                 code: Code::InternalError,
@@ -123,7 +139,7 @@ impl Session {
             hostname: owner.segment.to_string(),
             rt,
             client,
-            owner: Some(owner),
+            owner: Some((owner_rt, owner)),
         })
     }
 
@@ -141,8 +157,9 @@ impl Session {
     /// Stops the embedded owner (unmounting its segment) and the I/O threads.
     pub fn close(self) {
         #[cfg(feature = "embedded-owner")]
-        if let Some(owner) = self.owner {
-            self.rt.block_on(owner.shutdown());
+        if let Some((owner_rt, owner)) = self.owner {
+            owner_rt.block_on(owner.shutdown());
+            owner_rt.shutdown_timeout(Duration::from_secs(2));
         }
         self.rt.shutdown_timeout(Duration::from_secs(2));
     }

@@ -167,6 +167,8 @@ pub fn bin_path(name: &str) -> PathBuf {
 pub struct ChildGuard {
     pub child: Child,
     lines: mpsc::Receiver<String>,
+    /// Files the child would have removed on a clean exit (an owner's socket), removed on drop.
+    leftovers: Vec<PathBuf>,
 }
 
 impl ChildGuard {
@@ -186,7 +188,11 @@ impl ChildGuard {
                 }
             }
         });
-        ChildGuard { child, lines }
+        ChildGuard {
+            child,
+            lines,
+            leftovers: Vec::new(),
+        }
     }
 
     /// The first stdout line starting with `prefix`, within `timeout`.
@@ -260,6 +266,9 @@ impl Drop for ChildGuard {
             let _ = self.child.kill();
         }
         let _ = self.child.wait();
+        for f in &self.leftovers {
+            let _ = std::fs::remove_file(f);
+        }
     }
 }
 
@@ -299,13 +308,19 @@ pub fn spawn_owner(master: &str, size: &str, extra: &[&str]) -> (ChildGuard, Str
         "--no-mlock",
     ];
     args.extend_from_slice(extra);
-    let o = ChildGuard::spawn("mooncake_ownerd", &args);
+    let mut o = ChildGuard::spawn("mooncake_ownerd", &args);
     let line = o.wait_line("mooncake_ownerd ready", Duration::from_secs(20));
     let seg = line
         .rsplit("segment=")
         .next()
         .expect("segment in ready line")
         .to_string();
+    if let Ok(name) = mooncake_common::SegmentName::parse(&seg) {
+        // A SIGKILLed owner cannot remove its same-host socket; the guard does.
+        let dir = mooncake_common::local::socket_dir();
+        o.leftovers
+            .push(mooncake_common::local::socket_path(&dir, &name));
+    }
     (o, seg)
 }
 
