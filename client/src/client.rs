@@ -9,7 +9,7 @@ use std::{
 
 use futures::future::join_all;
 use mooncake_common::{
-    transport::{DataTransport, ReadItem, TransferStats, WriteItem},
+    transport::{parts_len, DataTransport, ReadItem, TransferStats, WriteItem},
     Code, ObjectKey, SegmentName,
 };
 use mooncake_proto::master as pb;
@@ -210,7 +210,7 @@ impl Client {
                 .iter()
                 .map(|(i, k)| pb::PutStartItem {
                     key: k.to_string(),
-                    size: items[*i].1.iter().map(|p| p.len() as u64).sum(),
+                    size: parts_len(items[*i].1),
                 })
                 .collect(),
             config: Some(pb::ReplicateConfig {

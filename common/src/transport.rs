@@ -100,6 +100,33 @@ pub struct ReadItem<'a, 'b> {
     pub parts: &'a mut [&'b mut [u8]],
 }
 
+/// Total length of an object given as parts.
+pub fn parts_len<P: AsRef<[u8]>>(parts: &[P]) -> u64 {
+    parts.iter().map(|p| p.as_ref().len() as u64).sum()
+}
+
+impl WriteItem<'_> {
+    /// The object's length.
+    pub fn len(&self) -> u64 {
+        parts_len(self.parts)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl ReadItem<'_, '_> {
+    /// The object's length (what the parts hold together).
+    pub fn len(&self) -> u64 {
+        parts_len(self.parts)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Bytes moved so far, by path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TransferStats {

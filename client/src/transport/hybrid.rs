@@ -170,11 +170,7 @@ impl DataTransport for HybridTransport {
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let lens = || {
-                items
-                    .iter()
-                    .map(|i| i.parts.iter().map(|p| p.len() as u64).sum::<u64>())
-            };
+            let lens = || items.iter().map(|i| i.len());
             match self.route(target).await {
                 Route::Local(owner) => {
                     let res = owner.write_batch(items).await;
@@ -197,10 +193,7 @@ impl DataTransport for HybridTransport {
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let lens: Vec<u64> = items
-                .iter()
-                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
-                .collect();
+            let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             let (res, local) = match self.route(target).await {
                 Route::Local(owner) => {
                     let res = owner.read_batch(items).await;

@@ -12,7 +12,7 @@ use std::{
 
 use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
-    transport::{DataTransport, ReadItem, TransferError, WriteItem},
+    transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
     ObjectKey, SegmentName,
 };
@@ -273,7 +273,7 @@ impl TcpTransport {
                 let headers = request_headers(
                     Op::Write,
                     first,
-                    items.iter().map(|it| (it.key, it.offset, total(it.parts))),
+                    items.iter().map(|it| (it.key, it.offset, it.len())),
                 );
                 let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 3);
                 for (h, it) in headers.iter().zip(items) {
@@ -318,10 +318,7 @@ impl TcpTransport {
                 };
                 let first = conn.next_id;
                 conn.next_id += n as u64;
-                let lens: Vec<u64> = items
-                    .iter()
-                    .map(|it| it.parts.iter().map(|p| p.len() as u64).sum())
-                    .collect();
+                let lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
                 let headers = request_headers(
                     Op::Read,
                     first,
@@ -391,11 +388,6 @@ fn request_headers<'k>(
         .collect()
 }
 
-/// Total bytes of parts.
-fn total(parts: &[impl AsRef<[u8]>]) -> u64 {
-    parts.iter().map(|p| p.as_ref().len() as u64).sum()
-}
-
 /// Splits `n` items into `k` contiguous chunks of nearly equal size.
 fn chunk_bounds(n: usize, k: usize) -> Vec<(usize, usize)> {
     let (base, extra) = (n / k, n % k);
@@ -416,11 +408,7 @@ impl DataTransport for TcpTransport {
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let bytes: u64 = items
-                .iter()
-                .flat_map(|i| i.parts.iter())
-                .map(|p| p.len() as u64)
-                .sum();
+            let bytes: u64 = items.iter().map(|i| i.len()).sum();
             let k = self.fan_out(items.len(), bytes);
             let chunks = chunk_bounds(items.len(), k);
             let results = join_all(
@@ -439,11 +427,7 @@ impl DataTransport for TcpTransport {
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
         Box::pin(async move {
-            let bytes: u64 = items
-                .iter()
-                .flat_map(|i| i.parts.iter())
-                .map(|p| p.len() as u64)
-                .sum();
+            let bytes: u64 = items.iter().map(|i| i.len()).sum();
             let k = self.fan_out(items.len(), bytes);
             let bounds = chunk_bounds(items.len(), k);
             let mut rest: &mut [ReadItem<'k, 'b>] = items;
@@ -468,7 +452,7 @@ impl DataTransport for TcpTransport {
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
-            let length: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            let length = parts_len(parts);
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
                     .send(Op::Write, key, offset, length, parts)
@@ -492,7 +476,7 @@ impl DataTransport for TcpTransport {
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
-            let length: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            let length = parts_len(parts);
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),

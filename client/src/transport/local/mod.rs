@@ -16,7 +16,7 @@ use std::{
 
 use mooncake_common::{
     local::{frame_header, FrameReader, FrameWriter, LocalOp},
-    transport::{ReadItem, TransferError, WriteItem},
+    transport::{parts_len, ReadItem, TransferError, WriteItem},
     Code, SegmentName,
 };
 use parking_lot::Mutex;
@@ -34,9 +34,11 @@ const PARALLEL_COPY_BYTES: u64 = 4 << 20;
 /// Where to split `sizes` into two halves of about equal bytes, if the total is worth sharing.
 fn split_point(sizes: impl Iterator<Item = u64> + Clone) -> Option<usize> {
     let total: u64 = sizes.clone().sum();
-    if total < PARALLEL_COPY_BYTES
-        || std::env::var("MOONCAKE_COPY_THREADS").is_ok_and(|v| v.trim() == "1")
-    {
+    // Read once: this runs for every batch.
+    static ONE_THREAD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one_thread = *ONE_THREAD
+        .get_or_init(|| std::env::var("MOONCAKE_COPY_THREADS").is_ok_and(|v| v.trim() == "1"));
+    if total < PARALLEL_COPY_BYTES || one_thread {
         return None;
     }
     let mut acc = 0;
@@ -52,9 +54,7 @@ fn split_point(sizes: impl Iterator<Item = u64> + Clone) -> Option<usize> {
 /// Copies a batch in, on two threads when it is large enough (one memcpy stream does not
 /// saturate memory bandwidth).
 fn copy_in_all(pool: &SharedPool, jobs: &[(u64, &[&[u8]])]) -> Vec<Result<(), OutOfRange>> {
-    let sizes = jobs
-        .iter()
-        .map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum::<u64>());
+    let sizes = jobs.iter().map(|(_, parts)| parts_len(parts));
     let one = |js: &[(u64, &[&[u8]])]| {
         js.iter()
             .map(|(o, p)| pool.copy_in(*o, p))
@@ -79,10 +79,7 @@ fn copy_out_all(
     pool: &SharedPool,
     jobs: &mut [(u64, &mut [&mut [u8]])],
 ) -> Vec<Result<(), OutOfRange>> {
-    let sizes: Vec<u64> = jobs
-        .iter()
-        .map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum())
-        .collect();
+    let sizes: Vec<u64> = jobs.iter().map(|(_, parts)| parts_len(parts)).collect();
     let one = |js: &mut [(u64, &mut [&mut [u8]])]| {
         js.iter_mut()
             .map(|(o, p)| pool.copy_out(*o, p))
@@ -179,10 +176,7 @@ impl LocalOwner {
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginWrite);
             w.u32(items.len() as u32);
-            let lens: Vec<u64> = items
-                .iter()
-                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
-                .collect();
+            let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             for (i, len) in items.iter().zip(&lens) {
                 w.item(i.offset, *len, i.key.as_str());
             }
@@ -227,17 +221,8 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        match tokio::time::timeout(self.timeout, exchange).await {
-            Ok(Ok(results)) => {
-                self.idle.lock().push(stream);
-                results
-            }
-            Ok(Err(e)) => all(&e),
-            Err(_) => all(&TransferError::Timeout {
-                target: self.segment.clone(),
-                after: self.timeout,
-            }),
-        }
+        let outcome = tokio::time::timeout(self.timeout, exchange).await;
+        self.settle(stream, outcome, all)
     }
 
     pub async fn read_batch(
@@ -253,10 +238,7 @@ impl LocalOwner {
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginRead);
             w.u32(n as u32);
-            let lens: Vec<u64> = items
-                .iter()
-                .map(|i| i.parts.iter().map(|p| p.len() as u64).sum())
-                .collect();
+            let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             for (i, len) in items.iter().zip(&lens) {
                 w.item(i.offset, *len, i.key.as_str());
             }
@@ -294,7 +276,22 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        match tokio::time::timeout(self.timeout, exchange).await {
+        let outcome = tokio::time::timeout(self.timeout, exchange).await;
+        self.settle(stream, outcome, all)
+    }
+
+    /// Ends a batch exchange: the connection goes back to the pool only after a complete
+    /// exchange; a failure or the deadline is reported on every item.
+    fn settle(
+        &self,
+        stream: UnixStream,
+        outcome: Result<
+            Result<Vec<Result<(), TransferError>>, TransferError>,
+            tokio::time::error::Elapsed,
+        >,
+        all: impl Fn(&TransferError) -> Vec<Result<(), TransferError>>,
+    ) -> Vec<Result<(), TransferError>> {
+        match outcome {
             Ok(Ok(results)) => {
                 self.idle.lock().push(stream);
                 results
