@@ -3,7 +3,10 @@
 //! transfers of a batch run concurrently.
 
 use std::{
-    sync::Arc,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -82,6 +85,37 @@ pub struct Client {
     master: MasterRpc,
     transport: Arc<dyn DataTransport>,
     preferred: Option<SegmentName>,
+    tiers: TierCounters,
+}
+
+/// Keys and bytes of successful gets, by the tier that served them.
+#[derive(Default)]
+struct TierCounters {
+    memory_keys: AtomicU64,
+    memory_bytes: AtomicU64,
+    disk_keys: AtomicU64,
+    disk_bytes: AtomicU64,
+}
+
+impl TierCounters {
+    fn add(&self, disk: bool, keys: u64, bytes: u64) {
+        let (k, b) = if disk {
+            (&self.disk_keys, &self.disk_bytes)
+        } else {
+            (&self.memory_keys, &self.memory_bytes)
+        };
+        k.fetch_add(keys, Ordering::Relaxed);
+        b.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// One replica to read from: an owner's memory at `offset`, or its SSD tier (`offset` is then
+/// the object's version, which the record on disk must carry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Loc {
+    seg: SegmentName,
+    offset: u64,
+    disk: bool,
 }
 
 impl Client {
@@ -126,6 +160,7 @@ impl Client {
         )?;
         master.list_segments().await?;
         Ok(Client {
+            tiers: TierCounters::default(),
             master,
             transport,
             preferred,
@@ -433,19 +468,26 @@ impl Client {
                 replicas,
                 dst: clip(std::mem::take(buf), found.size as usize),
                 done: None,
+                served_by: None,
             });
         }
         {
-            let mut groups: Vec<(SegmentName, Vec<usize>, Vec<ReadItem<'_, '_>>)> = Vec::new();
+            // One batch per (owner, tier): memory reads and disk reads take different paths.
+            let mut groups: Vec<(Loc, Vec<usize>, Vec<ReadItem<'_, '_>>)> = Vec::new();
             for (j, job) in jobs.iter_mut().enumerate() {
-                let (seg, offset) = job.replicas[0].clone();
-                let g = match groups.iter().position(|(s, ..)| *s == seg) {
+                let loc = job.replicas[0].clone();
+                let offset = loc.offset;
+                let g = match groups
+                    .iter()
+                    .position(|(l, ..)| l.seg == loc.seg && l.disk == loc.disk)
+                {
                     Some(g) => g,
                     None => {
-                        groups.push((seg, Vec::new(), Vec::new()));
+                        groups.push((loc, Vec::new(), Vec::new()));
                         groups.len() - 1
                     }
                 };
+                job.served_by = Some(groups[g].0.disk);
                 groups[g].1.push(j);
                 groups[g].2.push(ReadItem {
                     key: job.key,
@@ -453,8 +495,12 @@ impl Client {
                     parts: &mut job.dst[..],
                 });
             }
-            let batches = groups.iter_mut().map(|(seg, js, ritems)| async move {
-                let res = self.transport.read_batch(seg, ritems).await;
+            let batches = groups.iter_mut().map(|(loc, js, ritems)| async move {
+                let res = if loc.disk {
+                    self.transport.read_disk_batch(&loc.seg, ritems).await
+                } else {
+                    self.transport.read_batch(&loc.seg, ritems).await
+                };
                 (std::mem::take(js), res)
             });
             let outcomes = join_all(batches).await;
@@ -467,20 +513,39 @@ impl Client {
         }
         // Keys whose first replica failed try the others, one by one.
         let retries = jobs.iter_mut().filter(|j| matches!(j.done, Some(Err(_)))).map(|job| async move {
-            for (seg, offset) in job.replicas[1..].iter() {
-                match self.transport.read(seg, job.key, *offset, &mut job.dst[..]).await {
+            for loc in job.replicas[1..].iter() {
+                match self.read_at(loc, job.key, &mut job.dst[..]).await {
                     Ok(()) => {
                         job.done = Some(Ok(()));
+                        job.served_by = Some(loc.disk);
                         break;
                     }
                     Err(e) => {
-                        tracing::debug!(key = %job.key, segment = %seg, error = %e, "replica read failed");
+                        tracing::debug!(key = %job.key, segment = %loc.seg, disk = loc.disk, error = %e, "replica read failed");
                         job.done = Some(Err(e.into()));
                     }
                 }
             }
         });
         join_all(retries).await;
+        let mut per_tier = [(0u64, 0u64); 2];
+        for job in &jobs {
+            if let (Some(Ok(())), Some(disk)) = (&job.done, job.served_by) {
+                let t = &mut per_tier[disk as usize];
+                t.0 += 1;
+                t.1 += job.dst.iter().map(|d| d.len() as u64).sum::<u64>();
+            }
+        }
+        self.tiers.add(false, per_tier[0].0, per_tier[0].1);
+        self.tiers.add(true, per_tier[1].0, per_tier[1].1);
+        tracing::debug!(
+            keys = keys.len(),
+            memory_keys = per_tier[0].0,
+            memory_bytes = per_tier[0].1,
+            disk_keys = per_tier[1].0,
+            disk_bytes = per_tier[1].1,
+            "batch get served"
+        );
         for job in jobs {
             let n: usize = job.dst.iter().map(|d| d.len()).sum();
             results[job.i] = Some(job.done.expect("attempted").and_then(|()| {
@@ -533,16 +598,45 @@ impl Client {
         join_all(reads).await
     }
 
-    /// Replicas in the order to try them: the preferred segment first; unparsable names dropped.
-    fn replica_order(&self, replicas: &[pb::ReplicaLocation]) -> Vec<(SegmentName, u64)> {
-        let mut order: Vec<(SegmentName, u64)> = replicas
+    /// Replicas in the order to try them: memory before disk, the preferred segment first
+    /// within each; unparsable names dropped.
+    fn replica_order(&self, replicas: &[pb::ReplicaLocation]) -> Vec<Loc> {
+        let mut order: Vec<Loc> = replicas
             .iter()
-            .filter_map(|r| SegmentName::parse(&r.segment).ok().map(|s| (s, r.offset)))
+            .filter_map(|r| {
+                let disk = r.tier == pb::ReplicaTier::Disk as i32;
+                SegmentName::parse(&r.segment).ok().map(|seg| Loc {
+                    seg,
+                    offset: if disk { r.put_id } else { r.offset },
+                    disk,
+                })
+            })
             .collect();
-        if let Some(p) = &self.preferred {
-            order.sort_by_key(|(s, _)| s != p);
-        }
+        let preferred = self.preferred.as_ref();
+        order.sort_by_key(|l| (l.disk, Some(&l.seg) != preferred));
         order
+    }
+
+    /// Reads one object from one replica, in memory or on disk.
+    async fn read_at(
+        &self,
+        loc: &Loc,
+        key: &ObjectKey,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), mooncake_common::transport::TransferError> {
+        if !loc.disk {
+            return self.transport.read(&loc.seg, key, loc.offset, dst).await;
+        }
+        let mut items = [ReadItem {
+            key,
+            offset: loc.offset,
+            parts: dst,
+        }];
+        self.transport
+            .read_disk_batch(&loc.seg, &mut items)
+            .await
+            .pop()
+            .expect("one result")
     }
 
     /// Reads from the preferred replica first, then the others; the last error if all fail.
@@ -557,11 +651,14 @@ impl Client {
             Code::ObjectNotFound.as_i32(),
             format!("{key} has no replica"),
         );
-        for (seg, offset) in self.replica_order(replicas) {
-            match self.transport.read(&seg, key, offset, dst).await {
-                Ok(()) => return Ok(len),
+        for loc in self.replica_order(replicas) {
+            match self.read_at(&loc, key, dst).await {
+                Ok(()) => {
+                    self.tiers.add(loc.disk, 1, len as u64);
+                    return Ok(len);
+                }
                 Err(e) => {
-                    tracing::debug!(%key, segment = %seg, error = %e, "replica read failed");
+                    tracing::debug!(%key, segment = %loc.seg, disk = loc.disk, error = %e, "replica read failed");
                     last = e.into();
                 }
             }
@@ -569,9 +666,17 @@ impl Client {
         Err(last)
     }
 
-    /// Bytes moved so far through the same-host path and over TCP.
+    /// Bytes moved so far through the same-host path and over TCP, and keys and bytes of gets
+    /// served from memory and from disk.
     pub fn transfer_stats(&self) -> TransferStats {
-        self.transport.stats()
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TransferStats {
+            memory_keys: load(&self.tiers.memory_keys),
+            memory_bytes: load(&self.tiers.memory_bytes),
+            disk_keys: load(&self.tiers.disk_keys),
+            disk_bytes: load(&self.tiers.disk_bytes),
+            ..self.transport.stats()
+        }
     }
 
     pub async fn exists(&self, key: &str) -> Result<bool, ClientError> {
@@ -717,9 +822,11 @@ impl Client {
 struct ReadJob<'k, 'b> {
     i: usize,
     key: &'k ObjectKey,
-    replicas: Vec<(SegmentName, u64)>,
+    replicas: Vec<Loc>,
     dst: Vec<&'b mut [u8]>,
     done: Option<Result<(), ClientError>>,
+    /// Whether the attempt that counts read from disk.
+    served_by: Option<bool>,
 }
 
 /// The leading `n` bytes of `parts`, as parts.

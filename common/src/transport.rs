@@ -134,6 +134,12 @@ pub struct TransferStats {
     pub local_bytes: u64,
     /// Over TCP.
     pub tcp_bytes: u64,
+    /// Keys and bytes of gets served from owners' memory and from their SSD tiers (counted by
+    /// the client, not the transport).
+    pub memory_keys: u64,
+    pub memory_bytes: u64,
+    pub disk_keys: u64,
+    pub disk_bytes: u64,
 }
 
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
@@ -184,6 +190,27 @@ pub trait DataTransport: Send + Sync + 'static {
                 .iter_mut()
                 .map(|i| self.read(target, i.key, i.offset, i.parts)),
         ))
+    }
+
+    /// Reads several objects from the SSD tier of one owner, which reads each from disk and
+    /// streams it back; here an item's `offset` is the object's version (put id), which the
+    /// record on disk must carry. Transports without a way to ask the owner refuse.
+    fn read_disk_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        let refused = items
+            .iter()
+            .map(|_| {
+                Err(TransferError::Remote {
+                    target: target.clone(),
+                    code: Code::InvalidParams,
+                    message: "this transport cannot read from an owner's ssd tier".into(),
+                })
+            })
+            .collect();
+        Box::pin(std::future::ready(refused))
     }
 
     /// Bytes moved so far, by path.

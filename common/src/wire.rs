@@ -28,6 +28,9 @@ pub enum Op {
     Read = 2,
     /// Liveness probe; no key, no payload.
     Ping = 3,
+    /// Return the `length`-byte value of `key` from the owner's SSD tier; `offset` carries the
+    /// object's version (put id), which the record on disk must match.
+    ReadDisk = 4,
 }
 
 impl Op {
@@ -36,6 +39,7 @@ impl Op {
             1 => Some(Op::Write),
             2 => Some(Op::Read),
             3 => Some(Op::Ping),
+            4 => Some(Op::ReadDisk),
             _ => None,
         }
     }
@@ -182,7 +186,12 @@ mod tests {
     use proptest::prelude::*;
 
     fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![Just(Op::Write), Just(Op::Read), Just(Op::Ping)]
+        prop_oneof![
+            Just(Op::Write),
+            Just(Op::Read),
+            Just(Op::Ping),
+            Just(Op::ReadDisk)
+        ]
     }
 
     proptest! {

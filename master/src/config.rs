@@ -6,7 +6,7 @@ use std::time::Duration;
 use mooncake_common::config::duration;
 use serde::{Deserialize, Serialize};
 
-use crate::core::{AllocationStrategy, Policy};
+use crate::core::{AllocationStrategy, Policy, WhenDiskBehind};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -40,6 +40,17 @@ pub struct MasterConfig {
     /// Period of the upkeep loop (owner expiry, abandoned puts, watermark eviction).
     #[serde(with = "duration")]
     pub upkeep_interval: Duration,
+    /// Offload objects to their owner's SSD tier when their put ends, not only on eviction.
+    pub eager_offload: bool,
+    /// Offloads queued or in flight per SSD tier, at most; beyond it the SSD counts as behind.
+    pub offload_queue_limit: usize,
+    /// Eviction of an object whose owner's SSD is behind: "keep" it in memory or "drop" it.
+    pub when_disk_behind: WhenDiskBehind,
+    /// An offload not reported within this is given up.
+    #[serde(with = "duration")]
+    pub offload_timeout: Duration,
+    /// Reads from disk after which an object is copied back to memory; 0: never.
+    pub promote_after_hits: u32,
 }
 
 impl Default for MasterConfig {
@@ -58,6 +69,11 @@ impl Default for MasterConfig {
             put_start_release_timeout: p.put_release_timeout,
             allocation_strategy: p.strategy,
             upkeep_interval: Duration::from_millis(100),
+            eager_offload: p.eager_offload,
+            offload_queue_limit: p.offload_queue_limit,
+            when_disk_behind: p.when_disk_behind,
+            offload_timeout: p.offload_timeout,
+            promote_after_hits: p.promote_after_hits,
         }
     }
 }
@@ -83,6 +99,7 @@ impl MasterConfig {
             ("put_start_discard_timeout", self.put_start_discard_timeout),
             ("put_start_release_timeout", self.put_start_release_timeout),
             ("upkeep_interval", self.upkeep_interval),
+            ("offload_timeout", self.offload_timeout),
         ] {
             if d.is_zero() {
                 return Err(format!("{name} must be greater than zero"));
@@ -93,6 +110,9 @@ impl MasterConfig {
                 "put_start_release_timeout ({:?}) must not be shorter than put_start_discard_timeout ({:?})",
                 self.put_start_release_timeout, self.put_start_discard_timeout
             ));
+        }
+        if self.offload_queue_limit == 0 {
+            return Err("offload_queue_limit must be at least 1".into());
         }
         if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
             return Err(format!(
@@ -113,6 +133,11 @@ impl MasterConfig {
             put_discard_timeout: self.put_start_discard_timeout,
             put_release_timeout: self.put_start_release_timeout,
             strategy: self.allocation_strategy,
+            eager_offload: self.eager_offload,
+            offload_queue_limit: self.offload_queue_limit,
+            when_disk_behind: self.when_disk_behind,
+            offload_timeout: self.offload_timeout,
+            promote_after_hits: self.promote_after_hits,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod http;
 pub mod metrics;
 pub mod server;
 pub mod service;
+mod tiers;
 
 pub use config::MasterConfig;
 pub use error::MasterError;

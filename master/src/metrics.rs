@@ -112,6 +112,67 @@ impl Metrics {
                 let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", s.name);
             }
         }
+        type Pick = fn(&crate::core::DiskStats) -> u64;
+        let ssd: [(&str, &str, Pick); 7] = [
+            (
+                "segment_ssd_capacity_bytes",
+                "Capacity of one owner's SSD tier.",
+                |d| d.capacity,
+            ),
+            (
+                "segment_ssd_used_bytes",
+                "Bytes of live records on one owner's SSD tier.",
+                |d| d.used,
+            ),
+            (
+                "segment_ssd_records",
+                "Live records on one owner's SSD tier.",
+                |d| d.records,
+            ),
+            (
+                "segment_ssd_written_bytes_total",
+                "Bytes written to one owner's SSD tier.",
+                |d| d.written_bytes,
+            ),
+            (
+                "segment_ssd_read_bytes_total",
+                "Bytes read from one owner's SSD tier.",
+                |d| d.read_bytes,
+            ),
+            (
+                "segment_ssd_corrupt_reads_total",
+                "Reads refused because a record did not check out.",
+                |d| d.corrupt_reads,
+            ),
+            (
+                "segment_ssd_evicted_records_total",
+                "Records overwritten by the SSD ring (oldest first).",
+                |d| d.evicted_records,
+            ),
+        ];
+        if segs.iter().any(|s| s.disk.is_some()) {
+            for (name, help, pick) in ssd {
+                let kind = if name.ends_with("_total") {
+                    "counter"
+                } else {
+                    "gauge"
+                };
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                for s in &segs {
+                    if let Some(d) = &s.disk {
+                        let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, pick(d));
+                    }
+                }
+            }
+            let name = "segment_disk_objects";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Objects with a disk replica on one segment.\n# TYPE {name} gauge"
+            );
+            for s in segs.iter().filter(|s| s.disk.is_some()) {
+                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, s.disk_objects);
+            }
+        }
         let c = state.counters();
         let mut counter = |name: &str, help: &str, v: u64| {
             let _ = writeln!(
@@ -144,6 +205,55 @@ impl Metrics {
             "Owners dropped after missing heartbeats.",
             c.expired_owners,
         );
+        for (name, help, v) in [
+            (
+                "master_offloads_started_total",
+                "Objects queued for an SSD tier.",
+                c.offloads_started,
+            ),
+            (
+                "master_offloads_done_total",
+                "Objects whose disk copy an owner reported.",
+                c.offloads_done,
+            ),
+            (
+                "master_offloads_failed_total",
+                "Offloads that failed or were not reported in time.",
+                c.offloads_failed,
+            ),
+            (
+                "master_evictions_dropped_disk_behind_total",
+                "Objects evicted without a disk copy because the SSD was behind.",
+                c.dropped_disk_behind,
+            ),
+            (
+                "master_evictions_kept_disk_behind_total",
+                "Evictions skipped (object kept in memory) because the SSD was behind.",
+                c.kept_disk_behind,
+            ),
+            (
+                "master_disk_hits_total",
+                "Reads of objects held only on disk.",
+                c.disk_hits,
+            ),
+            (
+                "master_promotions_total",
+                "Objects copied back from disk to memory.",
+                c.promotions,
+            ),
+            (
+                "master_disk_replicas_dropped_total",
+                "Disk replicas an owner's SSD ring overwrote.",
+                c.disk_dropped,
+            ),
+            (
+                "master_disk_objects_registered_total",
+                "Objects re-registered from an owner's SSD after a restart.",
+                c.disk_registered,
+            ),
+        ] {
+            counter(name, help, v);
+        }
         for op in Op::ALL {
             let n = op.name();
             for (kind, arr) in [("requests", &self.requests), ("failures", &self.failures)] {

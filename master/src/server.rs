@@ -4,7 +4,6 @@
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
 use mooncake_proto::master::master_server::MasterServer;
-use parking_lot::Mutex;
 use tokio::{
     net::{TcpListener, TcpStream},
     sync::watch,
@@ -15,7 +14,6 @@ use crate::{
     clock::{Clock, SystemClock},
     config::MasterConfig,
     core::MasterState,
-    metrics::Metrics,
     service::{MasterService, Shared},
 };
 
@@ -44,11 +42,7 @@ impl RunningMaster {
         let rpc = bind(&config.bind_address, config.rpc_port).await?;
         let http = bind(&config.bind_address, config.metrics_port).await?;
         let (rpc_addr, http_addr) = (rpc.local_addr()?, http.local_addr()?);
-        let shared = Arc::new(Shared {
-            state: Mutex::new(MasterState::new(config.policy())),
-            clock,
-            metrics: Metrics::default(),
-        });
+        let shared = Arc::new(Shared::new(MasterState::new(config.policy()), clock));
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -99,7 +93,9 @@ impl RunningMaster {
                 tokio::select! {
                     _ = tick.tick() => {
                         let now = upkeep_shared.clock.now();
-                        upkeep_shared.state.lock().tick(now);
+                        let mut state = upkeep_shared.state.lock();
+                        state.tick(now);
+                        upkeep_shared.wake_owners(&mut state);
                     }
                     _ = stop_upkeep.changed() => break,
                 }
@@ -119,7 +115,9 @@ impl RunningMaster {
     /// Runs one upkeep round now (tests drive a manual clock and then call this).
     pub fn upkeep(&self) {
         let now = self.shared.clock.now();
-        self.shared.state.lock().tick(now);
+        let mut state = self.shared.state.lock();
+        state.tick(now);
+        self.shared.wake_owners(&mut state);
     }
 
     /// Read access to the state, for tests and tools in the same process.

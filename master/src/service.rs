@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     clock::Clock,
-    core::{HeartbeatReply, MasterState, ReplicaView, ReplicateConfig},
+    core::{HeartbeatReply, MasterState, ReplicaView, ReplicateConfig, Tier},
     error::MasterError,
     metrics::{Metrics, Op},
 };
@@ -21,7 +21,33 @@ pub struct Shared {
     pub state: Mutex<MasterState>,
     pub clock: Arc<dyn Clock>,
     pub metrics: Metrics,
+    /// Wakes owners long-polling for SSD-tier work.
+    pub owner_work: tokio::sync::Notify,
+    /// Wakes puts waiting for offloads to free memory.
+    pub offload_progress: tokio::sync::Notify,
 }
+
+impl Shared {
+    pub fn new(state: MasterState, clock: Arc<dyn Clock>) -> Shared {
+        Shared {
+            state: Mutex::new(state),
+            clock,
+            metrics: Metrics::default(),
+            owner_work: tokio::sync::Notify::new(),
+            offload_progress: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Wakes polling owners if the last call under this lock queued work for them.
+    pub fn wake_owners(&self, state: &mut MasterState) {
+        if state.take_wakeup() {
+            self.owner_work.notify_waiters();
+        }
+    }
+}
+
+/// How long a put that found no space waits for offloads under way to free memory.
+const OFFLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct MasterService {
     shared: Arc<Shared>,
@@ -40,24 +66,29 @@ fn code_of(r: &Result<(), MasterError>) -> i32 {
     }
 }
 
-fn key(s: &str) -> Result<ObjectKey, MasterError> {
+pub(crate) fn key(s: &str) -> Result<ObjectKey, MasterError> {
     Ok(ObjectKey::new(s)?)
 }
 
-fn client_id(s: &str) -> Result<ClientId, Status> {
+pub(crate) fn client_id(s: &str) -> Result<ClientId, Status> {
     ClientId::parse(s).map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
-fn segment(s: &str) -> Result<SegmentName, Status> {
+pub(crate) fn segment(s: &str) -> Result<SegmentName, Status> {
     SegmentName::parse(s).map_err(|e| Status::invalid_argument(e.to_string()))
 }
 
 fn location(v: ReplicaView) -> pb::ReplicaLocation {
+    let tier = match v.tier {
+        Tier::Memory => pb::ReplicaTier::Memory,
+        Tier::Disk => pb::ReplicaTier::Disk,
+    };
     pb::ReplicaLocation {
         segment: v.segment.to_string(),
         offset: v.offset,
         size: v.size,
-        tier: pb::ReplicaTier::Memory as i32,
+        tier: tier as i32,
+        put_id: v.put_id,
     }
 }
 
@@ -82,7 +113,7 @@ fn replicate_config(c: Option<pb::ReplicateConfig>) -> Result<ReplicateConfig, M
     })
 }
 
-type Reply<T> = Result<Response<T>, Status>;
+pub(crate) type Reply<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
 impl pb::master_server::Master for MasterService {
@@ -97,7 +128,7 @@ impl pb::master_server::Master for MasterService {
             .shared
             .state
             .lock()
-            .mount_segment(owner, name, r.size, now);
+            .mount_segment(owner, name, r.size, r.disk_capacity, now);
         self.shared
             .metrics
             .record(Op::MountSegment, 1, res.is_err() as usize);
@@ -124,9 +155,17 @@ impl pb::master_server::Master for MasterService {
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
-        let owner = client_id(&req.into_inner().client_id)?;
+        let r = req.into_inner();
+        let owner = client_id(&r.client_id)?;
         let now = self.shared.clock.now();
-        let reply = self.shared.state.lock().heartbeat(owner, now);
+        let reply = {
+            let mut state = self.shared.state.lock();
+            let reply = state.heartbeat(owner, now);
+            if let Some(d) = r.disk {
+                state.set_disk_stats(owner, crate::tiers::disk_stats(&d));
+            }
+            reply
+        };
         self.shared.metrics.record(Op::Heartbeat, 1, 0);
         Ok(Response::new(pb::HeartbeatResponse {
             code: 0,
@@ -140,31 +179,59 @@ impl pb::master_server::Master for MasterService {
     ) -> Reply<pb::BatchPutStartResponse> {
         let r = req.into_inner();
         let config = replicate_config(r.config);
-        let now = self.shared.clock.now();
-        let mut results = Vec::with_capacity(r.items.len());
-        {
-            let mut state = self.shared.state.lock();
-            for item in &r.items {
-                let res = config
-                    .as_ref()
-                    .map_err(Clone::clone)
-                    .and_then(|c| state.put_start(&key(&item.key)?, item.size, c, now));
-                results.push(match res {
-                    Ok(grant) => pb::PutStartResult {
-                        code: 0,
-                        message: String::new(),
-                        put_id: grant.put_id,
-                        replicas: grant.replicas.into_iter().map(location).collect(),
-                    },
-                    Err(e) => pb::PutStartResult {
-                        code: e.code().as_i32(),
-                        message: e.to_string(),
-                        put_id: 0,
-                        replicas: Vec::new(),
-                    },
+        let mut results: Vec<Option<pb::PutStartResult>> = vec![None; r.items.len()];
+        let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
+        loop {
+            // Registered before looking, so progress made in between is not missed.
+            let progress = self.shared.offload_progress.notified();
+            tokio::pin!(progress);
+            progress.as_mut().enable();
+            let waiting = {
+                let now = self.shared.clock.now();
+                let mut state = self.shared.state.lock();
+                for (item, slot) in r.items.iter().zip(results.iter_mut()) {
+                    if slot
+                        .as_ref()
+                        .is_some_and(|x| x.code != Code::NoAvailableHandle.as_i32())
+                    {
+                        continue;
+                    }
+                    let res = config
+                        .as_ref()
+                        .map_err(Clone::clone)
+                        .and_then(|c| state.put_start(&key(&item.key)?, item.size, c, now));
+                    *slot = Some(match res {
+                        Ok(grant) => pb::PutStartResult {
+                            code: 0,
+                            message: String::new(),
+                            put_id: grant.put_id,
+                            replicas: grant.replicas.into_iter().map(location).collect(),
+                        },
+                        Err(e) => pb::PutStartResult {
+                            code: e.code().as_i32(),
+                            message: e.to_string(),
+                            put_id: 0,
+                            replicas: Vec::new(),
+                        },
+                    });
+                }
+                self.shared.wake_owners(&mut state);
+                // Out of memory while offloads are on their way to disk: their memory comes
+                // back when they land, so wait for that (briefly) instead of failing.
+                let no_space = results.iter().any(|x| {
+                    x.as_ref()
+                        .is_some_and(|x| x.code == Code::NoAvailableHandle.as_i32())
                 });
+                no_space && state.offloads_outstanding()
+            };
+            if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
+                break;
             }
         }
+        let results: Vec<pb::PutStartResult> = results
+            .into_iter()
+            .map(|x| x.expect("every item tried"))
+            .collect();
         // An existing key is the normal write-once outcome, not a failure.
         let failed = results
             .iter()
@@ -181,7 +248,8 @@ impl pb::master_server::Master for MasterService {
         req: Request<pb::BatchPutEndRequest>,
     ) -> Reply<pb::BatchPutEndResponse> {
         let items = req.into_inner().items;
-        let codes = self.per_key(&items, |s, k, id| s.put_end(k, id));
+        let now = self.shared.clock.now();
+        let codes = self.per_key(&items, |s, k, id| s.put_end(k, id, now));
         self.record(Op::PutEnd, &codes);
         Ok(Response::new(pb::BatchPutEndResponse { codes }))
     }
@@ -221,6 +289,7 @@ impl pb::master_server::Master for MasterService {
                     },
                 });
             }
+            self.shared.wake_owners(&mut state);
         }
         let failed = results.iter().filter(|r| r.code != 0).count();
         self.shared
@@ -269,10 +338,13 @@ impl pb::master_server::Master for MasterService {
         let now = self.shared.clock.now();
         let codes: Vec<i32> = {
             let mut state = self.shared.state.lock();
-            r.keys
+            let codes = r
+                .keys
                 .iter()
                 .map(|k| code_of(&key(k).and_then(|k| state.remove(&k, r.force, now))))
-                .collect()
+                .collect();
+            self.shared.wake_owners(&mut state);
+            codes
         };
         self.record(Op::Remove, &codes);
         Ok(Response::new(pb::BatchRemoveResponse { codes }))
@@ -281,7 +353,12 @@ impl pb::master_server::Master for MasterService {
     async fn remove_all(&self, req: Request<pb::RemoveAllRequest>) -> Reply<pb::RemoveAllResponse> {
         let force = req.into_inner().force;
         let now = self.shared.clock.now();
-        let removed = self.shared.state.lock().remove_all(force, now);
+        let removed = {
+            let mut state = self.shared.state.lock();
+            let removed = state.remove_all(force, now);
+            self.shared.wake_owners(&mut state);
+            removed
+        };
         self.shared.metrics.record(Op::RemoveAll, 1, 0);
         Ok(Response::new(pb::RemoveAllResponse { code: 0, removed }))
     }
@@ -305,6 +382,31 @@ impl pb::master_server::Master for MasterService {
         self.shared.metrics.record(Op::ListSegments, 1, 0);
         Ok(Response::new(pb::ListSegmentsResponse { segments }))
     }
+
+    async fn poll_tasks(&self, req: Request<pb::PollTasksRequest>) -> Reply<pb::PollTasksResponse> {
+        crate::tiers::poll_tasks(&self.shared, req.into_inner()).await
+    }
+
+    async fn report_tasks(
+        &self,
+        req: Request<pb::ReportTasksRequest>,
+    ) -> Reply<pb::ReportTasksResponse> {
+        crate::tiers::report_tasks(&self.shared, req.into_inner())
+    }
+
+    async fn disk_dropped(
+        &self,
+        req: Request<pb::DiskDroppedRequest>,
+    ) -> Reply<pb::DiskDroppedResponse> {
+        crate::tiers::disk_dropped(&self.shared, req.into_inner())
+    }
+
+    async fn register_disk(
+        &self,
+        req: Request<pb::RegisterDiskRequest>,
+    ) -> Reply<pb::RegisterDiskResponse> {
+        crate::tiers::register_disk(&self.shared, req.into_inner())
+    }
 }
 
 impl MasterService {
@@ -314,10 +416,12 @@ impl MasterService {
         f: impl Fn(&mut MasterState, &ObjectKey, u64) -> Result<(), MasterError>,
     ) -> Vec<i32> {
         let mut state = self.shared.state.lock();
-        items
+        let codes = items
             .iter()
             .map(|i| code_of(&key(&i.key).and_then(|k| f(&mut state, &k, i.put_id))))
-            .collect()
+            .collect();
+        self.shared.wake_owners(&mut state);
+        codes
     }
 
     fn record(&self, op: Op, codes: &[i32]) {

@@ -3,6 +3,8 @@
 use std::{path::PathBuf, time::Duration};
 
 use mooncake_common::{config::duration, ByteSize};
+
+use crate::ssd::EngineKind;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,6 +37,19 @@ pub struct OwnerConfig {
     pub shared_memory: bool,
     /// Directory of that socket; default: $MOONCAKE_SOCKET_DIR, else /tmp. Clients must agree.
     pub socket_dir: Option<PathBuf>,
+    /// Directory of the SSD tier (on a file system with O_DIRECT); none: memory only. An owner
+    /// restarted on the same directory serves the objects it finds there again.
+    pub ssd_path: Option<PathBuf>,
+    /// Bytes of the SSD tier, preallocated in one file.
+    pub ssd_size: ByteSize,
+    /// How the SSD tier submits I/O: "auto" (io_uring, else pread), "uring" or "pread".
+    pub ssd_engine: EngineKind,
+    /// I/O operations in flight on the SSD at most (the io_uring queue depth).
+    pub ssd_queue_depth: u32,
+    /// Offloads and promotions worked on at once.
+    pub ssd_concurrency: usize,
+    /// Bytes of disk reads buffered at once for clients; more wait their turn.
+    pub ssd_read_budget: ByteSize,
 }
 
 impl Default for OwnerConfig {
@@ -52,6 +67,12 @@ impl Default for OwnerConfig {
             ready_file: None,
             shared_memory: true,
             socket_dir: None,
+            ssd_path: None,
+            ssd_size: ByteSize::gib(16),
+            ssd_engine: EngineKind::Auto,
+            ssd_queue_depth: 64,
+            ssd_concurrency: 16,
+            ssd_read_budget: ByteSize::mib(256),
         }
     }
 }
@@ -73,6 +94,17 @@ impl OwnerConfig {
                     "host {} is not an address clients can connect to: pass the node's address",
                     self.host
                 ));
+            }
+        }
+        if self.ssd_path.is_some() {
+            if self.ssd_size.bytes() < (1 << 20) {
+                return Err(format!(
+                    "ssd_size must be at least 1MiB, got {}",
+                    self.ssd_size
+                ));
+            }
+            if self.ssd_queue_depth == 0 || self.ssd_concurrency == 0 {
+                return Err("ssd_queue_depth and ssd_concurrency must be at least 1".into());
             }
         }
         for (name, d) in [

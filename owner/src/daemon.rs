@@ -12,6 +12,7 @@ use crate::{
     index::KeyIndex,
     master_link::{LinkError, MasterLink},
     pool::MemoryPool,
+    ssd::{worker::Worker, SsdError, SsdStore},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +26,8 @@ pub enum OwnerError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("cannot open the ssd tier: {0}")]
+    Ssd(#[from] SsdError),
     #[error("cannot mount the segment: {0}")]
     Mount(#[from] LinkError),
     #[error("cannot write the ready file {path}: {source}")]
@@ -42,6 +45,7 @@ pub struct RunningOwner {
     link: MasterLink,
     pool: Arc<MemoryPool>,
     index: Arc<KeyIndex>,
+    ssd: Option<Arc<SsdStore>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -68,11 +72,26 @@ impl RunningOwner {
             .map_err(|e| OwnerError::Config(e.to_string()))?;
         let client_id = ClientId::from_u128(rand::random());
         let index = Arc::new(KeyIndex::default());
+        let ssd = match &config.ssd_path {
+            Some(dir) => Some(
+                SsdStore::open(
+                    dir,
+                    config.ssd_size.bytes(),
+                    config.ssd_engine,
+                    config.ssd_queue_depth,
+                    config.ssd_read_budget.bytes(),
+                )
+                .await?
+                .0,
+            ),
+            None => None,
+        };
         let (stop, stopped) = watch::channel(false);
         let mut tasks = vec![tokio::spawn(dataplane::serve(
             listener,
             pool.clone(),
             index.clone(),
+            ssd.clone(),
             config.frame_timeout,
             stopped.clone(),
         ))];
@@ -110,6 +129,7 @@ impl RunningOwner {
             segment.clone(),
             size,
             config.rpc_timeout,
+            ssd.clone(),
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);
@@ -117,6 +137,17 @@ impl RunningOwner {
                 let _ = std::fs::remove_file(path);
             }
             return Err(e.into());
+        }
+        if let Some(store) = &ssd {
+            crate::ssd::worker::register_all(&link, store).await;
+            let worker = Worker {
+                link: link.clone(),
+                store: store.clone(),
+                pool: pool.clone(),
+                index: index.clone(),
+                concurrency: config.ssd_concurrency,
+            };
+            tasks.push(tokio::spawn(worker.run(stopped.clone())));
         }
         tasks.push(tokio::spawn(
             link.clone()
@@ -129,7 +160,8 @@ impl RunningOwner {
             })?;
         }
         tracing::info!(%segment, size, locked = pool.is_locked(), %client_id,
-            local_socket = ?local_socket, "owner serving");
+            local_socket = ?local_socket,
+            ssd = ?ssd.as_ref().map(|s| s.path().display().to_string()), "owner serving");
         Ok(RunningOwner {
             segment,
             data_addr,
@@ -137,6 +169,7 @@ impl RunningOwner {
             link,
             pool,
             index,
+            ssd,
             stop,
             tasks,
         })
@@ -150,6 +183,10 @@ impl RunningOwner {
         &self.index
     }
 
+    pub fn ssd(&self) -> Option<&Arc<SsdStore>> {
+        self.ssd.as_ref()
+    }
+
     /// Unmounts (best effort, within the RPC deadline) and stops serving.
     pub async fn shutdown(self) {
         if let Err(e) = self.link.unmount().await {
@@ -158,6 +195,11 @@ impl RunningOwner {
         let _ = self.stop.send(true);
         for t in self.tasks {
             let _ = t.await;
+        }
+        if let Some(ssd) = &self.ssd {
+            if let Err(e) = ssd.sync().await {
+                tracing::warn!(error = %e, "syncing the ssd tier at shutdown failed");
+            }
         }
     }
 }

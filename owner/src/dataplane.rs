@@ -15,13 +15,14 @@ use tokio::{
     sync::watch,
 };
 
-use crate::{index::KeyIndex, pool::MemoryPool};
+use crate::{index::KeyIndex, pool::MemoryPool, ssd::SsdStore};
 
 /// Serves connections until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,
     pool: Arc<MemoryPool>,
     index: Arc<KeyIndex>,
+    ssd: Option<Arc<SsdStore>>,
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -29,9 +30,9 @@ pub async fn serve(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let (pool, index, stop) = (pool.clone(), index.clone(), stop.clone());
+                    let (pool, index, ssd, stop) = (pool.clone(), index.clone(), ssd.clone(), stop.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = Connection::new(stream, pool, index, frame_timeout).run(stop).await {
+                        if let Err(e) = Connection::new(stream, pool, index, ssd, frame_timeout).run(stop).await {
                             tracing::debug!(%peer, error = %e, "data-plane connection closed");
                         }
                     });
@@ -52,6 +53,7 @@ struct Connection {
     writer: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
     pool: Arc<MemoryPool>,
     index: Arc<KeyIndex>,
+    ssd: Option<Arc<SsdStore>>,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
 }
@@ -67,6 +69,7 @@ impl Connection {
         stream: TcpStream,
         pool: Arc<MemoryPool>,
         index: Arc<KeyIndex>,
+        ssd: Option<Arc<SsdStore>>,
         frame_timeout: Duration,
     ) -> Self {
         let _ = stream.set_nodelay(true);
@@ -76,6 +79,7 @@ impl Connection {
             writer: BufWriter::with_capacity(64 << 10, w),
             pool,
             index,
+            ssd,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
         }
@@ -145,11 +149,12 @@ impl Connection {
         let outcome = match (h.op, key) {
             (Op::Write, Some(key)) => self.write(&h, key).await?,
             (Op::Read, Some(key)) => self.read(&h, &key).await?,
+            (Op::ReadDisk, Some(key)) => self.read_disk(&h, &key).await?,
             _ => Ok(()),
         };
         match outcome {
             Ok(()) => {
-                if h.op != Op::Read {
+                if !matches!(h.op, Op::Read | Op::ReadDisk) {
                     let ok = ResponseHeader {
                         op: h.op,
                         status: 0,
@@ -236,6 +241,39 @@ impl Connection {
         };
         self.writer.write_all(&ok.encode()).await?;
         self.writer.write_all(&guard).await?;
+        Ok(Ok(()))
+    }
+
+    /// Serves a value from the SSD tier: read into a buffer (within the tier's read budget, so a
+    /// huge batch waits instead of exhausting memory), verified, then sent.
+    async fn read_disk(
+        &mut self,
+        h: &RequestHeader,
+        key: &ObjectKey,
+    ) -> io::Result<Result<(), Refusal>> {
+        let Some(ssd) = &self.ssd else {
+            return Ok(Err(Refusal {
+                code: Code::ObjectNotFound,
+                message: "this owner has no ssd tier".into(),
+            }));
+        };
+        let value = match ssd.read(key, h.offset, h.length).await {
+            Ok(v) => v,
+            Err(e) => {
+                return Ok(Err(Refusal {
+                    code: e.code(),
+                    message: e.to_string(),
+                }))
+            }
+        };
+        let ok = ResponseHeader {
+            op: Op::ReadDisk,
+            status: 0,
+            request_id: h.request_id,
+            length: h.length,
+        };
+        self.writer.write_all(&ok.encode()).await?;
+        self.writer.write_all(&value).await?;
         Ok(Ok(()))
     }
 

@@ -3,10 +3,14 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use mooncake_common::{ClientId, Code, SegmentName};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::ssd::SsdStore;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -31,6 +35,7 @@ pub struct MasterLink {
     segment: SegmentName,
     size: u64,
     rpc_timeout: Duration,
+    ssd: Option<Arc<SsdStore>>,
 }
 
 impl MasterLink {
@@ -40,6 +45,7 @@ impl MasterLink {
         segment: SegmentName,
         size: u64,
         rpc_timeout: Duration,
+        ssd: Option<Arc<SsdStore>>,
     ) -> Result<Self, LinkError> {
         let endpoint = Endpoint::from_shared(format!("http://{master}"))
             .map_err(|_| LinkError::BadAddress(master.to_string()))?
@@ -53,6 +59,7 @@ impl MasterLink {
             segment,
             size,
             rpc_timeout,
+            ssd,
         })
     }
 
@@ -68,6 +75,7 @@ impl MasterLink {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),
             size: self.size,
+            disk_capacity: self.ssd.as_ref().map_or(0, |s| s.stats().capacity),
         };
         let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().mount_segment(req))
             .await
@@ -106,6 +114,18 @@ impl MasterLink {
     pub async fn heartbeat(&self) -> Result<bool, LinkError> {
         let req = pb::HeartbeatRequest {
             client_id: self.owner.to_string(),
+            disk: self.ssd.as_ref().map(|s| {
+                let st = s.stats();
+                pb::DiskStats {
+                    capacity: st.capacity,
+                    used: st.used,
+                    records: st.records,
+                    written_bytes: st.written_bytes,
+                    read_bytes: st.read_bytes,
+                    corrupt_reads: st.corrupt_reads,
+                    evicted_records: st.evicted_records,
+                }
+            }),
         };
         let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().heartbeat(req))
             .await
@@ -126,6 +146,74 @@ impl MasterLink {
         Ok(())
     }
 
+    /// Runs one call under the RPC deadline (plus `extra`, for long polls).
+    async fn call<T>(
+        &self,
+        extra: Duration,
+        f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, LinkError> {
+        let after = self.rpc_timeout + extra;
+        tokio::time::timeout(after, f)
+            .await
+            .map_err(|_| self.unreachable(format!("no answer within {after:?}")))?
+            .map(|r| r.into_inner())
+            .map_err(|s| self.unreachable(s.message()))
+    }
+
+    /// Waits up to `wait` for SSD-tier work.
+    pub async fn poll_tasks(
+        &self,
+        max_tasks: u32,
+        wait: Duration,
+    ) -> Result<pb::PollTasksResponse, LinkError> {
+        let req = pb::PollTasksRequest {
+            client_id: self.owner.to_string(),
+            segment: self.segment.to_string(),
+            max_tasks,
+            wait_ms: wait.as_millis() as u64,
+        };
+        self.call(wait, self.client.clone().poll_tasks(req)).await
+    }
+
+    /// Reports finished tasks; returns the master's code for each.
+    pub async fn report_tasks(&self, results: Vec<pb::TaskResult>) -> Result<Vec<i32>, LinkError> {
+        let req = pb::ReportTasksRequest {
+            client_id: self.owner.to_string(),
+            segment: self.segment.to_string(),
+            results,
+        };
+        Ok(self
+            .call(Duration::ZERO, self.client.clone().report_tasks(req))
+            .await?
+            .codes)
+    }
+
+    /// Tells the master these disk records are about to be overwritten.
+    pub async fn disk_dropped(&self, items: Vec<pb::PutRef>) -> Result<(), LinkError> {
+        let req = pb::DiskDroppedRequest {
+            client_id: self.owner.to_string(),
+            segment: self.segment.to_string(),
+            items,
+        };
+        self.call(Duration::ZERO, self.client.clone().disk_dropped(req))
+            .await
+            .map(|_| ())
+    }
+
+    /// Registers records found on disk; the master answers a code and a version for each.
+    pub async fn register_disk(
+        &self,
+        items: Vec<pb::DiskObject>,
+    ) -> Result<pb::RegisterDiskResponse, LinkError> {
+        let req = pb::RegisterDiskRequest {
+            client_id: self.owner.to_string(),
+            segment: self.segment.to_string(),
+            items,
+        };
+        self.call(Duration::ZERO, self.client.clone().register_disk(req))
+            .await
+    }
+
     /// Heartbeats every `interval` until `stop`; remounts when the master asks for it.
     pub async fn heartbeat_loop(self, interval: Duration, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(interval);
@@ -139,8 +227,13 @@ impl MasterLink {
                 Ok(false) => {}
                 Ok(true) => {
                     tracing::warn!(segment = %self.segment, "master does not know this owner; mounting again");
-                    if let Err(e) = self.mount().await {
-                        tracing::warn!(error = %e, "remount failed; will retry");
+                    match self.mount().await {
+                        Ok(()) => {
+                            if let Some(ssd) = &self.ssd {
+                                crate::ssd::worker::register_all(&self, ssd).await;
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "remount failed; will retry"),
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "heartbeat failed"),

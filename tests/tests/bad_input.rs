@@ -216,6 +216,7 @@ async fn the_master_refuses_bad_ids_per_item_and_keeps_serving() {
             client_id: "nothex".into(),
             segment: "h:1".into(),
             size: 100,
+            disk_capacity: 0,
         })
         .await;
     assert_eq!(mount.unwrap_err().code(), tonic::Code::InvalidArgument);

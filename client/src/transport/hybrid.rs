@@ -207,10 +207,25 @@ impl DataTransport for HybridTransport {
         })
     }
 
+    /// Disk reads always go to the owner over TCP: it reads its SSD and streams the bytes.
+    fn read_disk_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(async move {
+            let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
+            let res = self.tcp.read_disk_batch(target, items).await;
+            self.count(false, ok_bytes(&res, lens.into_iter()));
+            res
+        })
+    }
+
     fn stats(&self) -> TransferStats {
         TransferStats {
             local_bytes: self.local_bytes.load(Ordering::Relaxed),
             tcp_bytes: self.tcp_bytes.load(Ordering::Relaxed),
+            ..TransferStats::default()
         }
     }
 }

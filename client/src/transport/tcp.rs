@@ -300,10 +300,12 @@ impl TcpTransport {
     }
 
     /// Sends every read request of `items` back to back, then receives the payloads in order.
+    /// `op` is a memory read, or a disk read (where each item's offset is the object's version).
     async fn pipelined_reads(
         &self,
         target: &SegmentName,
         items: &mut [ReadItem<'_, '_>],
+        op: Op,
     ) -> Vec<Result<(), TransferError>> {
         let n = items.len();
         let checkout = match self.checkout(target).await {
@@ -320,7 +322,7 @@ impl TcpTransport {
                 conn.next_id += n as u64;
                 let lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
                 let headers = request_headers(
-                    Op::Read,
+                    op,
                     first,
                     items
                         .iter()
@@ -337,7 +339,7 @@ impl TcpTransport {
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
                 for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate() {
-                    match conn.receive(target, Op::Read, first + i as u64).await {
+                    match conn.receive(target, op, first + i as u64).await {
                         Ok(h) if h.length == *len => {
                             for part in it.parts.iter_mut() {
                                 conn.stream.read_exact(part).await.map_err(io_err)?;
@@ -358,6 +360,34 @@ impl TcpTransport {
             })
             .await;
         res.unwrap_or_else(|e| fail_all(n, &e))
+    }
+}
+
+impl TcpTransport {
+    /// Splits a batch of reads over connections by size and pipelines each chunk.
+    async fn spread_reads<'k, 'b>(
+        &self,
+        target: &SegmentName,
+        items: &mut [ReadItem<'k, 'b>],
+        op: Op,
+    ) -> Vec<Result<(), TransferError>> {
+        let bytes: u64 = items.iter().map(|i| i.len()).sum();
+        let k = self.fan_out(items.len(), bytes);
+        let bounds = chunk_bounds(items.len(), k);
+        let mut rest: &mut [ReadItem<'k, 'b>] = items;
+        let mut chunks = Vec::with_capacity(k);
+        for (a, b) in bounds {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - a);
+            chunks.push(head);
+            rest = tail;
+        }
+        let results = join_all(
+            chunks
+                .into_iter()
+                .map(|c| self.pipelined_reads(target, c, op)),
+        )
+        .await;
+        results.into_iter().flatten().collect()
     }
 }
 
@@ -426,21 +456,15 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(async move {
-            let bytes: u64 = items.iter().map(|i| i.len()).sum();
-            let k = self.fan_out(items.len(), bytes);
-            let bounds = chunk_bounds(items.len(), k);
-            let mut rest: &mut [ReadItem<'k, 'b>] = items;
-            let mut chunks = Vec::with_capacity(k);
-            for (a, b) in bounds {
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - a);
-                chunks.push(head);
-                rest = tail;
-            }
-            let results =
-                join_all(chunks.into_iter().map(|c| self.pipelined_reads(target, c))).await;
-            results.into_iter().flatten().collect()
-        })
+        Box::pin(self.spread_reads(target, items, Op::Read))
+    }
+
+    fn read_disk_batch<'a, 'k: 'a, 'b: 'a>(
+        &'a self,
+        target: &'a SegmentName,
+        items: &'a mut [ReadItem<'k, 'b>],
+    ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
+        Box::pin(self.spread_reads(target, items, Op::ReadDisk))
     }
 
     fn write<'a>(

@@ -45,6 +45,15 @@ struct Args {
     /// "random" or "free_ratio_first".
     #[arg(long = "allocation_strategy")]
     allocation_strategy: Option<AllocationStrategy>,
+    /// Offload objects to their owner's SSD tier when their put ends (not only on eviction).
+    #[arg(long = "eager_offload", alias = "eager-offload")]
+    eager_offload: bool,
+    /// When an owner's SSD is behind, eviction "keep"s objects in memory or "drop"s them.
+    #[arg(long = "when_disk_behind", alias = "when-disk-behind")]
+    when_disk_behind: Option<mooncake_master::core::WhenDiskBehind>,
+    /// Disk reads after which an object is copied back to memory; 0: never.
+    #[arg(long = "promote_after_hits", alias = "promote-after-hits")]
+    promote_after_hits: Option<u32>,
 }
 
 fn ms(s: &str) -> Result<Duration, String> {
@@ -75,7 +84,12 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         put_start_discard_timeout <- args.put_start_discard_timeout,
         put_start_release_timeout <- args.put_start_release_timeout,
         allocation_strategy <- args.allocation_strategy,
+        when_disk_behind <- args.when_disk_behind,
+        promote_after_hits <- args.promote_after_hits,
     );
+    if args.eager_offload {
+        c.eager_offload = true;
+    }
     c.validate()
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
     Ok(c)

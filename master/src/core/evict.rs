@@ -1,12 +1,14 @@
 //! Periodic upkeep and eviction: expiring silent owners and abandoned puts, releasing deferred
 //! space, and evicting the least recently used objects when memory runs high or an allocation
 //! failed. Leased, hard-pinned and unfinished objects are never evicted; soft-pinned ones only
-//! when nothing else is left.
+//! when nothing else is left. An object whose owner has an SSD tier goes to disk first: its
+//! memory is freed once the disk copy is reported (at once when it has one already).
 
 use mooncake_common::ObjectKey;
 
 use super::{
-    objects::{Phase, Pin},
+    objects::{Offload, Phase, Pin},
+    tiers::WhenDiskBehind,
     MasterState,
 };
 use crate::clock::Millis;
@@ -16,6 +18,7 @@ impl MasterState {
     pub fn tick(&mut self, now: Millis) {
         self.expire_owners(now);
         self.expire_puts(now);
+        self.expire_offloads(now);
         self.release_due(now);
         let capacity = self.capacity();
         let high = (capacity as f64 * self.policy.eviction_high_watermark) as u64;
@@ -38,7 +41,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("listed above");
             tracing::info!(%key, put_id = obj.put_id, "releasing an abandoned put's space");
             self.counters.expired_puts += 1;
-            self.free_replicas(obj.replicas);
+            self.discard(&key, obj);
         }
     }
 
@@ -56,46 +59,79 @@ impl MasterState {
 
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
     /// many evictable bytes exist; least recently used (put or leased) first, soft-pinned last.
+    /// Bytes of offloads under way that free memory when they land count as freed already.
     pub(super) fn evict(&mut self, now: Millis, need: u64) {
         self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
+        let mut pending = 0u64;
         // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
-        let mut candidates: Vec<(bool, Millis, ObjectKey)> = self
-            .objects
-            .iter()
-            .filter_map(|(k, o)| {
-                if o.phase != Phase::Complete || o.is_leased(now) {
-                    return None;
-                }
-                let soft = match o.pin {
-                    Pin::Hard => return None,
-                    Pin::Soft { until } => until > now,
-                    Pin::None => false,
-                };
-                Some((soft, o.last_access, k.clone()))
-            })
-            .collect();
+        let mut candidates: Vec<(bool, Millis, ObjectKey)> = Vec::new();
+        for (k, o) in &self.objects {
+            if let Offload::Pending {
+                evict_after: true, ..
+            } = o.offload
+            {
+                pending += o.size;
+                continue;
+            }
+            if o.phase != Phase::Complete || o.is_leased(now) || o.replicas.is_empty() {
+                continue;
+            }
+            let soft = match o.pin {
+                Pin::Hard => continue,
+                Pin::Soft { until } => until > now,
+                Pin::None => false,
+            };
+            candidates.push((soft, o.last_access, k.clone()));
+        }
         candidates.sort_unstable();
         let mut freed = 0u64;
         let mut count = 0u64;
         for (_, _, key) in candidates {
-            if freed >= target {
+            if freed + pending >= target {
                 break;
             }
+            let obj = &self.objects[&key];
+            let size: u64 = obj.replicas.iter().map(|r| r.allocation.size()).sum();
+            if !obj.disk.is_empty() {
+                // A disk copy exists: the memory goes, the object stays readable from disk.
+                let obj = self.objects.get_mut(&key).expect("candidate exists");
+                let replicas = std::mem::take(&mut obj.replicas);
+                self.free_replicas(replicas);
+                freed += size;
+                count += 1;
+                continue;
+            }
+            if obj.offload != Offload::Failed && self.has_disk_tier(obj) {
+                if self.start_offload(&key, true, now) {
+                    pending += obj_size(self, &key);
+                    continue;
+                }
+                if self.policy.when_disk_behind == WhenDiskBehind::Keep {
+                    self.counters.kept_disk_behind += 1;
+                    continue;
+                }
+                self.counters.dropped_disk_behind += 1;
+            }
             let obj = self.objects.remove(&key).expect("candidate exists");
-            freed += obj
-                .replicas
-                .iter()
-                .map(|r| r.allocation.size())
-                .sum::<u64>();
+            freed += size;
             count += 1;
-            self.free_replicas(obj.replicas);
+            self.discard(&key, obj);
         }
         self.counters.eviction_rounds += 1;
         self.counters.evicted_objects += count;
         self.counters.evicted_bytes += freed;
-        if count > 0 {
-            tracing::debug!(objects = count, bytes = freed, "evicted");
+        if count > 0 || pending > 0 {
+            tracing::debug!(
+                objects = count,
+                bytes = freed,
+                offloading = pending,
+                "evicted"
+            );
         }
     }
+}
+
+fn obj_size(state: &MasterState, key: &ObjectKey) -> u64 {
+    state.objects.get(key).map_or(0, |o| o.size)
 }

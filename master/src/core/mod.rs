@@ -9,18 +9,22 @@ pub mod placement;
 mod segments;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;
+mod tiers;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use mooncake_common::{ClientId, ObjectKey, SegmentName};
-use rand::{rngs::StdRng, SeedableRng};
+use rand::{rngs::StdRng, RngCore, SeedableRng};
 
 use crate::clock::Millis;
 use allocator::{Allocation, OffsetAllocator};
 pub use objects::{PutGrant, ReplicaView, ReplicateConfig};
 pub use placement::AllocationStrategy;
 pub use segments::HeartbeatReply;
+pub use tiers::{DiskStats, OwnerTask, TaskKind, Tier, WhenDiskBehind};
 
 /// A mounted segment's identity for this master's lifetime. A remount gets a new id, so a
 /// replica can never point at a different incarnation of a segment with the same name.
@@ -38,6 +42,16 @@ pub struct Policy {
     pub put_discard_timeout: Duration,
     pub put_release_timeout: Duration,
     pub strategy: AllocationStrategy,
+    /// Offload every object to its owner's SSD tier as soon as its put ends, not only on eviction.
+    pub eager_offload: bool,
+    /// Offloads queued or in flight per segment, at most; beyond it the SSD counts as behind.
+    pub offload_queue_limit: usize,
+    /// What eviction does with an object whose owner's SSD is behind.
+    pub when_disk_behind: WhenDiskBehind,
+    /// An offload not reported done within this is given up (the object may be offloaded again).
+    pub offload_timeout: Duration,
+    /// A disk-only object read this many times is copied back to memory; 0: never.
+    pub promote_after_hits: u32,
 }
 
 impl Default for Policy {
@@ -51,6 +65,11 @@ impl Default for Policy {
             put_discard_timeout: Duration::from_secs(30),
             put_release_timeout: Duration::from_secs(600),
             strategy: AllocationStrategy::Random,
+            eager_offload: false,
+            offload_queue_limit: 256,
+            when_disk_behind: WhenDiskBehind::Drop,
+            offload_timeout: Duration::from_secs(30),
+            promote_after_hits: 2,
         }
     }
 }
@@ -59,6 +78,18 @@ struct Segment {
     name: SegmentName,
     owner: ClientId,
     allocator: OffsetAllocator,
+    /// The owner's SSD tier, if it has one.
+    disk: Option<DiskTier>,
+}
+
+/// A segment's SSD tier as the master sees it: capacity, what the owner last reported, and the
+/// work waiting for the owner.
+struct DiskTier {
+    capacity: u64,
+    stats: DiskStats,
+    tasks: VecDeque<OwnerTask>,
+    /// Offloads queued or taken by the owner and not yet reported.
+    offloads: usize,
 }
 
 struct Owner {
@@ -82,6 +113,17 @@ pub struct Counters {
     pub evicted_bytes: u64,
     pub expired_puts: u64,
     pub expired_owners: u64,
+    pub offloads_started: u64,
+    pub offloads_done: u64,
+    pub offloads_failed: u64,
+    /// Evictions that dropped an object because its owner's SSD was behind.
+    pub dropped_disk_behind: u64,
+    /// Evictions that kept an object in memory because its owner's SSD was behind.
+    pub kept_disk_behind: u64,
+    pub disk_hits: u64,
+    pub promotions: u64,
+    pub disk_dropped: u64,
+    pub disk_registered: u64,
 }
 
 /// A snapshot of one segment, for listings and metrics.
@@ -90,6 +132,10 @@ pub struct SegmentStat {
     pub name: SegmentName,
     pub capacity: u64,
     pub allocated: u64,
+    /// The SSD tier's capacity and the owner's last report; None without one.
+    pub disk: Option<DiskStats>,
+    /// Objects with a disk replica on this segment.
+    pub disk_objects: u64,
 }
 
 pub struct MasterState {
@@ -105,6 +151,9 @@ pub struct MasterState {
     next_put: u64,
     rng: StdRng,
     counters: Counters,
+    /// Set when owner work was queued; the server wakes long-polling owners.
+    tasks_queued: bool,
+    last_offload_scan: Millis,
 }
 
 impl MasterState {
@@ -114,6 +163,10 @@ impl MasterState {
 
     /// Deterministic placement for tests.
     pub fn with_seed(policy: Policy, seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        // Versions start at a random point, so records an owner kept on disk from an earlier
+        // master process never match a version this one hands out.
+        let first_put = (rng.next_u64() >> 17) | 1;
         MasterState {
             policy,
             segments: BTreeMap::new(),
@@ -122,9 +175,11 @@ impl MasterState {
             objects: HashMap::default(),
             pending: Vec::new(),
             next_segment: 1,
-            next_put: 1,
-            rng: StdRng::seed_from_u64(seed),
+            next_put: first_put,
+            rng,
             counters: Counters::default(),
+            tasks_queued: false,
+            last_offload_scan: Millis(0),
         }
     }
 
@@ -156,12 +211,25 @@ impl MasterState {
     }
 
     pub fn segment_stats(&self) -> Vec<SegmentStat> {
+        let mut disk_objects: HashMap<SegmentId, u64> = HashMap::new();
+        if self.segments.values().any(|s| s.disk.is_some()) {
+            for obj in self.objects.values() {
+                for seg in &obj.disk {
+                    *disk_objects.entry(*seg).or_default() += 1;
+                }
+            }
+        }
         self.segments
-            .values()
-            .map(|s| SegmentStat {
+            .iter()
+            .map(|(id, s)| SegmentStat {
                 name: s.name.clone(),
                 capacity: s.allocator.capacity(),
                 allocated: s.allocator.allocated(),
+                disk: s.disk.as_ref().map(|d| DiskStats {
+                    capacity: d.capacity,
+                    ..d.stats
+                }),
+                disk_objects: disk_objects.get(id).copied().unwrap_or(0),
             })
             .collect()
     }
@@ -192,6 +260,21 @@ impl MasterState {
                     .or_default()
                     .push((r.allocation.offset(), r.allocation.size()));
             }
+            if let Some(p) = &obj.promoting {
+                per_segment
+                    .entry(p.segment)
+                    .or_default()
+                    .push((p.allocation.offset(), p.allocation.size()));
+            }
+            for d in &obj.disk {
+                match self.segments.get(d) {
+                    Some(s) if s.disk.is_some() => {}
+                    _ => return Err(format!("{key}: disk replica on a segment without SSD tier")),
+                }
+            }
+            if obj.replicas.is_empty() && obj.disk.is_empty() {
+                return Err(format!("{key}: object without any replica"));
+            }
         }
         for p in &self.pending {
             per_segment
@@ -218,6 +301,20 @@ impl MasterState {
         }
         if let Some((id, _)) = per_segment.into_iter().next() {
             return Err(format!("ranges on unknown segment {id:?}"));
+        }
+        for (id, seg) in &self.segments {
+            let Some(d) = &seg.disk else { continue };
+            let pending = self
+                .objects
+                .values()
+                .filter(|o| matches!(o.offload, objects::Offload::Pending { segment, .. } if segment == *id))
+                .count();
+            if pending != d.offloads {
+                return Err(format!(
+                    "segment {}: {} offloads counted, {pending} objects wait for one",
+                    seg.name, d.offloads
+                ));
+            }
         }
         Ok(())
     }

@@ -7,6 +7,7 @@ use mooncake_common::{ObjectKey, SegmentName};
 use super::{
     allocator::Allocation,
     placement::{self, Candidate},
+    tiers::Tier,
     MasterState, PendingRelease, SegmentId,
 };
 use crate::{clock::Millis, error::MasterError};
@@ -23,8 +24,12 @@ pub struct ReplicateConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaView {
     pub segment: SegmentName,
+    /// Offset in the segment's memory; 0 for a disk replica.
     pub offset: u64,
     pub size: u64,
+    pub tier: Tier,
+    /// The object's version; an owner serving a disk replica checks its record against it.
+    pub put_id: u64,
 }
 
 /// Where the writer of a fresh put must write, and the id it must end or revoke the put with.
@@ -55,11 +60,34 @@ pub(super) enum Pin {
     Hard,
 }
 
+/// Where an object stands with its owner's SSD tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Offload {
+    Idle,
+    /// Queued for (or being written by) the SSD tier of `segment`; with `evict_after`, its
+    /// memory is freed once the disk copy is reported.
+    Pending {
+        segment: SegmentId,
+        since: Millis,
+        evict_after: bool,
+    },
+    /// The SSD tier could not take it; eviction treats it as an object without one.
+    Failed,
+}
+
 pub(super) struct Object {
     pub size: u64,
     pub put_id: u64,
     pub phase: Phase,
+    /// Memory replicas.
     pub replicas: Vec<Replica>,
+    /// Segments whose SSD tier holds a copy.
+    pub disk: Vec<SegmentId>,
+    pub offload: Offload,
+    /// Reads served from disk since the object was last in memory.
+    pub disk_hits: u32,
+    /// Memory reserved for a promotion from disk, not readable until the owner reports it.
+    pub promoting: Option<Replica>,
     /// The object may be read until this instant: no eviction, no non-forced removal.
     pub lease_until: Millis,
     /// Last put or lease grant: eviction takes the least recently used first.
@@ -137,7 +165,10 @@ impl MasterState {
         } else {
             Pin::None
         };
-        let views = replicas.iter().map(|r| self.view(r, size)).collect();
+        let views = replicas
+            .iter()
+            .map(|r| self.view(r, size, put_id))
+            .collect();
         self.objects.insert(
             key.clone(),
             Object {
@@ -145,6 +176,10 @@ impl MasterState {
                 put_id,
                 phase: Phase::Processing { started: now },
                 replicas,
+                disk: Vec::new(),
+                offload: Offload::Idle,
+                disk_hits: 0,
+                promoting: None,
                 lease_until: Millis(0),
                 last_access: now,
                 pin,
@@ -192,18 +227,28 @@ impl MasterState {
         out
     }
 
-    fn view(&self, r: &Replica, size: u64) -> ReplicaView {
+    fn view(&self, r: &Replica, size: u64, put_id: u64) -> ReplicaView {
         ReplicaView {
             segment: self.segment_name(r.segment).clone(),
             offset: r.allocation.offset(),
             size,
+            tier: Tier::Memory,
+            put_id,
         }
     }
 
     /// Phase two: the bytes landed on every replica; the object becomes readable.
-    pub fn put_end(&mut self, key: &ObjectKey, put_id: u64) -> Result<(), MasterError> {
+    pub fn put_end(
+        &mut self,
+        key: &ObjectKey,
+        put_id: u64,
+        now: Millis,
+    ) -> Result<(), MasterError> {
         let obj = self.current_put(key, put_id)?;
         obj.phase = Phase::Complete;
+        if self.policy.eager_offload {
+            self.start_offload(key, false, now);
+        }
         Ok(())
     }
 
@@ -216,7 +261,7 @@ impl MasterState {
             return Err(MasterError::Exists(key.clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.free_replicas(obj.replicas);
+        self.discard(key, obj);
         Ok(())
     }
 
@@ -250,12 +295,26 @@ impl MasterState {
         }
         obj.lease_until = obj.lease_until.max(lease);
         obj.last_access = obj.last_access.max(now);
-        let size = obj.size;
+        if obj.replicas.is_empty() {
+            obj.disk_hits = obj.disk_hits.saturating_add(1);
+            self.counters.disk_hits += 1;
+            self.maybe_promote(key, now);
+        }
         let obj = &self.objects[key];
-        Ok((
+        let (size, put_id) = (obj.size, obj.put_id);
+        let mut views: Vec<ReplicaView> = obj
+            .replicas
+            .iter()
+            .map(|r| self.view(r, size, put_id))
+            .collect();
+        views.extend(obj.disk.iter().map(|d| ReplicaView {
+            segment: self.segment_name(*d).clone(),
+            offset: 0,
             size,
-            obj.replicas.iter().map(|r| self.view(r, size)).collect(),
-        ))
+            tier: Tier::Disk,
+            put_id,
+        }));
+        Ok((size, views))
     }
 
     /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
@@ -294,7 +353,7 @@ impl MasterState {
             }
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.free_replicas(obj.replicas);
+        self.discard(key, obj);
         Ok(())
     }
 

@@ -3,7 +3,12 @@
 
 use mooncake_common::{ClientId, SegmentName};
 
-use super::{allocator::GRANULE, MasterState, Owner, Segment, SegmentId};
+use std::collections::VecDeque;
+
+use super::{
+    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, MasterState, Owner, Segment,
+    SegmentId,
+};
 use crate::{clock::Millis, error::MasterError};
 
 /// What a heartbeat tells the owner.
@@ -15,13 +20,16 @@ pub enum HeartbeatReply {
 }
 
 impl MasterState {
-    /// Mounts `name` for `owner`. Mounting a name already held by another owner replaces it: the
-    /// new owner is bound to that host:port, so the old incarnation is gone and so are its bytes.
+    /// Mounts `name` for `owner`, with an SSD tier of `disk_capacity` bytes (0: none). Mounting a
+    /// name already held by another owner replaces it: the new owner is bound to that host:port,
+    /// so the old incarnation is gone and so are its bytes (an owner restarted on its SSD
+    /// directory registers what it finds there again).
     pub fn mount_segment(
         &mut self,
         owner: ClientId,
         name: SegmentName,
         size: u64,
+        disk_capacity: u64,
         now: Millis,
     ) -> Result<(), MasterError> {
         if size < GRANULE {
@@ -31,7 +39,10 @@ impl MasterState {
         }
         if let Some(&id) = self.by_name.get(&name) {
             let seg = &self.segments[&id];
-            if seg.owner == owner && seg.allocator.capacity() == size / GRANULE * GRANULE {
+            if seg.owner == owner
+                && seg.allocator.capacity() == size / GRANULE * GRANULE
+                && seg.disk.as_ref().map_or(0, |d| d.capacity) == disk_capacity
+            {
                 self.touch(owner, now);
                 return Ok(());
             }
@@ -47,6 +58,15 @@ impl MasterState {
                 name: name.clone(),
                 owner,
                 allocator: super::OffsetAllocator::new(size),
+                disk: (disk_capacity > 0).then(|| DiskTier {
+                    capacity: disk_capacity,
+                    stats: DiskStats {
+                        capacity: disk_capacity,
+                        ..DiskStats::default()
+                    },
+                    tasks: VecDeque::new(),
+                    offloads: 0,
+                }),
             },
         );
         self.by_name.insert(name.clone(), id);
@@ -59,7 +79,7 @@ impl MasterState {
             .segments
             .push(id);
         self.touch(owner, now);
-        tracing::info!(segment = %name, %owner, size, "segment mounted");
+        tracing::info!(segment = %name, %owner, size, disk_capacity, "segment mounted");
         Ok(())
     }
 
@@ -128,8 +148,8 @@ impl MasterState {
         &self.segments[&id].name
     }
 
-    /// Removes a segment and every replica and pending release on it; objects left without a
-    /// replica are gone.
+    /// Removes a segment and every replica, disk copy and pending release on it; objects left
+    /// without a replica are gone.
     fn drop_segment(&mut self, id: SegmentId) {
         let Some(seg) = self.segments.remove(&id) else {
             return;
@@ -142,9 +162,31 @@ impl MasterState {
             }
         }
         self.pending.retain(|p| p.segment != id);
+        let segments = &mut self.segments;
         self.objects.retain(|_, obj| {
             obj.replicas.retain(|r| r.segment != id);
-            !obj.replicas.is_empty()
+            obj.disk.retain(|s| *s != id);
+            if obj.promoting.as_ref().is_some_and(|r| r.segment == id) {
+                obj.promoting = None;
+            }
+            if matches!(obj.offload, Offload::Pending { segment, .. } if segment == id) {
+                obj.offload = Offload::Idle;
+            }
+            let keep = !obj.replicas.is_empty() || !obj.disk.is_empty();
+            if !keep {
+                // Space elsewhere it still held (a promotion on another segment) goes back.
+                if let Some(p) = obj.promoting.take() {
+                    if let Some(seg) = segments.get_mut(&p.segment) {
+                        seg.allocator.free(p.allocation);
+                    }
+                }
+                if let Offload::Pending { segment, .. } = obj.offload {
+                    if let Some(d) = segments.get_mut(&segment).and_then(|s| s.disk.as_mut()) {
+                        d.offloads = d.offloads.saturating_sub(1);
+                    }
+                }
+            }
+            keep
         });
     }
 }

@@ -42,7 +42,7 @@ fn state_with(segments: &[u64]) -> MasterState {
 fn state_with_policy(segments: &[u64], policy: Policy) -> MasterState {
     let mut s = MasterState::with_seed(policy, 42);
     for (i, size) in segments.iter().enumerate() {
-        s.mount_segment(owner(i as u16), seg(i as u16), *size, Millis(0))
+        s.mount_segment(owner(i as u16), seg(i as u16), *size, 0, Millis(0))
             .unwrap();
     }
     s
@@ -56,7 +56,7 @@ fn put(
     now: u64,
 ) -> Result<PutGrant, MasterError> {
     let g = s.put_start(&k(key), size, c, Millis(now))?;
-    s.put_end(&k(key), g.put_id)?;
+    s.put_end(&k(key), g.put_id, Millis(0))?;
     s.check_invariants().unwrap();
     Ok(g)
 }
@@ -77,7 +77,7 @@ fn two_phase_put_then_get() {
         s.put_start(&k("a"), 1000, &cfg(1), Millis(1)),
         Err(MasterError::PutInFlight(k("a")))
     );
-    s.put_end(&k("a"), g.put_id).unwrap();
+    s.put_end(&k("a"), g.put_id, Millis(0)).unwrap();
     let (size, reps) = s.get_replicas(&k("a"), Millis(2)).unwrap();
     assert_eq!((size, reps), (1000, g.replicas.clone()));
     assert_eq!(
@@ -258,10 +258,10 @@ fn abandoned_put_is_taken_over_then_released() {
         "the old writer's range is quarantined"
     );
     assert!(matches!(
-        s.put_end(&k("a"), old.put_id),
+        s.put_end(&k("a"), old.put_id, Millis(0)),
         Err(MasterError::StalePut { .. })
     ));
-    s.put_end(&k("a"), new.put_id).unwrap();
+    s.put_end(&k("a"), new.put_id, Millis(0)).unwrap();
     s.tick(Millis(release - 1));
     assert_eq!(s.allocated(), 2 * MIB);
     s.tick(Millis(release));
@@ -284,7 +284,7 @@ fn revoke_frees_and_only_the_current_put_can_end() {
     assert!(s.put_revoke(&k("a"), g.put_id + 1).is_err());
     s.put_revoke(&k("a"), g.put_id).unwrap();
     assert_eq!(s.allocated(), 0);
-    assert!(s.put_end(&k("a"), g.put_id).is_err());
+    assert!(s.put_end(&k("a"), g.put_id, Millis(0)).is_err());
     s.check_invariants().unwrap();
 }
 
@@ -317,13 +317,13 @@ fn silent_owner_expires_with_its_replicas() {
 fn remount_by_new_incarnation_drops_old_replicas() {
     let mut s = state_with(&[4 * MIB]);
     put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
-    s.mount_segment(owner(0), seg(0), 4 * MIB, Millis(1))
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, Millis(1))
         .unwrap();
     assert!(
         s.exists(&k("a"), Millis(1)),
         "same owner remount is idempotent"
     );
-    s.mount_segment(owner(9), seg(0), 4 * MIB, Millis(2))
+    s.mount_segment(owner(9), seg(0), 4 * MIB, 0, Millis(2))
         .unwrap();
     assert!(!s.exists(&k("a"), Millis(2)));
     assert_eq!(s.allocated(), 0);
@@ -358,6 +358,10 @@ enum Step {
     Tick(u16),
     Heartbeat(u8),
     Remount(u8),
+    /// The owner of segment .0 takes its tasks and reports them done (.1) or failed.
+    OwnerWork(u8, bool),
+    /// The owner of segment .1 drops its disk record of key .0.
+    DiskDrop(u8, u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -370,6 +374,8 @@ fn step() -> impl Strategy<Value = Step> {
         (0u16..20_000).prop_map(Step::Tick),
         any::<u8>().prop_map(|o| Step::Heartbeat(o % 3)),
         any::<u8>().prop_map(|o| Step::Remount(o % 3)),
+        (any::<u8>(), any::<bool>()).prop_map(|(o, ok)| Step::OwnerWork(o % 3, ok)),
+        (any::<u8>(), any::<u8>()).prop_map(|(k, o)| Step::DiskDrop(k % 32, o % 3)),
     ]
 }
 
@@ -377,7 +383,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
     #[test]
     fn invariants_hold_under_random_operations(steps in proptest::collection::vec(step(), 1..150)) {
-        let mut s = state_with(&[8 * MIB, 8 * MIB, 4 * MIB]);
+        // Segments 0 and 1 have an SSD tier, 2 has none.
+        let disk_of = |o: u16| if o < 2 { 1 << 30 } else { 0 };
+        let mut s = MasterState::with_seed(Policy { client_ttl: Duration::from_secs(3600), offload_queue_limit: 4, ..Policy::default() }, 42);
+        for (i, size) in [8 * MIB, 8 * MIB, 4 * MIB].iter().enumerate() {
+            s.mount_segment(owner(i as u16), seg(i as u16), *size, disk_of(i as u16), Millis(0)).unwrap();
+        }
         let mut now = 0u64;
         let mut puts: std::collections::HashMap<u8, u64> = Default::default();
         let mut incarnation = 100u16;
@@ -388,7 +399,7 @@ proptest! {
                         puts.insert(key, g.put_id);
                     }
                 }
-                Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&k(&format!("k{key}")), *id); } }
+                Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&k(&format!("k{key}")), *id, Millis(now)); } }
                 Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&k(&format!("k{key}")), *id); } }
                 Step::Get(key) => {
                     if let Ok((size, reps)) = s.get_replicas(&k(&format!("k{key}")), Millis(now)) {
@@ -402,7 +413,20 @@ proptest! {
                 Step::Remount(o) => {
                     incarnation += 1;
                     let size = if o == 2 { 4 * MIB } else { 8 * MIB };
-                    s.mount_segment(owner(incarnation), seg(o as u16), size, Millis(now)).unwrap();
+                    s.mount_segment(owner(incarnation), seg(o as u16), size, disk_of(o as u16), Millis(now)).unwrap();
+                }
+                Step::OwnerWork(o, ok) => {
+                    if let Some(id) = s.segment_id(&seg(o as u16)) {
+                        for t in s.take_tasks(id, 16) {
+                            let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+                        }
+                    }
+                }
+                Step::DiskDrop(key, o) => {
+                    let key = k(&format!("k{key}"));
+                    if let (Some(id), Some(put_id)) = (s.segment_id(&seg(o as u16)), s.objects.get(&key).map(|x| x.put_id)) {
+                        s.disk_dropped(id, &key, put_id);
+                    }
                 }
             }
             if let Err(e) = s.check_invariants() { prop_assert!(false, "{}", e); }

@@ -8,13 +8,13 @@ use mooncake_common::{
     config::{load_toml, parse_duration},
     ByteSize,
 };
-use mooncake_owner::{OwnerConfig, RunningOwner};
+use mooncake_owner::{ssd::EngineKind, OwnerConfig, RunningOwner};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "mooncake_ownerd",
     version,
-    about = "Owner daemon: serves a memory segment of the KV object store"
+    about = "Owner daemon: serves a memory segment (and optionally an SSD tier) of the KV object store"
 )]
 struct Args {
     /// TOML config file; flags given on the command line override its values.
@@ -50,6 +50,15 @@ struct Args {
     /// How long to keep trying to mount at start-up, e.g. 10s.
     #[arg(long, value_parser = parse_duration)]
     mount_timeout: Option<Duration>,
+    /// Directory of the SSD tier (objects evicted from memory go there; kept across restarts).
+    #[arg(long)]
+    ssd_path: Option<PathBuf>,
+    /// Size of the SSD tier, e.g. 64GiB (preallocated).
+    #[arg(long)]
+    ssd_size: Option<ByteSize>,
+    /// SSD I/O engine: auto, uring or pread.
+    #[arg(long)]
+    ssd_engine: Option<EngineKind>,
 }
 
 fn config(args: Args) -> Result<OwnerConfig, String> {
@@ -67,7 +76,12 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
         segment_size <- args.segment_size,
         heartbeat_interval <- args.heartbeat_interval,
         mount_timeout <- args.mount_timeout,
+        ssd_size <- args.ssd_size,
+        ssd_engine <- args.ssd_engine,
     );
+    if args.ssd_path.is_some() {
+        c.ssd_path = args.ssd_path;
+    }
     if args.ready_file.is_some() {
         c.ready_file = args.ready_file;
     }

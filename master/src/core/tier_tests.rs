@@ -1,0 +1,278 @@
+//! The SSD tier on the master: offload on eviction, disk-only reads, promotion, what happens when
+//! the SSD is behind, owner reports that come late or for a rewritten object, and registration
+//! after an owner restart. Invariants are checked after every step.
+
+use std::time::Duration;
+
+use mooncake_common::{ClientId, ObjectKey, SegmentName};
+
+use super::*;
+use crate::{clock::Millis, error::MasterError};
+
+const MIB: u64 = 1 << 20;
+
+fn k(s: &str) -> ObjectKey {
+    ObjectKey::new(s).unwrap()
+}
+
+fn seg(i: u16) -> SegmentName {
+    SegmentName::parse(&format!("127.0.0.1:{}", 2000 + i)).unwrap()
+}
+
+fn owner(i: u16) -> ClientId {
+    ClientId::from_u128(i as u128 + 1)
+}
+
+/// One owner with `mem` bytes of memory and an SSD tier of 1 GiB.
+fn tiered(mem: u64, policy: Policy) -> (MasterState, SegmentId) {
+    let policy = Policy {
+        client_ttl: Duration::from_secs(3600),
+        ..policy
+    };
+    let mut s = MasterState::with_seed(policy, 7);
+    s.mount_segment(owner(0), seg(0), mem, 1 << 30, Millis(0))
+        .unwrap();
+    let id = s.disk_segment(owner(0), &seg(0)).unwrap();
+    (s, id)
+}
+
+fn put(s: &mut MasterState, key: &str, size: u64, now: u64) -> Result<u64, MasterError> {
+    let g = s.put_start(&k(key), size, &ReplicateConfig::default(), Millis(now))?;
+    s.put_end(&k(key), g.put_id, Millis(now))?;
+    s.check_invariants().unwrap();
+    Ok(g.put_id)
+}
+
+/// The owner does every queued task and reports it (`ok`).
+fn owner_works(s: &mut MasterState, id: SegmentId, ok: bool, now: u64) -> Vec<OwnerTask> {
+    let tasks = s.take_tasks(id, 1000);
+    for t in &tasks {
+        let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+    }
+    s.check_invariants().unwrap();
+    tasks
+}
+
+fn tiers(s: &mut MasterState, key: &str, now: u64) -> Vec<Tier> {
+    let (_, reps) = s.get_replicas(&k(key), Millis(now)).unwrap();
+    reps.iter().map(|r| r.tier).collect()
+}
+
+#[test]
+fn eviction_offloads_first_and_frees_memory_when_the_copy_lands() {
+    let (mut s, id) = tiered(4 * MIB, Policy::default());
+    for i in 0..4 {
+        put(&mut s, &format!("k{i}"), MIB, i).unwrap();
+    }
+    // Memory is full: the next put waits for offloads instead of dropping anything.
+    assert!(matches!(
+        put(&mut s, "k4", MIB, 10),
+        Err(MasterError::NoSpace { .. })
+    ));
+    assert!(s.offloads_outstanding());
+    assert!(s.take_wakeup());
+    let tasks = owner_works(&mut s, id, true, 11);
+    assert!(!tasks.is_empty());
+    assert!(tasks.iter().all(|t| t.kind == TaskKind::Offload));
+    assert_eq!(tasks[0].key, k("k0"), "least recently used goes first");
+    assert!(!s.offloads_outstanding());
+    put(&mut s, "k4", MIB, 12).unwrap();
+    // k0 is now disk-only and still readable.
+    assert_eq!(tiers(&mut s, "k0", 13), vec![Tier::Disk]);
+    assert_eq!(s.key_count(), 5);
+    assert_eq!(s.counters().offloads_done, tasks.len() as u64);
+}
+
+#[test]
+fn an_object_with_a_disk_copy_leaves_memory_at_once() {
+    let policy = Policy {
+        eager_offload: true,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(2 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    put(&mut s, "b", MIB, 1).unwrap();
+    assert_eq!(owner_works(&mut s, id, true, 2).len(), 2);
+    // Both are in memory and on disk; a new put evicts memory without waiting.
+    assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Memory, Tier::Disk]);
+    s.tick(Millis(20_000)); // leases of the gets above run out
+    put(&mut s, "c", MIB, 20_001).unwrap();
+    assert_eq!(s.key_count(), 3);
+}
+
+#[test]
+fn disk_only_objects_are_promoted_after_enough_hits() {
+    let policy = Policy {
+        eager_offload: true,
+        promote_after_hits: 2,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(4 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    owner_works(&mut s, id, true, 1);
+    s.evict(Millis(2), MIB); // has a disk copy: memory freed at once
+    assert_eq!(s.allocated(), 0);
+    assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
+    assert!(s.take_tasks(id, 10).is_empty(), "one hit is not enough");
+    assert_eq!(tiers(&mut s, "a", 4), vec![Tier::Disk]);
+    let tasks = s.take_tasks(id, 10);
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].kind, TaskKind::Promote);
+    assert_eq!(s.allocated(), MIB, "memory is reserved for the promotion");
+    s.check_invariants().unwrap();
+    s.report_task(
+        id,
+        TaskKind::Promote,
+        &k("a"),
+        tasks[0].put_id,
+        true,
+        Millis(5),
+    )
+    .unwrap();
+    assert_eq!(tiers(&mut s, "a", 6), vec![Tier::Memory, Tier::Disk]);
+    assert_eq!(s.counters().promotions, 1);
+    // A failed promotion gives the memory back.
+    s.tick(Millis(20_000));
+    s.evict(Millis(20_000), MIB);
+    tiers(&mut s, "a", 20_001);
+    tiers(&mut s, "a", 20_002);
+    let tasks = s.take_tasks(id, 10);
+    s.report_task(
+        id,
+        TaskKind::Promote,
+        &k("a"),
+        tasks[0].put_id,
+        false,
+        Millis(20_003),
+    )
+    .unwrap();
+    assert_eq!(s.allocated(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn when_the_disk_is_behind_eviction_keeps_or_drops_by_policy() {
+    for (when, kept) in [(WhenDiskBehind::Keep, true), (WhenDiskBehind::Drop, false)] {
+        let policy = Policy {
+            offload_queue_limit: 1,
+            when_disk_behind: when,
+            eviction_ratio: 0.5,
+            ..Policy::default()
+        };
+        let (mut s, _id) = tiered(4 * MIB, policy);
+        for i in 0..4 {
+            put(&mut s, &format!("k{i}"), MIB, i).unwrap();
+        }
+        // Needs two objects' worth; the queue takes one offload, the second is behind.
+        s.evict(Millis(10), 2 * MIB);
+        s.check_invariants().unwrap();
+        assert_eq!(s.key_count() == 4, kept, "{when:?}");
+        let c = s.counters();
+        assert_eq!(c.kept_disk_behind > 0, kept);
+        assert_eq!(c.dropped_disk_behind > 0, !kept);
+    }
+}
+
+#[test]
+fn late_or_stale_reports_change_nothing_and_tell_the_owner_to_drop() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    let v1 = put(&mut s, "a", MIB, 0).unwrap();
+    put(&mut s, "b", MIB, 1).unwrap();
+    s.evict(Millis(5), MIB);
+    let tasks = s.take_tasks(id, 10);
+    assert_eq!(tasks.len(), 1);
+    // The object is removed and put again while the offload is in flight.
+    s.remove(&k("a"), true, Millis(6)).unwrap();
+    let v2 = put(&mut s, "a", MIB, 7).unwrap();
+    assert_ne!(v1, v2);
+    assert!(s
+        .report_task(id, TaskKind::Offload, &k("a"), v1, true, Millis(8))
+        .is_err());
+    s.check_invariants().unwrap();
+    assert_eq!(tiers(&mut s, "a", 9), vec![Tier::Memory]);
+    // Removing an object with a disk copy tells its owner to drop the record.
+    s.start_offload(&k("b"), false, Millis(10));
+    owner_works(&mut s, id, true, 11);
+    s.remove(&k("b"), true, Millis(12)).unwrap();
+    let drops = s.take_tasks(id, 10);
+    assert_eq!(drops.len(), 1);
+    assert_eq!((drops[0].kind, &drops[0].key), (TaskKind::Drop, &k("b")));
+}
+
+#[test]
+fn a_failed_offload_leaves_the_object_in_memory_and_evictable() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(5), MIB);
+    owner_works(&mut s, id, false, 6);
+    assert_eq!(s.counters().offloads_failed, 1);
+    assert_eq!(tiers(&mut s, "a", 7), vec![Tier::Memory]);
+    s.tick(Millis(20_000));
+    // Failed once: now it is dropped like an object without an SSD tier.
+    s.evict(Millis(20_001), MIB);
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn unreported_offloads_time_out() {
+    let policy = Policy {
+        offload_timeout: Duration::from_secs(5),
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(2 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(1), MIB);
+    assert_eq!(s.take_tasks(id, 10).len(), 1);
+    s.tick(Millis(3_000));
+    assert!(s.offloads_outstanding());
+    s.tick(Millis(6_000));
+    assert!(!s.offloads_outstanding());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn the_owner_dropping_a_record_removes_a_disk_only_object() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    let v = put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(1), MIB);
+    owner_works(&mut s, id, true, 2);
+    assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
+    s.disk_dropped(id, &k("a"), v + 1); // another version: ignored
+    assert_eq!(s.key_count(), 1);
+    s.disk_dropped(id, &k("a"), v);
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn records_found_after_a_restart_are_registered_unless_the_key_is_taken() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    let v = s.register_disk(id, &k("a"), 1000, 77, Millis(0)).unwrap();
+    assert_eq!(tiers(&mut s, "a", 1), vec![Tier::Disk]);
+    // The same version again (a remount) is fine; another one is not.
+    assert_eq!(s.register_disk(id, &k("a"), 1000, v, Millis(2)), Ok(v));
+    put(&mut s, "b", 100, 3).unwrap();
+    assert!(matches!(
+        s.register_disk(id, &k("b"), 100, 5, Millis(4)),
+        Err(MasterError::Exists(_))
+    ));
+    // A segment without an SSD tier cannot take disk work.
+    s.mount_segment(owner(1), seg(1), MIB, 0, Millis(5))
+        .unwrap();
+    assert!(s.disk_segment(owner(1), &seg(1)).is_err());
+    assert!(s.disk_segment(owner(0), &seg(1)).is_err());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(1), MIB);
+    owner_works(&mut s, id, true, 2);
+    s.mount_segment(owner(5), seg(0), 2 * MIB, 1 << 30, Millis(3))
+        .unwrap();
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+}

@@ -1,0 +1,442 @@
+//! The SSD tier as the master sees it: which objects have a disk copy on which segment, the work
+//! queued for each owner (offload, drop, promote), and what the owners report back. The master
+//! never waits on an owner here: work is queued, owners poll it, and every report is checked
+//! against the object's current version, so a late or repeated report cannot resurrect or
+//! misattribute bytes.
+
+use mooncake_common::ObjectKey;
+use serde::{Deserialize, Serialize};
+
+use super::{
+    objects::{Object, Offload, Phase, Pin, Replica},
+    DiskTier, MasterState, SegmentId,
+};
+use crate::{clock::Millis, error::MasterError};
+
+/// Which tier a replica lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Memory,
+    Disk,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskKind {
+    /// Copy the memory range `offset..offset+size` (holding the key) to the SSD tier.
+    Offload,
+    /// Forget the disk record of this version of the key.
+    Drop,
+    /// Fill the memory range from the disk record.
+    Promote,
+}
+
+/// Work for an owner, taken by its long poll.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerTask {
+    pub kind: TaskKind,
+    pub key: ObjectKey,
+    pub put_id: u64,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// What an owner last reported about its SSD tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskStats {
+    pub capacity: u64,
+    pub used: u64,
+    pub records: u64,
+    pub written_bytes: u64,
+    pub read_bytes: u64,
+    pub corrupt_reads: u64,
+    pub evicted_records: u64,
+}
+
+/// What eviction does with an object whose owner's SSD tier has a full offload queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WhenDiskBehind {
+    /// Leave it in memory; a put that needs the space may fail with no space.
+    Keep,
+    /// Evict it without a disk copy, as without an SSD tier.
+    #[default]
+    Drop,
+}
+
+impl std::str::FromStr for WhenDiskBehind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keep" => Ok(WhenDiskBehind::Keep),
+            "drop" => Ok(WhenDiskBehind::Drop),
+            _ => Err(format!("expected keep or drop, got {s:?}")),
+        }
+    }
+}
+
+impl MasterState {
+    /// Frees everything a removed object held: memory replicas, a reserved promotion, its place
+    /// in an offload queue; owners holding a disk copy are told to drop it.
+    pub(super) fn discard(&mut self, key: &ObjectKey, obj: Object) {
+        self.forget_offload(&obj.offload);
+        for seg in &obj.disk {
+            self.queue_task(
+                *seg,
+                OwnerTask {
+                    kind: TaskKind::Drop,
+                    key: key.clone(),
+                    put_id: obj.put_id,
+                    offset: 0,
+                    size: obj.size,
+                },
+            );
+        }
+        let mut replicas = obj.replicas;
+        replicas.extend(obj.promoting);
+        self.free_replicas(replicas);
+    }
+
+    fn forget_offload(&mut self, offload: &Offload) {
+        if let Offload::Pending { segment, .. } = offload {
+            if let Some(d) = self.segments.get_mut(segment).and_then(|s| s.disk.as_mut()) {
+                d.offloads = d.offloads.saturating_sub(1);
+            }
+        }
+    }
+
+    fn queue_task(&mut self, segment: SegmentId, task: OwnerTask) {
+        if let Some(d) = self
+            .segments
+            .get_mut(&segment)
+            .and_then(|s| s.disk.as_mut())
+        {
+            d.tasks.push_back(task);
+            self.tasks_queued = true;
+        }
+    }
+
+    /// Whether work was queued since the last call: the server then wakes polling owners.
+    pub fn take_wakeup(&mut self) -> bool {
+        std::mem::take(&mut self.tasks_queued)
+    }
+
+    /// Whether some offload is queued or in flight (memory will be freed when it lands).
+    pub fn offloads_outstanding(&self) -> bool {
+        self.segments
+            .values()
+            .any(|s| s.disk.as_ref().is_some_and(|d| d.offloads > 0))
+    }
+
+    /// The segment `name` of `owner`, which must have an SSD tier.
+    pub fn disk_segment(
+        &self,
+        owner: mooncake_common::ClientId,
+        name: &mooncake_common::SegmentName,
+    ) -> Result<SegmentId, MasterError> {
+        let id = self
+            .segment_id(name)
+            .ok_or_else(|| MasterError::SegmentNotFound(name.clone()))?;
+        let seg = &self.segments[&id];
+        if seg.owner != owner {
+            return Err(MasterError::NotSegmentOwner {
+                segment: name.clone(),
+            });
+        }
+        if seg.disk.is_none() {
+            return Err(MasterError::Invalid(format!(
+                "segment {name} was mounted without an SSD tier"
+            )));
+        }
+        Ok(id)
+    }
+
+    /// Up to `max` tasks for the owner of `segment`, oldest first.
+    pub fn take_tasks(&mut self, segment: SegmentId, max: usize) -> Vec<OwnerTask> {
+        match self
+            .segments
+            .get_mut(&segment)
+            .and_then(|s| s.disk.as_mut())
+        {
+            Some(d) => {
+                let n = d.tasks.len().min(max);
+                d.tasks.drain(..n).collect()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    pub fn set_disk_stats(&mut self, owner: mooncake_common::ClientId, stats: DiskStats) {
+        let Some(o) = self.owners.get(&owner) else {
+            return;
+        };
+        for id in o.segments.clone() {
+            if let Some(d) = self.segments.get_mut(&id).and_then(|s| s.disk.as_mut()) {
+                d.stats = stats;
+            }
+        }
+    }
+
+    /// Queues an offload of `key` to the SSD tier of one of its memory replicas' segments.
+    /// Returns false when there is no such tier, it is behind, or an offload is under way.
+    pub(super) fn start_offload(
+        &mut self,
+        key: &ObjectKey,
+        evict_after: bool,
+        now: Millis,
+    ) -> bool {
+        let limit = self.policy.offload_queue_limit;
+        let Some(obj) = self.objects.get_mut(key) else {
+            return false;
+        };
+        if obj.offload != Offload::Idle || !obj.disk.is_empty() {
+            return false;
+        }
+        let target = obj.replicas.iter().find(|r| {
+            self.segments
+                .get(&r.segment)
+                .is_some_and(|s| s.disk.as_ref().is_some_and(|d| d.offloads < limit))
+        });
+        let Some(r) = target else {
+            return false;
+        };
+        let (segment, offset) = (r.segment, r.allocation.offset());
+        obj.offload = Offload::Pending {
+            segment,
+            since: now,
+            evict_after,
+        };
+        let task = OwnerTask {
+            kind: TaskKind::Offload,
+            key: key.clone(),
+            put_id: obj.put_id,
+            offset,
+            size: obj.size,
+        };
+        let d = self
+            .segments
+            .get_mut(&segment)
+            .and_then(|s| s.disk.as_mut());
+        let d: &mut DiskTier = d.expect("checked above");
+        d.offloads += 1;
+        self.counters.offloads_started += 1;
+        self.queue_task(segment, task);
+        true
+    }
+
+    /// Whether any memory replica of `obj` sits on a segment with an SSD tier.
+    pub(super) fn has_disk_tier(&self, obj: &Object) -> bool {
+        obj.replicas.iter().any(|r| {
+            self.segments
+                .get(&r.segment)
+                .is_some_and(|s| s.disk.is_some())
+        })
+    }
+
+    /// Copies a disk-only object read often enough back to memory on the owner holding it,
+    /// when that owner has free memory (promotion never evicts).
+    pub(super) fn maybe_promote(&mut self, key: &ObjectKey, _now: Millis) {
+        let after = self.policy.promote_after_hits;
+        let Some(obj) = self.objects.get_mut(key) else {
+            return;
+        };
+        if after == 0 || obj.disk_hits < after || obj.promoting.is_some() {
+            return;
+        }
+        let Some(&segment) = obj.disk.first() else {
+            return;
+        };
+        let Some(seg) = self.segments.get_mut(&segment) else {
+            return;
+        };
+        if seg.allocator.free_bytes() < obj.size {
+            return;
+        }
+        let Some(allocation) = seg.allocator.allocate(obj.size) else {
+            return;
+        };
+        let task = OwnerTask {
+            kind: TaskKind::Promote,
+            key: key.clone(),
+            put_id: obj.put_id,
+            offset: allocation.offset(),
+            size: obj.size,
+        };
+        obj.promoting = Some(Replica {
+            segment,
+            allocation,
+        });
+        self.queue_task(segment, task);
+    }
+
+    /// An owner's report on one task. An error means the master no longer wants what the
+    /// owner produced (the object is gone or was rewritten): the owner drops it.
+    pub fn report_task(
+        &mut self,
+        segment: SegmentId,
+        kind: TaskKind,
+        key: &ObjectKey,
+        put_id: u64,
+        ok: bool,
+        now: Millis,
+    ) -> Result<(), MasterError> {
+        if kind == TaskKind::Drop {
+            return Ok(());
+        }
+        let stale = || MasterError::StalePut {
+            key: key.clone(),
+            put_id,
+        };
+        let Some(obj) = self.objects.get_mut(key) else {
+            return Err(stale());
+        };
+        if obj.put_id != put_id || obj.phase != Phase::Complete {
+            return Err(stale());
+        }
+        match kind {
+            TaskKind::Offload => {
+                let pending = obj.offload;
+                let (matched, evict_after) = match pending {
+                    Offload::Pending {
+                        segment: s,
+                        evict_after,
+                        ..
+                    } if s == segment => (true, evict_after),
+                    _ => (false, false),
+                };
+                if matched {
+                    obj.offload = if ok { Offload::Idle } else { Offload::Failed };
+                }
+                if !ok {
+                    self.counters.offloads_failed += 1;
+                    if matched {
+                        self.forget_offload(&pending);
+                    }
+                    return Ok(());
+                }
+                if !obj.disk.contains(&segment) {
+                    obj.disk.push(segment);
+                }
+                let free_now = evict_after && !obj.is_leased(now) && obj.pin != Pin::Hard;
+                let freed = if free_now {
+                    std::mem::take(&mut obj.replicas)
+                } else {
+                    Vec::new()
+                };
+                self.counters.offloads_done += 1;
+                if matched {
+                    self.forget_offload(&pending);
+                }
+                self.free_replicas(freed);
+                Ok(())
+            }
+            TaskKind::Promote => {
+                let reserved = match &obj.promoting {
+                    Some(r) if r.segment == segment => obj.promoting.take(),
+                    _ => return Err(stale()),
+                };
+                let reserved = reserved.expect("matched above");
+                if ok {
+                    obj.replicas.push(reserved);
+                    obj.disk_hits = 0;
+                    self.counters.promotions += 1;
+                } else {
+                    self.free_replicas(vec![reserved]);
+                }
+                Ok(())
+            }
+            TaskKind::Drop => unreachable!("handled above"),
+        }
+    }
+
+    /// The owner of `segment` is about to overwrite its disk record of `key` (SSD eviction):
+    /// the disk replica goes, and with it the object if nothing else holds it.
+    pub fn disk_dropped(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64) {
+        let Some(obj) = self.objects.get_mut(key) else {
+            return;
+        };
+        if obj.put_id != put_id || !obj.disk.contains(&segment) {
+            return;
+        }
+        obj.disk.retain(|s| *s != segment);
+        self.counters.disk_dropped += 1;
+        if obj.replicas.is_empty() && obj.disk.is_empty() {
+            let obj = self.objects.remove(key).expect("checked above");
+            // Nothing is left on disk to drop; only a reserved promotion may need freeing.
+            self.discard(key, obj);
+        }
+    }
+
+    /// An owner restarted on its SSD directory found `key` there: the object becomes readable
+    /// from disk again. Returns its version; an existing object of the key wins unless it is the
+    /// very version the record holds.
+    pub fn register_disk(
+        &mut self,
+        segment: SegmentId,
+        key: &ObjectKey,
+        size: u64,
+        put_id: u64,
+        now: Millis,
+    ) -> Result<u64, MasterError> {
+        if size == 0 {
+            return Err(MasterError::Invalid(format!("object {key} has size 0")));
+        }
+        if let Some(obj) = self.objects.get_mut(key) {
+            if obj.put_id == put_id && obj.size == size && obj.phase == Phase::Complete {
+                if !obj.disk.contains(&segment) {
+                    obj.disk.push(segment);
+                }
+                return Ok(put_id);
+            }
+            return Err(MasterError::Exists(key.clone()));
+        }
+        let put_id = self.next_put;
+        self.next_put += 1;
+        self.objects.insert(
+            key.clone(),
+            Object {
+                size,
+                put_id,
+                phase: Phase::Complete,
+                replicas: Vec::new(),
+                disk: vec![segment],
+                offload: Offload::Idle,
+                disk_hits: 0,
+                promoting: None,
+                lease_until: Millis(0),
+                last_access: now,
+                pin: Pin::None,
+            },
+        );
+        self.counters.disk_registered += 1;
+        Ok(put_id)
+    }
+
+    /// Offloads not reported within the timeout are given up, so the object may be offloaded
+    /// (or evicted) again. Scans at most once a second, and only while offloads are out.
+    pub(super) fn expire_offloads(&mut self, now: Millis) {
+        if !self.offloads_outstanding()
+            || now
+                < self
+                    .last_offload_scan
+                    .plus(std::time::Duration::from_secs(1))
+        {
+            return;
+        }
+        self.last_offload_scan = now;
+        let timeout = self.policy.offload_timeout;
+        let mut expired = Vec::new();
+        for (key, obj) in self.objects.iter_mut() {
+            if let Offload::Pending { since, .. } = obj.offload {
+                if since.plus(timeout) <= now {
+                    expired.push((key.clone(), obj.offload));
+                    obj.offload = Offload::Idle;
+                }
+            }
+        }
+        for (key, pending) in expired {
+            tracing::warn!(%key, "offload not reported in time; giving it up");
+            self.counters.offloads_failed += 1;
+            self.forget_offload(&pending);
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! The owner's side of the SSD tier's control loop: long-polls the master for work, offloads
+//! memory ranges to disk, drops records, promotes records back into memory, and reports each
+//! outcome. The master is told before any record is overwritten, and a record is only reported
+//! once its bytes are on disk. Also registers the records found on disk after a (re)mount.
+
+use std::{sync::Arc, time::Duration};
+
+use futures::StreamExt;
+use mooncake_common::{Code, ObjectKey};
+use mooncake_proto::master as pb;
+use tokio::sync::watch;
+
+use super::{SsdError, SsdStore};
+use crate::{index::KeyIndex, master_link::MasterLink, pool::MemoryPool};
+
+/// How long one poll may wait at the master for work.
+const POLL_WAIT: Duration = Duration::from_secs(2);
+/// Tasks taken per poll.
+const POLL_MAX: u32 = 256;
+
+/// What the loop needs to do its work.
+pub struct Worker {
+    pub link: MasterLink,
+    pub store: Arc<SsdStore>,
+    pub pool: Arc<MemoryPool>,
+    pub index: Arc<KeyIndex>,
+    /// Tasks executed at once (disk queue depth for offloads and promotions).
+    pub concurrency: usize,
+}
+
+/// Why a task failed, as the master's code and a message for the log.
+struct Failure(Code, String);
+
+impl From<SsdError> for Failure {
+    fn from(e: SsdError) -> Self {
+        Failure(e.code(), e.to_string())
+    }
+}
+
+impl Worker {
+    /// Polls and works until `stop` turns true.
+    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let polled = tokio::select! {
+                r = self.link.poll_tasks(POLL_MAX, POLL_WAIT) => r,
+                _ = stop.changed() => return,
+            };
+            match polled {
+                Ok(resp) if resp.remount => {
+                    // The heartbeat loop mounts again and registers the disk records.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Ok(resp) => {
+                    backoff = Duration::from_millis(100);
+                    if !resp.tasks.is_empty() {
+                        self.work(resp.tasks).await;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "polling the master for ssd work failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    async fn work(&self, tasks: Vec<pb::OwnerTask>) {
+        let done: Vec<(pb::OwnerTask, i32)> = futures::stream::iter(tasks)
+            .map(|t| async move {
+                let code = match self.one(&t).await {
+                    Ok(()) => 0,
+                    Err(Failure(code, message)) => {
+                        tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "ssd task failed");
+                        code.as_i32()
+                    }
+                };
+                (t, code)
+            })
+            .buffer_unordered(self.concurrency.max(1))
+            .collect()
+            .await;
+        let results = done
+            .iter()
+            .map(|(t, code)| pb::TaskResult {
+                kind: t.kind,
+                key: t.key.clone(),
+                put_id: t.put_id,
+                code: *code,
+            })
+            .collect();
+        let codes = match self.link.report_tasks(results).await {
+            Ok(c) => c,
+            Err(e) => {
+                // The master gives the offloads up after its timeout; records written stay
+                // indexed here and are dropped when the master asks or overwritten in time.
+                tracing::warn!(error = %e, "reporting ssd work failed");
+                return;
+            }
+        };
+        for ((t, code), answer) in done.iter().zip(codes) {
+            if *code != 0 || answer == 0 {
+                continue;
+            }
+            // The master no longer wants what was made (the object went meanwhile).
+            let key = match ObjectKey::new(&t.key) {
+                Ok(k) => k,
+                Err(_) => continue,
+            };
+            match t.kind() {
+                pb::TaskKind::Offload => {
+                    let _ = self.store.delete(&key, t.put_id).await;
+                }
+                pb::TaskKind::Promote => self.index.forget(t.offset, t.size),
+                pb::TaskKind::Drop => {}
+            }
+        }
+    }
+
+    async fn one(&self, t: &pb::OwnerTask) -> Result<(), Failure> {
+        let key =
+            ObjectKey::new(&t.key).map_err(|e| Failure(Code::InvalidParams, e.to_string()))?;
+        match t.kind() {
+            pb::TaskKind::Offload => self.offload(&key, t).await,
+            pb::TaskKind::Drop => {
+                self.store.delete(&key, t.put_id).await?;
+                Ok(())
+            }
+            pb::TaskKind::Promote => self.promote(&key, t).await,
+        }
+    }
+
+    async fn offload(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
+        let r = self.store.reserve(key, t.size)?;
+        if !r.victims.is_empty() {
+            let items = r
+                .victims
+                .iter()
+                .map(|(k, put_id)| pb::PutRef {
+                    key: k.to_string(),
+                    put_id: *put_id,
+                })
+                .collect();
+            if let Err(e) = self.link.disk_dropped(items).await {
+                self.store.abandon(r);
+                return Err(Failure(
+                    Code::RpcFail,
+                    format!("cannot tell the master about records to overwrite: {e}"),
+                ));
+            }
+            self.store.evict_victims(&r);
+        }
+        let buf = {
+            let guard = match self.pool.read_range(t.offset, t.size) {
+                Ok(g) => g,
+                Err(e) => {
+                    self.store.abandon(r);
+                    return Err(Failure(e.code(), e.to_string()));
+                }
+            };
+            if !self.index.holds(t.offset, t.size, key) {
+                self.store.abandon(r);
+                return Err(Failure(
+                    Code::ObjectNotFound,
+                    format!("memory at offset {} no longer holds {key}", t.offset),
+                ));
+            }
+            self.store.encode(&r, key, t.put_id, &guard)
+        };
+        self.store.write(r, buf, key, t.put_id, t.size).await?;
+        Ok(())
+    }
+
+    async fn promote(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
+        let value = self.store.read(key, t.put_id, t.size).await?;
+        let mut guard = self
+            .pool
+            .write_range(t.offset, t.size)
+            .map_err(|e| Failure(e.code(), e.to_string()))?;
+        self.index.forget(t.offset, t.size);
+        guard.copy_from_slice(&value);
+        self.index.record(t.offset, t.size, key.clone());
+        Ok(())
+    }
+}
+
+/// Registers every record on disk at the master (after a mount); records the master refuses
+/// (the key exists with other bytes) are dropped, the others take the version it assigns.
+pub async fn register_all(link: &MasterLink, store: &SsdStore) {
+    let records = store.records();
+    let mut registered = 0usize;
+    let mut refused = 0usize;
+    for chunk in records.chunks(1024) {
+        let items = chunk
+            .iter()
+            .map(|r| pb::DiskObject {
+                key: r.key.to_string(),
+                size: r.value_len,
+                put_id: r.put_id,
+            })
+            .collect();
+        let resp = match link.register_disk(items).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "registering ssd records failed; they stay unreadable until the next mount");
+                return;
+            }
+        };
+        for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
+            if code == 0 {
+                store.set_put_id(&r.key, r.put_id, put_id);
+                registered += 1;
+            } else {
+                let _ = store.delete(&r.key, r.put_id).await;
+                refused += 1;
+            }
+        }
+    }
+    if !records.is_empty() {
+        tracing::info!(registered, refused, "ssd records registered at the master");
+    }
+}
