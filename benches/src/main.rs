@@ -1,7 +1,9 @@
 //! mooncake_bench: a KV-cache-shaped workload. Puts `--keys` values of each `--value-size` in
 //! batches of `--batch`, gets them back, checks every byte, and prints a table (or JSON lines).
 //! Without `--master` it runs on an embedded default: a master and one owner on loopback in this
-//! process, stopped at the end.
+//! process (with an SSD tier when `--ssd-path` is given), stopped at the end. `--op put` leaves
+//! the values in the store under `--key-prefix`, so `--op get` in another run (another process,
+//! node, or after an owner restart) reads them back and verifies them.
 
 mod pattern;
 mod stats;
@@ -49,6 +51,29 @@ struct Args {
     /// One JSON object per phase per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// put: write and keep the values; get: read values an earlier `put` wrote and verify
+    /// them; putget: both, then remove the values.
+    #[arg(long, default_value = "putget")]
+    op: BenchOp,
+    /// Keys are PREFIX/SIZE/I (default: bench/<pid>); give the same prefix to a later `--op get`.
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// Embedded mode: give the owner an SSD tier in this directory.
+    #[arg(long)]
+    ssd_path: Option<std::path::PathBuf>,
+    /// Embedded mode: size of that SSD tier.
+    #[arg(long, default_value = "4GiB")]
+    ssd_size: ByteSize,
+    /// Embedded mode: offload every value to the SSD tier as its put ends.
+    #[arg(long)]
+    eager_offload: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BenchOp {
+    Put,
+    Get,
+    Putget,
 }
 
 #[derive(Serialize)]
@@ -65,6 +90,10 @@ struct Row {
     seconds: f64,
     /// Which data path moved the bytes: "shm" (same-host shared memory), "tcp", or "mixed".
     path: &'static str,
+    /// Gets: which tier served them ("mem", "disk", "mixed"); "-" for puts and SSD rows.
+    tier: &'static str,
+    /// Gets: keys served from an SSD tier.
+    disk_keys: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -115,7 +144,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if !args.json {
         println!(
-            "{:<4} {:>10} {:>6} {:>6} {:>8} {:>10} {:>10} {:>7} {:>9} {:>5}",
+            "{:<5} {:>10} {:>6} {:>6} {:>8} {:>10} {:>10} {:>7} {:>9} {:>5} {:>5}",
             "op",
             "value",
             "keys",
@@ -125,21 +154,33 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "p99_us",
             "errors",
             "verified",
-            "path"
+            "path",
+            "tier"
         );
     }
     let run_id = std::process::id();
+    let prefix = args
+        .key_prefix
+        .clone()
+        .unwrap_or_else(|| format!("bench/{run_id}"));
     warm_up(&client, run_id).await;
     let mut failed = false;
     for size in &args.value_size {
-        let rows = phase_pair(&client, &args, size.bytes() as usize, run_id).await;
+        let rows = phases(
+            &client,
+            &args,
+            size.bytes() as usize,
+            &prefix,
+            embedded.as_ref(),
+        )
+        .await;
         for row in rows {
             failed |= row.errors > 0;
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
             } else {
                 println!(
-                    "{:<4} {:>10} {:>6} {:>6} {:>8.3} {:>10.0} {:>10.0} {:>7} {:>9} {:>5}",
+                    "{:<5} {:>10} {:>6} {:>6} {:>8.3} {:>10.0} {:>10.0} {:>7} {:>9} {:>5} {:>5}",
                     row.op,
                     ByteSize(row.value_size).to_string(),
                     row.keys,
@@ -149,7 +190,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     row.p99_us,
                     row.errors,
                     row.verified,
-                    row.path
+                    row.path,
+                    row.tier
                 );
             }
         }
@@ -186,18 +228,52 @@ async fn warm_up(client: &Client, run_id: u32) {
     }
 }
 
-/// Puts then gets `keys` values of `size`, returning the two rows; removes the keys afterwards.
-async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> Vec<Row> {
+/// The phases `--op` asks for, on `keys` values of `size`: put, then (in an embedded run with
+/// an SSD tier) the SSD write row, then get; putget removes the keys afterwards.
+async fn phases(
+    client: &Client,
+    args: &Args,
+    size: usize,
+    prefix: &str,
+    embedded: Option<&Embedded>,
+) -> Vec<Row> {
     let keys: Vec<String> = (0..args.keys)
-        .map(|i| format!("bench/{run_id}/{size}/{i}"))
+        .map(|i| format!("{prefix}/{size}/{i}"))
         .collect();
+    let batch = args.batch.min(keys.len());
+    let mut rows = Vec::new();
+    if args.op != BenchOp::Get {
+        let ssd_before = embedded.and_then(|e| e.ssd_written());
+        let t = Instant::now();
+        rows.push(put_phase(client, args, &keys, size, batch).await);
+        if let (Some(e), Some(before)) = (embedded, ssd_before) {
+            rows.push(e.ssd_write_row(before, t, size, args.keys, batch).await);
+        }
+    }
+    if args.op != BenchOp::Put {
+        rows.push(get_phase(client, args, &keys, size, batch).await);
+    }
+    if args.op == BenchOp::Putget {
+        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+        if let Err(e) = client.batch_remove(&refs, true).await {
+            tracing::warn!(error = %e, "cleanup failed");
+        }
+    }
+    rows
+}
+
+async fn put_phase(
+    client: &Client,
+    args: &Args,
+    keys: &[String],
+    size: usize,
+    batch: usize,
+) -> Row {
     let cfg = ReplicateConfig {
         replica_num: args.replicas,
         ..Default::default()
     };
-    let batch = args.batch.min(keys.len());
     let mut bufs: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size]).collect();
-
     let mut put = stats::Phase::default();
     let before = client.transfer_stats();
     for chunk in keys.chunks(batch) {
@@ -221,8 +297,18 @@ async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> V
             }
         }
     }
+    let path = stats::path(before, client.transfer_stats());
+    put.row("put", size, keys.len(), batch, path, "-")
+}
 
-    let put_path = stats::path(before, client.transfer_stats());
+async fn get_phase(
+    client: &Client,
+    _args: &Args,
+    keys: &[String],
+    size: usize,
+    batch: usize,
+) -> Row {
+    let mut bufs: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size]).collect();
     let mut get = stats::Phase::default();
     let before = client.transfer_stats();
     for chunk in keys.chunks(batch) {
@@ -254,21 +340,73 @@ async fn phase_pair(client: &Client, args: &Args, size: usize, run_id: u32) -> V
             }
         }
     }
-    let get_path = stats::path(before, client.transfer_stats());
-    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-    if let Err(e) = client.batch_remove(&refs, true).await {
-        tracing::warn!(error = %e, "cleanup failed");
-    }
-    vec![
-        put.row("put", size, args.keys, batch, put_path),
-        get.row("get", size, args.keys, batch, get_path),
-    ]
+    let after = client.transfer_stats();
+    let mut row = get.row(
+        "get",
+        size,
+        keys.len(),
+        batch,
+        stats::path(before, after),
+        stats::tier(before, after),
+    );
+    row.disk_keys = after.disk_keys - before.disk_keys;
+    row
 }
 
 struct Embedded {
     master: RunningMaster,
     owners: Vec<RunningOwner>,
     segment_size: u64,
+}
+
+impl Embedded {
+    /// Bytes written to the owners' SSD tiers so far; None without one.
+    fn ssd_written(&self) -> Option<u64> {
+        let tiers: Vec<u64> = self
+            .owners
+            .iter()
+            .filter_map(|o| o.ssd().map(|s| s.stats().written_bytes))
+            .collect();
+        (!tiers.is_empty()).then(|| tiers.iter().sum())
+    }
+
+    /// The SSD write row: bytes the owners wrote to SSD since `before`, over the time from the
+    /// put phase's start until no offload is left (waiting at most 60 s for them to land).
+    async fn ssd_write_row(
+        &self,
+        before: u64,
+        start: Instant,
+        size: usize,
+        keys: usize,
+        batch: usize,
+    ) -> Row {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.master.with_state(|s| s.offloads_outstanding()) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let took = start.elapsed();
+        let written = self.ssd_written().unwrap_or(before) - before;
+        for o in &self.owners {
+            if let Some(s) = o.ssd() {
+                tracing::info!(buffers = s.buffers_allocated(), stats = ?s.stats(), "ssd tier after the put phase");
+            }
+        }
+        Row {
+            op: "ssd-w",
+            value_size: size as u64,
+            keys,
+            batch,
+            gib_s: written as f64 / took.as_secs_f64() / (1u64 << 30) as f64,
+            p50_us: 0.0,
+            p99_us: 0.0,
+            errors: 0,
+            verified: 0,
+            seconds: took.as_secs_f64(),
+            path: "-",
+            tier: "disk",
+            disk_keys: 0,
+        }
+    }
 }
 
 impl Embedded {
@@ -287,18 +425,22 @@ impl Embedded {
             bind_address: "127.0.0.1".into(),
             rpc_port: 0,
             metrics_port: 0,
+            eager_offload: args.eager_offload,
             ..Default::default()
         })
         .await
         .context("cannot start the embedded master")?;
         let mut owners = Vec::new();
-        for _ in 0..args.owners.max(1) {
+        for i in 0..args.owners.max(1) {
             let owner = RunningOwner::start(OwnerConfig {
                 master: master.rpc_addr.to_string(),
                 host: "127.0.0.1".into(),
                 port: 0,
                 segment_size: ByteSize(segment_size),
                 heartbeat_interval: Duration::from_secs(1),
+                // One directory per owner: each tier owns its file.
+                ssd_path: args.ssd_path.as_ref().map(|p| p.join(format!("owner{i}"))),
+                ssd_size: args.ssd_size,
                 ..Default::default()
             })
             .await

@@ -18,6 +18,18 @@ pub fn path(before: TransferStats, after: TransferStats) -> &'static str {
     }
 }
 
+/// Which tier served the gets between two snapshots: "mem", "disk" or "mixed" ("-" for puts).
+pub fn tier(before: TransferStats, after: TransferStats) -> &'static str {
+    let mem = after.memory_keys - before.memory_keys;
+    let disk = after.disk_keys - before.disk_keys;
+    match (mem > 0, disk > 0) {
+        (true, false) => "mem",
+        (false, true) => "disk",
+        (true, true) => "mixed",
+        (false, false) => "-",
+    }
+}
+
 #[derive(Default)]
 pub struct Phase {
     latencies: Vec<Duration>,
@@ -39,6 +51,7 @@ impl Phase {
         keys: usize,
         batch: usize,
         path: &'static str,
+        tier: &'static str,
     ) -> Row {
         self.latencies.sort();
         let total: Duration = self.latencies.iter().sum();
@@ -65,6 +78,8 @@ impl Phase {
             verified: self.verified,
             seconds: total.as_secs_f64(),
             path,
+            tier,
+            disk_keys: 0,
         }
     }
 }

@@ -215,14 +215,24 @@ impl pb::master_server::Master for MasterService {
                         },
                     });
                 }
-                self.shared.wake_owners(&mut state);
                 // Out of memory while offloads are on their way to disk: their memory comes
-                // back when they land, so wait for that (briefly) instead of failing.
-                let no_space = results.iter().any(|x| {
-                    x.as_ref()
-                        .is_some_and(|x| x.code == Code::NoAvailableHandle.as_i32())
-                });
-                no_space && state.offloads_outstanding()
+                // back when they land, so start room for every item still short at once and
+                // wait for it (briefly) instead of failing.
+                let short: u64 = r
+                    .items
+                    .iter()
+                    .zip(&results)
+                    .filter(|(_, x)| {
+                        x.as_ref()
+                            .is_some_and(|x| x.code == Code::NoAvailableHandle.as_i32())
+                    })
+                    .map(|(i, _)| i.size)
+                    .sum();
+                if short > 0 {
+                    state.make_room(now, short);
+                }
+                self.shared.wake_owners(&mut state);
+                short > 0 && state.offloads_outstanding()
             };
             if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
                 break;

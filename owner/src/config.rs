@@ -71,7 +71,7 @@ impl Default for OwnerConfig {
             ssd_size: ByteSize::gib(16),
             ssd_engine: EngineKind::Auto,
             ssd_queue_depth: 64,
-            ssd_concurrency: 16,
+            ssd_concurrency: 32,
             ssd_read_budget: ByteSize::mib(256),
         }
     }

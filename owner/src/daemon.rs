@@ -46,6 +46,9 @@ pub struct RunningOwner {
     pool: Arc<MemoryPool>,
     index: Arc<KeyIndex>,
     ssd: Option<Arc<SsdStore>>,
+    /// The SSD tier's worker and its own stop signal: it stops before the unmount, so its last
+    /// reports reach a master that still knows this owner.
+    worker: Option<(watch::Sender<bool>, JoinHandle<()>)>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -138,16 +141,18 @@ impl RunningOwner {
             }
             return Err(e.into());
         }
+        let mut worker = None;
         if let Some(store) = &ssd {
             crate::ssd::worker::register_all(&link, store).await;
-            let worker = Worker {
+            let w = Arc::new(Worker {
                 link: link.clone(),
                 store: store.clone(),
                 pool: pool.clone(),
                 index: index.clone(),
                 concurrency: config.ssd_concurrency,
-            };
-            tasks.push(tokio::spawn(worker.run(stopped.clone())));
+            });
+            let (tx, rx) = watch::channel(false);
+            worker = Some((tx, tokio::spawn(w.run(rx))));
         }
         tasks.push(tokio::spawn(
             link.clone()
@@ -170,6 +175,7 @@ impl RunningOwner {
             pool,
             index,
             ssd,
+            worker,
             stop,
             tasks,
         })
@@ -189,6 +195,10 @@ impl RunningOwner {
 
     /// Unmounts (best effort, within the RPC deadline) and stops serving.
     pub async fn shutdown(self) {
+        if let Some((stop, task)) = self.worker {
+            let _ = stop.send(true);
+            let _ = task.await;
+        }
         if let Err(e) = self.link.unmount().await {
             tracing::warn!(error = %e, "unmount at shutdown failed; the master will expire this owner");
         }

@@ -11,7 +11,7 @@ use std::{
 
 use mooncake_client::{get_code, Client, ClientConfig, ReplicateConfig};
 use mooncake_common::{ByteSize, ObjectKey};
-use mooncake_master::RunningMaster;
+use mooncake_master::{MasterConfig, RunningMaster};
 use mooncake_owner::RunningOwner;
 use mooncake_tests::{master_config, owner_config, payload, spawn_master, spawn_owner, transport};
 
@@ -100,7 +100,13 @@ async fn get_all(c: &Client, keys: &[String], size: usize) -> Vec<i64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn objects_spill_to_ssd_and_read_back_exactly_and_a_corrupt_record_is_refused() {
-    let master = RunningMaster::start(master_config()).await.unwrap();
+    // No promotion: the corrupted record must stay the only copy.
+    let master = RunningMaster::start(MasterConfig {
+        promote_after_hits: 0,
+        ..master_config()
+    })
+    .await
+    .unwrap();
     let addr = master.rpc_addr.to_string();
     let dir = TempDir::new("spill");
     let owner = tiered_owner(&addr, 8 << 20, &dir, 64 << 20).await;
@@ -229,4 +235,46 @@ async fn an_owner_killed_and_restarted_on_its_ssd_directory_serves_its_objects_a
     })
     .await;
     assert!(back, "objects did not come back after the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_only_object_read_twice_is_promoted_back_to_memory() {
+    let master = RunningMaster::start(MasterConfig {
+        promote_after_hits: 2,
+        ..master_config()
+    })
+    .await
+    .unwrap();
+    let addr = master.rpc_addr.to_string();
+    let dir = TempDir::new("promote");
+    let owner = tiered_owner(&addr, 4 << 20, &dir, 64 << 20).await;
+    let c = client(&addr).await;
+    const SIZE: usize = 256 * KIB;
+    let keys: Vec<String> = (0..32).map(|i| format!("hot/{i}")).collect();
+    put_all(&c, &keys, SIZE).await;
+    // The oldest key went to disk; make room so its promotion can find memory.
+    let cold = keys[0].clone();
+    let names: Vec<&str> = keys[8..].iter().map(|k| k.as_str()).collect();
+    for r in c.batch_remove(&names, true).await.unwrap() {
+        assert!(r.is_ok());
+    }
+    let tiers = async || -> Vec<mooncake_client::Tier> {
+        c.batch_get_replica_desc(&[&cold]).await.unwrap()[0]
+            .as_ref()
+            .unwrap()
+            .replicas
+            .iter()
+            .map(|r| r.tier)
+            .collect()
+    };
+    assert_eq!(tiers().await, vec![mooncake_client::Tier::Disk]); // hit 1
+    assert_eq!(get_all(&c, std::slice::from_ref(&cold), SIZE).await[0], SIZE as i64); // hit 2
+    let promoted = mooncake_tests::eventually(Duration::from_secs(5), async || {
+        tiers().await.contains(&mooncake_client::Tier::Memory)
+    })
+    .await;
+    assert!(promoted, "a hot disk-only object comes back to memory");
+    assert_eq!(get_all(&c, std::slice::from_ref(&cold), SIZE).await[0], SIZE as i64);
+    owner.shutdown().await;
+    master.shutdown().await;
 }

@@ -19,6 +19,7 @@ impl MasterState {
         self.expire_owners(now);
         self.expire_puts(now);
         self.expire_offloads(now);
+        self.drain_eager_backlog(now);
         self.release_due(now);
         let capacity = self.capacity();
         let high = (capacity as f64 * self.policy.eviction_high_watermark) as u64;
@@ -57,21 +58,34 @@ impl MasterState {
         }
     }
 
+    /// Starts freeing `need` bytes at once (a batch of puts that found no space): objects with a
+    /// disk copy leave memory now, others start their offload, so the whole batch's room is on
+    /// its way in one round instead of one eviction ratio at a time.
+    pub fn make_room(&mut self, now: Millis, need: u64) {
+        self.evict(now, need);
+    }
+
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
     /// many evictable bytes exist; least recently used (put or leased) first, soft-pinned last.
     /// Bytes of offloads under way that free memory when they land count as freed already.
     pub(super) fn evict(&mut self, now: Millis, need: u64) {
         self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
-        let mut pending = 0u64;
+        // Offloads under way free their memory when they land: that room is coming already.
+        let mut pending = self.offload_freeing;
+        if pending >= target {
+            return;
+        }
         // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
         let mut candidates: Vec<(bool, Millis, ObjectKey)> = Vec::new();
         for (k, o) in &self.objects {
-            if let Offload::Pending {
-                evict_after: true, ..
-            } = o.offload
-            {
-                pending += o.size;
+            if matches!(
+                o.offload,
+                Offload::Pending {
+                    evict_after: true,
+                    ..
+                }
+            ) {
                 continue;
             }
             if o.phase != Phase::Complete || o.is_leased(now) || o.replicas.is_empty() {
@@ -91,6 +105,19 @@ impl MasterState {
             if freed + pending >= target {
                 break;
             }
+            let obj = self.objects.get_mut(&key).expect("candidate exists");
+            if let Offload::Pending {
+                evict_after: after @ false,
+                bytes,
+                ..
+            } = &mut obj.offload
+            {
+                // An eager offload is on its way already: its memory goes when it lands.
+                *after = true;
+                self.offload_freeing += *bytes;
+                pending = self.offload_freeing;
+                continue;
+            }
             let obj = &self.objects[&key];
             let size: u64 = obj.replicas.iter().map(|r| r.allocation.size()).sum();
             if !obj.disk.is_empty() {
@@ -104,7 +131,7 @@ impl MasterState {
             }
             if obj.offload != Offload::Failed && self.has_disk_tier(obj) {
                 if self.start_offload(&key, true, now) {
-                    pending += obj_size(self, &key);
+                    pending = self.offload_freeing;
                     continue;
                 }
                 if self.policy.when_disk_behind == WhenDiskBehind::Keep {
@@ -130,8 +157,4 @@ impl MasterState {
             );
         }
     }
-}
-
-fn obj_size(state: &MasterState, key: &ObjectKey) -> u64 {
-    state.objects.get(key).map_or(0, |o| o.size)
 }

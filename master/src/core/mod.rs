@@ -154,6 +154,10 @@ pub struct MasterState {
     /// Set when owner work was queued; the server wakes long-polling owners.
     tasks_queued: bool,
     last_offload_scan: Millis,
+    /// Bytes of offloads under way that free memory when they land.
+    offload_freeing: u64,
+    /// Eager offloads waiting for room in their SSD tier's queue, oldest first.
+    eager_backlog: VecDeque<ObjectKey>,
 }
 
 impl MasterState {
@@ -180,6 +184,8 @@ impl MasterState {
             counters: Counters::default(),
             tasks_queued: false,
             last_offload_scan: Millis(0),
+            offload_freeing: 0,
+            eager_backlog: VecDeque::new(),
         }
     }
 
@@ -301,6 +307,24 @@ impl MasterState {
         }
         if let Some((id, _)) = per_segment.into_iter().next() {
             return Err(format!("ranges on unknown segment {id:?}"));
+        }
+        let freeing: u64 = self
+            .objects
+            .values()
+            .map(|o| match o.offload {
+                objects::Offload::Pending {
+                    evict_after: true,
+                    bytes,
+                    ..
+                } => bytes,
+                _ => 0,
+            })
+            .sum();
+        if freeing != self.offload_freeing {
+            return Err(format!(
+                "{} bytes counted as freeing, offloads under way hold {freeing}",
+                self.offload_freeing
+            ));
         }
         for (id, seg) in &self.segments {
             let Some(d) = &seg.disk else { continue };

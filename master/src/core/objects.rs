@@ -70,6 +70,8 @@ pub(super) enum Offload {
         segment: SegmentId,
         since: Millis,
         evict_after: bool,
+        /// The object's size: memory that comes back when it lands (with `evict_after`).
+        bytes: u64,
     },
     /// The SSD tier could not take it; eviction treats it as an object without one.
     Failed,
@@ -154,6 +156,7 @@ impl MasterState {
         if replicas.is_empty() {
             return Err(MasterError::NoSpace { size });
         }
+        self.offload_early(now);
         let put_id = self.next_put;
         self.next_put += 1;
         let pin = if config.hard_pin {
@@ -247,7 +250,7 @@ impl MasterState {
         let obj = self.current_put(key, put_id)?;
         obj.phase = Phase::Complete;
         if self.policy.eager_offload {
-            self.start_offload(key, false, now);
+            self.eager_offload(key, now);
         }
         Ok(())
     }

@@ -163,16 +163,19 @@ impl MasterState {
         }
         self.pending.retain(|p| p.segment != id);
         let segments = &mut self.segments;
+        let mut forgotten = Vec::new();
         self.objects.retain(|_, obj| {
             obj.replicas.retain(|r| r.segment != id);
             obj.disk.retain(|s| *s != id);
             if obj.promoting.as_ref().is_some_and(|r| r.segment == id) {
                 obj.promoting = None;
             }
-            if matches!(obj.offload, Offload::Pending { segment, .. } if segment == id) {
-                obj.offload = Offload::Idle;
-            }
             let keep = !obj.replicas.is_empty() || !obj.disk.is_empty();
+            let on_dropped =
+                matches!(obj.offload, Offload::Pending { segment, .. } if segment == id);
+            if on_dropped || (!keep && matches!(obj.offload, Offload::Pending { .. })) {
+                forgotten.push(std::mem::replace(&mut obj.offload, Offload::Idle));
+            }
             if !keep {
                 // Space elsewhere it still held (a promotion on another segment) goes back.
                 if let Some(p) = obj.promoting.take() {
@@ -180,13 +183,11 @@ impl MasterState {
                         seg.allocator.free(p.allocation);
                     }
                 }
-                if let Offload::Pending { segment, .. } = obj.offload {
-                    if let Some(d) = segments.get_mut(&segment).and_then(|s| s.disk.as_mut()) {
-                        d.offloads = d.offloads.saturating_sub(1);
-                    }
-                }
             }
             keep
         });
+        for offload in forgotten {
+            self.forget_offload(&offload);
+        }
     }
 }

@@ -89,15 +89,24 @@ fn an_object_with_a_disk_copy_leaves_memory_at_once() {
         eager_offload: true,
         ..Policy::default()
     };
-    let (mut s, id) = tiered(2 * MIB, policy);
+    let (mut s, id) = tiered(4 * MIB, policy);
     put(&mut s, "a", MIB, 0).unwrap();
     put(&mut s, "b", MIB, 1).unwrap();
     assert_eq!(owner_works(&mut s, id, true, 2).len(), 2);
-    // Both are in memory and on disk; a new put evicts memory without waiting.
+    // Both are in memory and on disk.
     assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Memory, Tier::Disk]);
     s.tick(Millis(20_000)); // leases of the gets above run out
     put(&mut s, "c", MIB, 20_001).unwrap();
-    assert_eq!(s.key_count(), 3);
+    // Past the high watermark: the least recently used object with a disk copy leaves memory
+    // at once, no owner round trip needed.
+    put(&mut s, "d", MIB, 20_002).unwrap();
+    assert_eq!(s.allocated(), 3 * MIB);
+    assert_eq!(
+        tiers(&mut s, "b", 20_003),
+        vec![Tier::Disk],
+        "b was read least recently"
+    );
+    assert_eq!(s.key_count(), 4);
 }
 
 #[test]
@@ -275,4 +284,30 @@ fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
         .unwrap();
     assert_eq!(s.key_count(), 0);
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn eager_offloads_beyond_the_queue_limit_wait_in_a_backlog_and_all_land() {
+    let policy = Policy {
+        eager_offload: true,
+        offload_queue_limit: 2,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(16 * MIB, policy);
+    for i in 0..5 {
+        put(&mut s, &format!("k{i}"), MIB, i).unwrap();
+    }
+    let mut rounds = 0;
+    while s.offloads_outstanding() {
+        let done = owner_works(&mut s, id, true, 10 + rounds);
+        assert!(done.len() <= 2, "the queue limit holds");
+        rounds += 1;
+        assert!(rounds < 10, "the backlog drains");
+    }
+    for i in 0..5 {
+        assert_eq!(
+            tiers(&mut s, &format!("k{i}"), 100),
+            vec![Tier::Memory, Tier::Disk]
+        );
+    }
 }

@@ -96,11 +96,34 @@ impl MasterState {
         self.free_replicas(replicas);
     }
 
-    fn forget_offload(&mut self, offload: &Offload) {
-        if let Offload::Pending { segment, .. } = offload {
+    pub(super) fn forget_offload(&mut self, offload: &Offload) {
+        if let Offload::Pending {
+            segment,
+            evict_after,
+            bytes,
+            ..
+        } = offload
+        {
+            if *evict_after {
+                self.offload_freeing -= bytes;
+            }
             if let Some(d) = self.segments.get_mut(segment).and_then(|s| s.disk.as_mut()) {
                 d.offloads = d.offloads.saturating_sub(1);
             }
+        }
+    }
+
+    /// With SSD tiers, memory above the high watermark starts going to disk as puts fill it, not
+    /// only at the next upkeep round: offloads take a while, and the room they make must be
+    /// there before the next batch of puts asks for it.
+    pub(super) fn offload_early(&mut self, now: Millis) {
+        if !self.segments.values().any(|s| s.disk.is_some()) {
+            return;
+        }
+        let high = (self.capacity() as f64 * self.policy.eviction_high_watermark) as u64;
+        let allocated = self.allocated();
+        if allocated > high + self.offload_freeing {
+            self.evict(now, allocated - high);
         }
     }
 
@@ -120,11 +143,13 @@ impl MasterState {
         std::mem::take(&mut self.tasks_queued)
     }
 
-    /// Whether some offload is queued or in flight (memory will be freed when it lands).
+    /// Whether some offload is queued, in flight, or waiting in the eager backlog.
     pub fn offloads_outstanding(&self) -> bool {
-        self.segments
-            .values()
-            .any(|s| s.disk.as_ref().is_some_and(|d| d.offloads > 0))
+        !self.eager_backlog.is_empty()
+            || self
+                .segments
+                .values()
+                .any(|s| s.disk.as_ref().is_some_and(|d| d.offloads > 0))
     }
 
     /// The segment `name` of `owner`, which must have an SSD tier.
@@ -204,7 +229,11 @@ impl MasterState {
             segment,
             since: now,
             evict_after,
+            bytes: obj.size,
         };
+        if evict_after {
+            self.offload_freeing += obj.size;
+        }
         let task = OwnerTask {
             kind: TaskKind::Offload,
             key: key.clone(),
@@ -221,6 +250,36 @@ impl MasterState {
         self.counters.offloads_started += 1;
         self.queue_task(segment, task);
         true
+    }
+
+    /// Offloads a fresh object eagerly; when its SSD tier's queue is full it waits in a backlog
+    /// that drains as offloads land (nothing is skipped, nothing waits unbounded in a queue).
+    pub(super) fn eager_offload(&mut self, key: &ObjectKey, now: Millis) {
+        if !self.eager_backlog.is_empty() || !self.start_offload(key, false, now) {
+            let eligible = self.objects.get(key).is_some_and(|o| {
+                o.offload == Offload::Idle && o.disk.is_empty() && self.has_disk_tier(o)
+            });
+            if eligible {
+                self.eager_backlog.push_back(key.clone());
+            }
+        }
+        self.drain_eager_backlog(now);
+    }
+
+    /// Starts backlogged eager offloads while their queues have room.
+    pub(super) fn drain_eager_backlog(&mut self, now: Millis) {
+        while let Some(key) = self.eager_backlog.front().cloned() {
+            let eligible = self.objects.get(&key).is_some_and(|o| {
+                o.phase == Phase::Complete
+                    && o.offload == Offload::Idle
+                    && o.disk.is_empty()
+                    && self.has_disk_tier(o)
+            });
+            if eligible && !self.start_offload(&key, false, now) {
+                return; // still behind
+            }
+            self.eager_backlog.pop_front();
+        }
     }
 
     /// Whether any memory replica of `obj` sits on a segment with an SSD tier.
@@ -327,6 +386,7 @@ impl MasterState {
                     self.forget_offload(&pending);
                 }
                 self.free_replicas(freed);
+                self.drain_eager_backlog(now);
                 Ok(())
             }
             TaskKind::Promote => {

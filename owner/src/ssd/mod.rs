@@ -15,6 +15,7 @@ mod engine_tests;
 pub use buf::{AlignedBuf, ALIGN};
 pub use engine::{open_direct, open_engine, DiskEngine, EngineKind};
 
+mod bufpool;
 pub mod record;
 pub mod store;
 #[cfg(test)]

@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{
+    bufpool::BufPool,
     record::{self, align_up, RecordHeader, Superblock, HEADER_LEN},
     AlignedBuf, DiskEngine, EngineKind, ALIGN,
 };
@@ -95,17 +96,27 @@ pub struct Recovered {
     pub put_id: u64,
 }
 
-/// A value read back and verified; holds its share of the read budget until dropped.
+/// A value read back and verified; holds its share of the read budget (and its buffer, which
+/// goes back to the pool) until dropped.
 pub struct DiskValue {
-    buf: AlignedBuf,
+    buf: Option<AlignedBuf>,
     range: Range<usize>,
+    bufs: Arc<BufPool>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl std::ops::Deref for DiskValue {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.buf[self.range.clone()]
+        &self.buf.as_ref().expect("held until drop")[self.range.clone()]
+    }
+}
+
+impl Drop for DiskValue {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.bufs.give(b);
+        }
     }
 }
 
@@ -129,6 +140,7 @@ pub struct SsdStore {
     ring: Mutex<Ring>,
     read_budget: Arc<Semaphore>,
     read_budget_bytes: u64,
+    bufs: Arc<BufPool>,
     written: AtomicU64,
     read: AtomicU64,
     corrupt: AtomicU64,
@@ -206,6 +218,7 @@ impl SsdStore {
             }),
             read_budget: Arc::new(Semaphore::new(budget as usize)),
             read_budget_bytes: budget,
+            bufs: Arc::new(BufPool::new(64 << 20)),
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
@@ -365,7 +378,7 @@ impl SsdStore {
         self.ring.lock().inflight.remove(&r.offset);
     }
 
-    /// The record for `value` in a buffer ready to write.
+    /// The record for `value` in a buffer ready to write (every byte set, padding zeroed).
     pub fn encode(
         &self,
         r: &Reservation,
@@ -373,10 +386,12 @@ impl SsdStore {
         put_id: u64,
         value: &[u8],
     ) -> AlignedBuf {
-        let mut buf = zeroed(r.len as usize);
+        // A reused buffer holds old bytes: every byte of the record is written below.
+        let mut buf = self.bufs.take(r.len as usize);
         record::encode_header(&mut buf, self.file_id, r.seq, put_id, key, value);
         let at = HEADER_LEN + key.as_str().len();
         buf[at..at + value.len()].copy_from_slice(value);
+        buf[at + value.len()..].fill(0);
         buf
     }
 
@@ -389,7 +404,8 @@ impl SsdStore {
         put_id: u64,
         value_len: u64,
     ) -> Result<(), SsdError> {
-        let (_, res) = self.engine.write_at(buf, r.offset).await;
+        let (buf, res) = self.engine.write_at(buf, r.offset).await;
+        self.bufs.give(buf);
         let mut ring = self.ring.lock();
         ring.inflight.remove(&r.offset);
         res?;
@@ -433,9 +449,13 @@ impl SsdStore {
             .expect("semaphore never closed");
         let (buf, res) = self
             .engine
-            .read_at(zeroed(loc.len as usize), loc.offset)
+            .read_at(self.bufs.take(loc.len as usize), loc.offset)
             .await;
-        res?;
+        if let Err(e) = res {
+            self.bufs.give(buf);
+            return Err(e.into());
+        }
+        let buf = scopeguard(buf, &self.bufs);
         self.read.fetch_add(loc.len, Ordering::Relaxed);
         let corrupt = |why: &str| {
             self.corrupt.fetch_add(1, Ordering::Relaxed);
@@ -456,8 +476,9 @@ impl SsdStore {
             return Err(corrupt("value checksum mismatch"));
         }
         Ok(DiskValue {
-            buf,
+            buf: Some(buf.into_inner()),
             range,
+            bufs: self.bufs.clone(),
             _permit: permit,
         })
     }
@@ -532,6 +553,45 @@ impl SsdStore {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Transfer buffers allocated so far (the rest were reused).
+    pub fn buffers_allocated(&self) -> u64 {
+        self.bufs.allocated.load(Ordering::Relaxed)
+    }
+}
+
+/// A buffer that goes back to the pool unless taken out with `into_inner`.
+struct Pooled<'a> {
+    buf: Option<AlignedBuf>,
+    pool: &'a BufPool,
+}
+
+fn scopeguard(buf: AlignedBuf, pool: &BufPool) -> Pooled<'_> {
+    Pooled {
+        buf: Some(buf),
+        pool,
+    }
+}
+
+impl Pooled<'_> {
+    fn into_inner(mut self) -> AlignedBuf {
+        self.buf.take().expect("taken once")
+    }
+}
+
+impl std::ops::Deref for Pooled<'_> {
+    type Target = AlignedBuf;
+    fn deref(&self) -> &AlignedBuf {
+        self.buf.as_ref().expect("taken once")
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.give(b);
+        }
     }
 }
 

@@ -183,3 +183,41 @@ async fn a_full_tier_refuses_oversized_records_and_a_wrong_size_is_named() {
         .unwrap();
     assert!(e.to_string().contains("start with that size"), "{e}");
 }
+
+async fn many_concurrent_records_all_come_back(kind: EngineKind) {
+    let dir = TempDir::new("many");
+    let cap = 128 << 20;
+    let (s, _) = open(&dir, cap, kind).await;
+    let keys: Vec<String> = (0..96).map(|i| format!("m/1048576/{i}")).collect();
+    for round in keys.chunks(32) {
+        futures::future::join_all(round.iter().enumerate().map(|(i, key)| {
+            let s = s.clone();
+            async move {
+                let v = value(i as u8, 1 << 20);
+                let r = s.reserve(&k(key), v.len() as u64).unwrap();
+                s.evict_victims(&r);
+                let buf = s.encode(&r, &k(key), 7, &v);
+                s.write(r, buf, &k(key), 7, v.len() as u64).await.unwrap();
+            }
+        }))
+        .await;
+    }
+    assert_eq!(s.stats().records, 96);
+    drop(s);
+    let (s, n) = open(&dir, cap, kind).await;
+    assert_eq!(n, 96, "every record written is found again");
+    for (i, key) in keys.iter().enumerate() {
+        let v = s.read(&k(key), 7, 1 << 20).await.unwrap();
+        assert_eq!(&v[..], &value((i % 32) as u8, 1 << 20)[..], "{key}");
+    }
+}
+
+#[tokio::test]
+async fn many_concurrent_records_all_come_back_uring() {
+    many_concurrent_records_all_come_back(EngineKind::Uring).await;
+}
+
+#[tokio::test]
+async fn many_concurrent_records_all_come_back_pread() {
+    many_concurrent_records_all_come_back(EngineKind::Pread).await;
+}

@@ -5,10 +5,9 @@
 
 use std::{sync::Arc, time::Duration};
 
-use futures::StreamExt;
 use mooncake_common::{Code, ObjectKey};
 use mooncake_proto::master as pb;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch, Semaphore};
 
 use super::{SsdError, SsdStore};
 use crate::{index::KeyIndex, master_link::MasterLink, pool::MemoryPool};
@@ -17,6 +16,8 @@ use crate::{index::KeyIndex, master_link::MasterLink, pool::MemoryPool};
 const POLL_WAIT: Duration = Duration::from_secs(2);
 /// Tasks taken per poll.
 const POLL_MAX: u32 = 256;
+/// Results sent in one report at most.
+const REPORT_MAX: usize = 1024;
 
 /// What the loop needs to do its work.
 pub struct Worker {
@@ -38,13 +39,18 @@ impl From<SsdError> for Failure {
 }
 
 impl Worker {
-    /// Polls and works until `stop` turns true.
-    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+    /// Polls and works until `stop` turns true: up to `concurrency` tasks run at once, each
+    /// reported as soon as it ends (finished tasks are batched into one report while the
+    /// previous report is on its way), so the master frees memory as offloads land.
+    pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let (tx, rx) = mpsc::unbounded_channel::<(pb::OwnerTask, i32)>();
+        let reporter = tokio::spawn(self.clone().report_loop(rx));
+        let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut backoff = Duration::from_millis(100);
-        loop {
+        'run: loop {
             let polled = tokio::select! {
                 r = self.link.poll_tasks(POLL_MAX, POLL_WAIT) => r,
-                _ = stop.changed() => return,
+                _ = stop.changed() => break,
             };
             match polled {
                 Ok(resp) if resp.remount => {
@@ -53,37 +59,58 @@ impl Worker {
                 }
                 Ok(resp) => {
                     backoff = Duration::from_millis(100);
-                    if !resp.tasks.is_empty() {
-                        self.work(resp.tasks).await;
+                    for t in resp.tasks {
+                        let permit = tokio::select! {
+                            p = permits.clone().acquire_owned() => p.expect("never closed"),
+                            _ = stop.changed() => break 'run,
+                        };
+                        let (w, tx) = (self.clone(), tx.clone());
+                        tokio::spawn(async move {
+                            let code = w.execute(&t).await;
+                            drop(permit);
+                            let _ = tx.send((t, code));
+                        });
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "polling the master for ssd work failed");
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
-                        _ = stop.changed() => return,
+                        _ = stop.changed() => break,
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
             }
         }
+        // Tasks under way finish (their I/O is bounded) and are reported; then the reporter ends.
+        drop(tx);
+        let _ = reporter.await;
     }
 
-    async fn work(&self, tasks: Vec<pb::OwnerTask>) {
-        let done: Vec<(pb::OwnerTask, i32)> = futures::stream::iter(tasks)
-            .map(|t| async move {
-                let code = match self.one(&t).await {
-                    Ok(()) => 0,
-                    Err(Failure(code, message)) => {
-                        tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "ssd task failed");
-                        code.as_i32()
-                    }
-                };
-                (t, code)
-            })
-            .buffer_unordered(self.concurrency.max(1))
-            .collect()
-            .await;
+    async fn execute(&self, t: &pb::OwnerTask) -> i32 {
+        match self.one(t).await {
+            Ok(()) => 0,
+            Err(Failure(code, message)) => {
+                tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "ssd task failed");
+                code.as_i32()
+            }
+        }
+    }
+
+    async fn report_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<(pb::OwnerTask, i32)>) {
+        while let Some(first) = rx.recv().await {
+            let mut done = vec![first];
+            while done.len() < REPORT_MAX {
+                match rx.try_recv() {
+                    Ok(x) => done.push(x),
+                    Err(_) => break,
+                }
+            }
+            self.report(done).await;
+        }
+    }
+
+    async fn report(&self, done: Vec<(pb::OwnerTask, i32)>) {
         let results = done
             .iter()
             .map(|(t, code)| pb::TaskResult {
