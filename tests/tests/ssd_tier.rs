@@ -268,13 +268,19 @@ async fn a_disk_only_object_read_twice_is_promoted_back_to_memory() {
             .collect()
     };
     assert_eq!(tiers().await, vec![mooncake_client::Tier::Disk]); // hit 1
-    assert_eq!(get_all(&c, std::slice::from_ref(&cold), SIZE).await[0], SIZE as i64); // hit 2
+    assert_eq!(
+        get_all(&c, std::slice::from_ref(&cold), SIZE).await[0],
+        SIZE as i64
+    ); // hit 2
     let promoted = mooncake_tests::eventually(Duration::from_secs(5), async || {
         tiers().await.contains(&mooncake_client::Tier::Memory)
     })
     .await;
     assert!(promoted, "a hot disk-only object comes back to memory");
-    assert_eq!(get_all(&c, std::slice::from_ref(&cold), SIZE).await[0], SIZE as i64);
+    assert_eq!(
+        get_all(&c, std::slice::from_ref(&cold), SIZE).await[0],
+        SIZE as i64
+    );
     owner.shutdown().await;
     master.shutdown().await;
 }
