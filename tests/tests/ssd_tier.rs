@@ -161,6 +161,12 @@ async fn objects_spill_to_ssd_and_read_back_exactly_and_a_corrupt_record_is_refu
     f.sync_all().unwrap();
     let code = get_all(&c, std::slice::from_ref(&victim), SIZE).await[0];
     assert_eq!(code, -801, "a corrupt record must be refused");
+    // The owner drops the record and the master forgets the object: gets say "not found".
+    let gone = mooncake_tests::eventually(Duration::from_secs(5), async || {
+        get_all(&c, std::slice::from_ref(&victim), SIZE).await[0] == -704
+    })
+    .await;
+    assert!(gone, "a corrupt record is dropped after it was found");
     owner.shutdown().await;
     master.shutdown().await;
 }

@@ -141,6 +141,8 @@ pub struct SsdStore {
     read_budget: Arc<Semaphore>,
     read_budget_bytes: u64,
     bufs: Arc<BufPool>,
+    /// Records a read found corrupt, for the worker to drop (and tell the master about).
+    found_corrupt: Mutex<Vec<(ObjectKey, u64)>>,
     written: AtomicU64,
     read: AtomicU64,
     corrupt: AtomicU64,
@@ -219,6 +221,7 @@ impl SsdStore {
             read_budget: Arc::new(Semaphore::new(budget as usize)),
             read_budget_bytes: budget,
             bufs: Arc::new(BufPool::new(64 << 20)),
+            found_corrupt: Mutex::new(Vec::new()),
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
@@ -460,6 +463,7 @@ impl SsdStore {
         let corrupt = |why: &str| {
             self.corrupt.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%key, offset = loc.offset, why, "corrupt record on the ssd tier");
+            self.found_corrupt.lock().push((key.clone(), put_id));
             SsdError::Corrupt {
                 key: key.clone(),
                 why: why.to_string(),
@@ -504,6 +508,14 @@ impl SsdStore {
         self.ring.lock().inflight.remove(&offset);
         res?;
         Ok(true)
+    }
+
+    /// Records found corrupt since the last call (each once).
+    pub fn take_corrupt(&self) -> Vec<(ObjectKey, u64)> {
+        let mut found = std::mem::take(&mut *self.found_corrupt.lock());
+        found.sort();
+        found.dedup();
+        found
     }
 
     /// The master gave a recovered record a new version: reads must name that one.

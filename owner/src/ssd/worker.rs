@@ -48,6 +48,7 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut backoff = Duration::from_millis(100);
         'run: loop {
+            self.drop_corrupt().await;
             let polled = tokio::select! {
                 r = self.link.poll_tasks(POLL_MAX, POLL_WAIT) => r,
                 _ = stop.changed() => break,
@@ -85,6 +86,30 @@ impl Worker {
         // Tasks under way finish (their I/O is bounded) and are reported; then the reporter ends.
         drop(tx);
         let _ = reporter.await;
+    }
+
+    /// Records a read found corrupt (a torn write before a crash, a bad disk block) are useless:
+    /// the master forgets them (the object is gone unless another replica holds it), then they
+    /// are dropped here, so the next get answers "not found" instead of failing again.
+    async fn drop_corrupt(&self) {
+        let found = self.store.take_corrupt();
+        if found.is_empty() {
+            return;
+        }
+        let items = found
+            .iter()
+            .map(|(k, put_id)| pb::PutRef {
+                key: k.to_string(),
+                put_id: *put_id,
+            })
+            .collect();
+        if let Err(e) = self.link.disk_dropped(items).await {
+            tracing::warn!(error = %e, "cannot tell the master about corrupt records; they stay refused");
+            return;
+        }
+        for (key, put_id) in found {
+            let _ = self.store.delete(&key, put_id).await;
+        }
     }
 
     async fn execute(&self, t: &pb::OwnerTask) -> i32 {
