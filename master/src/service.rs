@@ -228,10 +228,16 @@ impl pb::master_server::Master for MasterService {
                     })
                     .map(|(i, _)| i.size)
                     .sum();
-                if short > 0 {
-                    state.make_room(now, short);
-                }
+                let freed_now = if short > 0 {
+                    state.make_room(now, short)
+                } else {
+                    0
+                };
                 self.shared.wake_owners(&mut state);
+                if short > 0 && freed_now > 0 {
+                    // Room came free at once (objects with disk copies left memory): try again.
+                    continue;
+                }
                 short > 0 && state.offloads_outstanding()
             };
             if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {

@@ -133,10 +133,11 @@ pub(crate) fn disk_dropped(
 ) -> Reply<pb::DiskDroppedResponse> {
     let id = resolve(shared, &r.client_id, &r.segment)?
         .map_err(|e| Status::failed_precondition(e.to_string()))?;
+    let now = shared.clock.now();
     let mut state = shared.state.lock();
     for item in &r.items {
         if let Ok(k) = key(&item.key) {
-            state.disk_dropped(id, &k, item.put_id);
+            state.disk_dropped(id, &k, item.put_id, now);
         }
     }
     shared.wake_owners(&mut state);

@@ -42,7 +42,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("listed above");
             tracing::info!(%key, put_id = obj.put_id, "releasing an abandoned put's space");
             self.counters.expired_puts += 1;
-            self.discard(&key, obj);
+            self.discard(&key, obj, now);
         }
     }
 
@@ -61,20 +61,22 @@ impl MasterState {
     /// Starts freeing `need` bytes at once (a batch of puts that found no space): objects with a
     /// disk copy leave memory now, others start their offload, so the whole batch's room is on
     /// its way in one round instead of one eviction ratio at a time.
-    pub fn make_room(&mut self, now: Millis, need: u64) {
-        self.evict(now, need);
+    /// Returns the bytes freed at once.
+    pub fn make_room(&mut self, now: Millis, need: u64) -> u64 {
+        self.evict(now, need)
     }
 
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
     /// many evictable bytes exist; least recently used (put or leased) first, soft-pinned last.
     /// Bytes of offloads under way that free memory when they land count as freed already.
-    pub(super) fn evict(&mut self, now: Millis, need: u64) {
+    /// Returns the bytes freed at once.
+    pub(super) fn evict(&mut self, now: Millis, need: u64) -> u64 {
         self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
         // Offloads under way free their memory when they land: that room is coming already.
         let mut pending = self.offload_freeing;
         if pending >= target {
-            return;
+            return 0;
         }
         // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
         let mut candidates: Vec<(bool, Millis, ObjectKey)> = Vec::new();
@@ -129,8 +131,10 @@ impl MasterState {
                 count += 1;
                 continue;
             }
-            if obj.offload != Offload::Failed && self.has_disk_tier(obj) {
-                if self.start_offload(&key, true, now) {
+            if self.has_disk_tier(obj) {
+                let failed_lately = matches!(obj.offload, Offload::Failed { at }
+                    if now < at.plus(self.policy.offload_timeout));
+                if !failed_lately && self.start_offload(&key, true, now) {
                     pending = self.offload_freeing;
                     continue;
                 }
@@ -143,7 +147,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("candidate exists");
             freed += size;
             count += 1;
-            self.discard(&key, obj);
+            self.discard(&key, obj, now);
         }
         self.counters.eviction_rounds += 1;
         self.counters.evicted_objects += count;
@@ -156,5 +160,6 @@ impl MasterState {
                 "evicted"
             );
         }
+        freed
     }
 }

@@ -158,6 +158,10 @@ pub struct MasterState {
     offload_freeing: u64,
     /// Eager offloads waiting for room in their SSD tier's queue, oldest first.
     eager_backlog: VecDeque<ObjectKey>,
+    last_early_offload: Millis,
+    /// Versions removed while an owner (by segment name) still held them on disk.
+    tombstones: HashMap<(SegmentName, ObjectKey), u64>,
+    tombstone_order: VecDeque<(SegmentName, ObjectKey)>,
 }
 
 impl MasterState {
@@ -186,6 +190,9 @@ impl MasterState {
             last_offload_scan: Millis(0),
             offload_freeing: 0,
             eager_backlog: VecDeque::new(),
+            last_early_offload: Millis(0),
+            tombstones: HashMap::new(),
+            tombstone_order: VecDeque::new(),
         }
     }
 
@@ -268,9 +275,9 @@ impl MasterState {
             }
             if let Some(p) = &obj.promoting {
                 per_segment
-                    .entry(p.segment)
+                    .entry(p.replica.segment)
                     .or_default()
-                    .push((p.allocation.offset(), p.allocation.size()));
+                    .push((p.replica.allocation.offset(), p.replica.allocation.size()));
             }
             for d in &obj.disk {
                 match self.segments.get(d) {

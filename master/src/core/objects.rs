@@ -73,8 +73,17 @@ pub(super) enum Offload {
         /// The object's size: memory that comes back when it lands (with `evict_after`).
         bytes: u64,
     },
-    /// The SSD tier could not take it; eviction treats it as an object without one.
-    Failed,
+    /// The SSD tier could not take it at `at`; until the offload timeout has passed since,
+    /// eviction treats the object as if its SSD were behind.
+    Failed {
+        at: Millis,
+    },
+}
+
+/// Memory reserved for copying a disk-only object back, since `since`.
+pub(super) struct Promotion {
+    pub replica: Replica,
+    pub since: Millis,
 }
 
 pub(super) struct Object {
@@ -89,7 +98,7 @@ pub(super) struct Object {
     /// Reads served from disk since the object was last in memory.
     pub disk_hits: u32,
     /// Memory reserved for a promotion from disk, not readable until the owner reports it.
-    pub promoting: Option<Replica>,
+    pub promoting: Option<Promotion>,
     /// The object may be read until this instant: no eviction, no non-forced removal.
     pub lease_until: Millis,
     /// Last put or lease grant: eviction takes the least recently used first.
@@ -264,7 +273,7 @@ impl MasterState {
             return Err(MasterError::Exists(key.clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.discard(key, obj);
+        self.free_replicas(obj.replicas);
         Ok(())
     }
 
@@ -356,7 +365,7 @@ impl MasterState {
             }
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.discard(key, obj);
+        self.discard(key, obj, now);
         Ok(())
     }
 

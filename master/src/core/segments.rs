@@ -162,12 +162,16 @@ impl MasterState {
             }
         }
         self.pending.retain(|p| p.segment != id);
-        let segments = &mut self.segments;
         let mut forgotten = Vec::new();
+        let mut abandoned = Vec::new();
         self.objects.retain(|_, obj| {
             obj.replicas.retain(|r| r.segment != id);
             obj.disk.retain(|s| *s != id);
-            if obj.promoting.as_ref().is_some_and(|r| r.segment == id) {
+            if obj
+                .promoting
+                .as_ref()
+                .is_some_and(|p| p.replica.segment == id)
+            {
                 obj.promoting = None;
             }
             let keep = !obj.replicas.is_empty() || !obj.disk.is_empty();
@@ -177,17 +181,20 @@ impl MasterState {
                 forgotten.push(std::mem::replace(&mut obj.offload, Offload::Idle));
             }
             if !keep {
-                // Space elsewhere it still held (a promotion on another segment) goes back.
+                // A promotion lives on the segment of the disk copy, so an object without one
+                // has none; should one remain, its space waits like any abandoned writer's.
                 if let Some(p) = obj.promoting.take() {
-                    if let Some(seg) = segments.get_mut(&p.segment) {
-                        seg.allocator.free(p.allocation);
-                    }
+                    abandoned.push(p);
                 }
             }
             keep
         });
         for offload in forgotten {
             self.forget_offload(&offload);
+        }
+        for p in abandoned {
+            let at = p.since.plus(self.policy.put_release_timeout);
+            self.defer_release(vec![p.replica], at);
         }
     }
 }

@@ -425,7 +425,7 @@ proptest! {
                 Step::DiskDrop(key, o) => {
                     let key = k(&format!("k{key}"));
                     if let (Some(id), Some(put_id)) = (s.segment_id(&seg(o as u16)), s.objects.get(&key).map(|x| x.put_id)) {
-                        s.disk_dropped(id, &key, put_id);
+                        s.disk_dropped(id, &key, put_id, Millis(now));
                     }
                 }
             }

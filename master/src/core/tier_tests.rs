@@ -247,9 +247,9 @@ fn the_owner_dropping_a_record_removes_a_disk_only_object() {
     s.evict(Millis(1), MIB);
     owner_works(&mut s, id, true, 2);
     assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
-    s.disk_dropped(id, &k("a"), v + 1); // another version: ignored
+    s.disk_dropped(id, &k("a"), v + 1, Millis(3)); // another version: ignored
     assert_eq!(s.key_count(), 1);
-    s.disk_dropped(id, &k("a"), v);
+    s.disk_dropped(id, &k("a"), v, Millis(4));
     assert_eq!(s.key_count(), 0);
     s.check_invariants().unwrap();
 }
@@ -310,4 +310,64 @@ fn eager_offloads_beyond_the_queue_limit_wait_in_a_backlog_and_all_land() {
             vec![Tier::Memory, Tier::Disk]
         );
     }
+}
+
+#[test]
+fn a_removed_version_is_not_registered_again_by_an_owner_that_never_dropped_it() {
+    let (mut s, id) = tiered(2 * MIB, Policy::default());
+    let v = put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(1), MIB);
+    owner_works(&mut s, id, true, 2);
+    s.remove(&k("a"), true, Millis(3)).unwrap();
+    // The owner dies before it drops the record, and comes back on the same directory.
+    s.mount_segment(owner(7), seg(0), 2 * MIB, 1 << 30, Millis(4))
+        .unwrap();
+    let id = s.disk_segment(owner(7), &seg(0)).unwrap();
+    assert!(s.register_disk(id, &k("a"), MIB, v, Millis(5)).is_err());
+    assert_eq!(s.key_count(), 0);
+    // Once refused, the tombstone is spent: the owner drops its record.
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_promotion_abandoned_by_a_remove_keeps_its_memory_until_the_writer_is_surely_done() {
+    let policy = Policy {
+        eager_offload: true,
+        promote_after_hits: 1,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(4 * MIB, policy.clone());
+    put(&mut s, "a", MIB, 0).unwrap();
+    owner_works(&mut s, id, true, 1);
+    s.evict(Millis(2), MIB);
+    assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]); // promotion starts
+    assert_eq!(s.allocated(), MIB);
+    s.remove(&k("a"), true, Millis(4)).unwrap();
+    // The owner may still be copying into the range: it is not handed out yet.
+    assert_eq!(s.allocated(), MIB);
+    s.check_invariants().unwrap();
+    s.tick(Millis(4).plus(policy.put_release_timeout));
+    assert_eq!(s.allocated(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn an_object_whose_offload_failed_is_offloaded_again_after_the_timeout() {
+    let policy = Policy {
+        when_disk_behind: WhenDiskBehind::Keep,
+        offload_timeout: Duration::from_secs(5),
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(2 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    s.evict(Millis(1), MIB);
+    owner_works(&mut s, id, false, 2);
+    // Within the timeout: kept in memory (the policy says keep), no new offload.
+    s.evict(Millis(3), MIB);
+    assert!(s.take_tasks(id, 10).is_empty());
+    assert_eq!(s.key_count(), 1);
+    // After it: tried again.
+    s.evict(Millis(6_000), MIB);
+    assert_eq!(s.take_tasks(id, 10).len(), 1);
+    s.check_invariants().unwrap();
 }

@@ -8,9 +8,12 @@ use mooncake_common::ObjectKey;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    objects::{Object, Offload, Phase, Pin, Replica},
+    objects::{Object, Offload, Phase, Pin, Promotion, Replica},
     DiskTier, MasterState, SegmentId,
 };
+
+/// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
+const MAX_TOMBSTONES: usize = 1 << 20;
 use crate::{clock::Millis, error::MasterError};
 
 /// Which tier a replica lives in.
@@ -75,9 +78,11 @@ impl std::str::FromStr for WhenDiskBehind {
 }
 
 impl MasterState {
-    /// Frees everything a removed object held: memory replicas, a reserved promotion, its place
-    /// in an offload queue; owners holding a disk copy are told to drop it.
-    pub(super) fn discard(&mut self, key: &ObjectKey, obj: Object) {
+    /// Frees everything a removed object held: memory replicas, its place in an offload queue;
+    /// memory reserved for a promotion waits (the owner may still be writing it); owners holding
+    /// a disk copy are told to drop it, and until they confirm, a tombstone keeps that record
+    /// from being registered again after a restart.
+    pub(super) fn discard(&mut self, key: &ObjectKey, obj: Object, now: Millis) {
         self.forget_offload(&obj.offload);
         for seg in &obj.disk {
             self.queue_task(
@@ -90,10 +95,43 @@ impl MasterState {
                     size: obj.size,
                 },
             );
+            let name = self.segment_name(*seg).clone();
+            self.add_tombstone(name, key.clone(), obj.put_id);
         }
-        let mut replicas = obj.replicas;
-        replicas.extend(obj.promoting);
-        self.free_replicas(replicas);
+        if let Some(p) = obj.promoting {
+            self.abandon_promotion(p, now);
+        }
+        self.free_replicas(obj.replicas);
+    }
+
+    /// A promotion's memory is given back only after the longest a writer may take.
+    pub(super) fn abandon_promotion(&mut self, p: Promotion, now: Millis) {
+        let at = p.since.plus(self.policy.put_release_timeout).max(now);
+        self.defer_release(vec![p.replica], at);
+    }
+
+    fn add_tombstone(
+        &mut self,
+        segment: mooncake_common::SegmentName,
+        key: ObjectKey,
+        put_id: u64,
+    ) {
+        if self.tombstones.len() >= MAX_TOMBSTONES {
+            if let Some(old) = self.tombstone_order.pop_front() {
+                self.tombstones.remove(&old);
+            }
+        }
+        let id = (segment, key);
+        if self.tombstones.insert(id.clone(), put_id).is_none() {
+            self.tombstone_order.push_back(id);
+        }
+    }
+
+    fn clear_tombstone(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64) {
+        let id = (self.segment_name(segment).clone(), key.clone());
+        if self.tombstones.get(&id) == Some(&put_id) {
+            self.tombstones.remove(&id);
+        }
     }
 
     pub(super) fn forget_offload(&mut self, offload: &Offload) {
@@ -120,9 +158,19 @@ impl MasterState {
         if !self.segments.values().any(|s| s.disk.is_some()) {
             return;
         }
+        // Scanning for victims costs O(objects): at most one round per couple of milliseconds
+        // (a batch of puts shares one; the upkeep loop and `make_room` cover the rest).
+        if now
+            < self
+                .last_early_offload
+                .plus(std::time::Duration::from_millis(2))
+        {
+            return;
+        }
         let high = (self.capacity() as f64 * self.policy.eviction_high_watermark) as u64;
         let allocated = self.allocated();
         if allocated > high + self.offload_freeing {
+            self.last_early_offload = now;
             self.evict(now, allocated - high);
         }
     }
@@ -213,7 +261,8 @@ impl MasterState {
         let Some(obj) = self.objects.get_mut(key) else {
             return false;
         };
-        if obj.offload != Offload::Idle || !obj.disk.is_empty() {
+        let ready = matches!(obj.offload, Offload::Idle | Offload::Failed { .. });
+        if !ready || !obj.disk.is_empty() {
             return false;
         }
         let target = obj.replicas.iter().find(|r| {
@@ -255,7 +304,7 @@ impl MasterState {
     /// Offloads a fresh object eagerly; when its SSD tier's queue is full it waits in a backlog
     /// that drains as offloads land (nothing is skipped, nothing waits unbounded in a queue).
     pub(super) fn eager_offload(&mut self, key: &ObjectKey, now: Millis) {
-        if !self.eager_backlog.is_empty() || !self.start_offload(key, false, now) {
+        if !self.start_offload(key, false, now) {
             let eligible = self.objects.get(key).is_some_and(|o| {
                 o.offload == Offload::Idle && o.disk.is_empty() && self.has_disk_tier(o)
             });
@@ -263,12 +312,23 @@ impl MasterState {
                 self.eager_backlog.push_back(key.clone());
             }
         }
-        self.drain_eager_backlog(now);
     }
 
-    /// Starts backlogged eager offloads while their queues have room.
+    /// Starts backlogged eager offloads whose SSD tiers have room; the others keep their place
+    /// (one slow tier does not hold back another's).
     pub(super) fn drain_eager_backlog(&mut self, now: Millis) {
-        while let Some(key) = self.eager_backlog.front().cloned() {
+        let limit = self.policy.offload_queue_limit;
+        let mut rest = std::mem::take(&mut self.eager_backlog);
+        while let Some(key) = rest.pop_front() {
+            let room = self
+                .segments
+                .values()
+                .any(|s| s.disk.as_ref().is_some_and(|d| d.offloads < limit));
+            if !room {
+                self.eager_backlog.push_back(key);
+                self.eager_backlog.append(&mut rest);
+                return;
+            }
             let eligible = self.objects.get(&key).is_some_and(|o| {
                 o.phase == Phase::Complete
                     && o.offload == Offload::Idle
@@ -276,9 +336,8 @@ impl MasterState {
                     && self.has_disk_tier(o)
             });
             if eligible && !self.start_offload(&key, false, now) {
-                return; // still behind
+                self.eager_backlog.push_back(key);
             }
-            self.eager_backlog.pop_front();
         }
     }
 
@@ -293,7 +352,7 @@ impl MasterState {
 
     /// Copies a disk-only object read often enough back to memory on the owner holding it,
     /// when that owner has free memory (promotion never evicts).
-    pub(super) fn maybe_promote(&mut self, key: &ObjectKey, _now: Millis) {
+    pub(super) fn maybe_promote(&mut self, key: &ObjectKey, now: Millis) {
         let after = self.policy.promote_after_hits;
         let Some(obj) = self.objects.get_mut(key) else {
             return;
@@ -320,9 +379,12 @@ impl MasterState {
             offset: allocation.offset(),
             size: obj.size,
         };
-        obj.promoting = Some(Replica {
-            segment,
-            allocation,
+        obj.promoting = Some(Promotion {
+            replica: Replica {
+                segment,
+                allocation,
+            },
+            since: now,
         });
         self.queue_task(segment, task);
     }
@@ -339,6 +401,9 @@ impl MasterState {
         now: Millis,
     ) -> Result<(), MasterError> {
         if kind == TaskKind::Drop {
+            if ok {
+                self.clear_tombstone(segment, key, put_id);
+            }
             return Ok(());
         }
         let stale = || MasterError::StalePut {
@@ -363,7 +428,11 @@ impl MasterState {
                     _ => (false, false),
                 };
                 if matched {
-                    obj.offload = if ok { Offload::Idle } else { Offload::Failed };
+                    obj.offload = if ok {
+                        Offload::Idle
+                    } else {
+                        Offload::Failed { at: now }
+                    };
                 }
                 if !ok {
                     self.counters.offloads_failed += 1;
@@ -391,15 +460,16 @@ impl MasterState {
             }
             TaskKind::Promote => {
                 let reserved = match &obj.promoting {
-                    Some(r) if r.segment == segment => obj.promoting.take(),
+                    Some(p) if p.replica.segment == segment => obj.promoting.take(),
                     _ => return Err(stale()),
                 };
-                let reserved = reserved.expect("matched above");
+                let reserved = reserved.expect("matched above").replica;
                 if ok {
                     obj.replicas.push(reserved);
                     obj.disk_hits = 0;
                     self.counters.promotions += 1;
                 } else {
+                    // The owner is done with the range (it reports after its attempt ended).
                     self.free_replicas(vec![reserved]);
                 }
                 Ok(())
@@ -410,7 +480,7 @@ impl MasterState {
 
     /// The owner of `segment` is about to overwrite its disk record of `key` (SSD eviction):
     /// the disk replica goes, and with it the object if nothing else holds it.
-    pub fn disk_dropped(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64) {
+    pub fn disk_dropped(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64, now: Millis) {
         let Some(obj) = self.objects.get_mut(key) else {
             return;
         };
@@ -421,14 +491,16 @@ impl MasterState {
         self.counters.disk_dropped += 1;
         if obj.replicas.is_empty() && obj.disk.is_empty() {
             let obj = self.objects.remove(key).expect("checked above");
-            // Nothing is left on disk to drop; only a reserved promotion may need freeing.
-            self.discard(key, obj);
+            // Nothing is left on disk to drop; only a reserved promotion may need releasing.
+            self.discard(key, obj, now);
         }
     }
 
-    /// An owner restarted on its SSD directory found `key` there: the object becomes readable
-    /// from disk again. Returns its version; an existing object of the key wins unless it is the
-    /// very version the record holds.
+    /// An owner restarted on its SSD directory found version `put_id` of `key` there: the
+    /// object becomes readable from disk again, under that same version (versions are unique
+    /// across master processes, so the record's header stays the truth). Refused when the key
+    /// exists with another version, or when this version was removed while the owner could not
+    /// drop it (a tombstone).
     pub fn register_disk(
         &mut self,
         segment: SegmentId,
@@ -440,6 +512,14 @@ impl MasterState {
         if size == 0 {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
         }
+        let id = (self.segment_name(segment).clone(), key.clone());
+        if self.tombstones.get(&id) == Some(&put_id) {
+            self.tombstones.remove(&id);
+            return Err(MasterError::StalePut {
+                key: key.clone(),
+                put_id,
+            });
+        }
         if let Some(obj) = self.objects.get_mut(key) {
             if obj.put_id == put_id && obj.size == size && obj.phase == Phase::Complete {
                 if !obj.disk.contains(&segment) {
@@ -449,8 +529,6 @@ impl MasterState {
             }
             return Err(MasterError::Exists(key.clone()));
         }
-        let put_id = self.next_put;
-        self.next_put += 1;
         self.objects.insert(
             key.clone(),
             Object {
@@ -471,10 +549,12 @@ impl MasterState {
         Ok(put_id)
     }
 
-    /// Offloads not reported within the timeout are given up, so the object may be offloaded
-    /// (or evicted) again. Scans at most once a second, and only while offloads are out.
+    /// Offloads and promotions not reported within the timeout are given up, so the object may
+    /// be offloaded (or evicted) again; a promotion's memory waits out the longest a writer may
+    /// take. Scans at most once a second, and only while SSD tiers exist.
     pub(super) fn expire_offloads(&mut self, now: Millis) {
-        if !self.offloads_outstanding()
+        let any_tier = self.segments.values().any(|s| s.disk.is_some());
+        if !any_tier
             || now
                 < self
                     .last_offload_scan
@@ -485,6 +565,7 @@ impl MasterState {
         self.last_offload_scan = now;
         let timeout = self.policy.offload_timeout;
         let mut expired = Vec::new();
+        let mut promotions = Vec::new();
         for (key, obj) in self.objects.iter_mut() {
             if let Offload::Pending { since, .. } = obj.offload {
                 if since.plus(timeout) <= now {
@@ -492,11 +573,21 @@ impl MasterState {
                     obj.offload = Offload::Idle;
                 }
             }
+            if obj
+                .promoting
+                .as_ref()
+                .is_some_and(|p| p.since.plus(timeout) <= now)
+            {
+                promotions.push(obj.promoting.take().expect("checked"));
+            }
         }
         for (key, pending) in expired {
             tracing::warn!(%key, "offload not reported in time; giving it up");
             self.counters.offloads_failed += 1;
             self.forget_offload(&pending);
+        }
+        for p in promotions {
+            self.abandon_promotion(p, now);
         }
     }
 }

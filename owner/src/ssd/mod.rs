@@ -17,9 +17,10 @@ pub use engine::{open_direct, open_engine, DiskEngine, EngineKind};
 
 mod bufpool;
 pub mod record;
+mod recover;
 pub mod store;
 #[cfg(test)]
 mod store_tests;
 
-pub use store::{DiskValue, Recovered, SsdError, SsdStats, SsdStore};
+pub use store::{DiskValue, Lost, Recovered, SsdError, SsdStats, SsdStore, Victim};
 pub mod worker;

@@ -2,7 +2,9 @@
 //! at the head; when the head comes round again, the records in its way are the oldest and are
 //! evicted (the caller tells the master before they are overwritten). An index maps each key to
 //! its newest record; reads verify the record's key, version, length and checksums before a byte
-//! is handed out. On open, the file is scanned and every valid newest record is indexed again.
+//! is handed out. A record that stops counting (deleted, superseded, evicted by a reservation
+//! that was then given up) has its header zeroed unless newer data is already over it, so a
+//! restart never brings it back. On open, `recover` finds every valid newest record again.
 //! I/O goes through a `DiskEngine`; this module decides offsets and formats, never sockets.
 
 use std::{
@@ -21,14 +23,12 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{
     bufpool::BufPool,
-    record::{self, align_up, RecordHeader, Superblock, HEADER_LEN},
-    AlignedBuf, DiskEngine, EngineKind, ALIGN,
+    record::{self, align_up, Superblock, HEADER_LEN},
+    recover, AlignedBuf, DiskEngine, EngineKind, ALIGN,
 };
 
 /// The data file inside the SSD directory.
 pub const DATA_FILE: &str = "mooncake-ssd.data";
-/// Bytes read at a time while scanning the file on open.
-const SCAN_CHUNK: usize = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SsdError {
@@ -71,21 +71,59 @@ struct Loc {
 struct Ring {
     head: u64,
     next_seq: u64,
-    /// Live records by offset: the key each one belongs to and its length.
-    by_offset: BTreeMap<u64, (ObjectKey, u64)>,
+    /// Live records by offset: key, length and sequence number.
+    by_offset: BTreeMap<u64, (ObjectKey, u64, u64)>,
     by_key: HashMap<ObjectKey, Loc>,
     used: u64,
-    /// Regions being written (or zeroed): never handed out again until the write ends.
+    /// Regions being written (a reservation) or zeroed: nothing else is written there meanwhile.
     inflight: BTreeMap<u64, u64>,
 }
 
+fn overlaps<V>(m: &BTreeMap<u64, V>, start: u64, len: u64, len_of: impl Fn(&V) -> u64) -> bool {
+    m.range(..start + len)
+        .next_back()
+        .is_some_and(|(s, v)| s + len_of(v) > start)
+}
+
+impl Ring {
+    /// Whether `[start, start + len)` is being written or holds (part of) a live record.
+    fn busy(&self, start: u64, len: u64) -> bool {
+        overlaps(&self.inflight, start, len, |l| *l)
+            || overlaps(&self.by_offset, start, len, |v| v.1)
+    }
+
+    fn unindex(&mut self, key: &ObjectKey) -> Option<Loc> {
+        let loc = self.by_key.remove(key)?;
+        self.by_offset.remove(&loc.offset);
+        self.used -= loc.len;
+        Some(loc)
+    }
+
+    fn index(&mut self, key: ObjectKey, loc: Loc) {
+        self.by_offset
+            .insert(loc.offset, (key.clone(), loc.len, loc.seq));
+        self.used += loc.len;
+        self.by_key.insert(key, loc);
+    }
+}
+
+/// A live record in the way of a reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victim {
+    pub key: ObjectKey,
+    pub put_id: u64,
+    offset: u64,
+    seq: u64,
+}
+
 /// Space for one record, taken at the head. The records listed in `victims` are in its way:
-/// tell the master they go, then `evict_victims`, then write.
+/// tell the master they go, then `evict_victims`, then write (or `abandon`).
 pub struct Reservation {
     offset: u64,
     len: u64,
     seq: u64,
-    pub victims: Vec<(ObjectKey, u64)>,
+    pub victims: Vec<Victim>,
+    evicted: bool,
 }
 
 /// A record found on disk when the tier was opened.
@@ -131,6 +169,15 @@ pub struct SsdStats {
     pub evicted_records: u64,
 }
 
+/// Records the master should stop pointing at: reads found them missing (the master's disk
+/// replica is a ghost) or corrupt (`seq` set: also drop the record here).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Lost {
+    pub key: ObjectKey,
+    pub put_id: u64,
+    pub corrupt_seq: Option<u64>,
+}
+
 pub struct SsdStore {
     engine: Arc<dyn DiskEngine>,
     path: PathBuf,
@@ -141,8 +188,7 @@ pub struct SsdStore {
     read_budget: Arc<Semaphore>,
     read_budget_bytes: u64,
     bufs: Arc<BufPool>,
-    /// Records a read found corrupt, for the worker to drop (and tell the master about).
-    found_corrupt: Mutex<Vec<(ObjectKey, u64)>>,
+    lost: Mutex<Vec<Lost>>,
     written: AtomicU64,
     read: AtomicU64,
     corrupt: AtomicU64,
@@ -221,14 +267,14 @@ impl SsdStore {
             read_budget: Arc::new(Semaphore::new(budget as usize)),
             read_budget_bytes: budget,
             bufs: Arc::new(BufPool::new(64 << 20)),
-            found_corrupt: Mutex::new(Vec::new()),
+            lost: Mutex::new(Vec::new()),
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
         };
         let recovered = if found {
-            store.scan().await?
+            store.recover().await?
         } else {
             Vec::new()
         };
@@ -241,56 +287,30 @@ impl SsdStore {
         self.engine.kind()
     }
 
-    /// Reads the whole file's headers (skipping values) and rebuilds the index from the newest
-    /// record of each key; the head goes after the newest record of all.
-    async fn scan(&self) -> Result<Vec<Recovered>, SsdError> {
-        let mut newest: HashMap<ObjectKey, (u64, RecordHeader)> = HashMap::new();
-        let mut pos = ALIGN as u64;
-        let mut buf = zeroed(SCAN_CHUNK);
-        while pos < self.end {
-            let n = (SCAN_CHUNK as u64).min(self.end - pos) as usize;
-            buf.set_len(n);
-            let (b, res) = self.engine.read_at(buf, pos).await;
-            buf = b;
+    /// Indexes what the scan found, zeroes the headers that must not come back, and puts the
+    /// head after the newest record.
+    async fn recover(&self) -> Result<Vec<Recovered>, SsdError> {
+        let scanned = recover::scan(&*self.engine, self.file_id, ALIGN as u64, self.end).await?;
+        for at in &scanned.garbage {
+            let (_, res) = self.engine.write_at(zeroed(ALIGN), *at).await;
             res?;
-            let mut i = 0usize;
-            while i < n {
-                let block = &buf[i..n];
-                match record::key_len_of(block) {
-                    Some(kl) if HEADER_LEN + kl > block.len() => break, // read it whole next
-                    Some(_) => {
-                        if let Some(h) = record::decode_header(block, self.file_id) {
-                            let at = pos + i as u64;
-                            let len = h.record_len();
-                            if at + len <= self.end {
-                                let newer = newest.get(&h.key).is_none_or(|(_, o)| o.seq < h.seq);
-                                if newer {
-                                    newest.insert(h.key.clone(), (at, h));
-                                }
-                                i += len as usize;
-                                continue;
-                            }
-                        }
-                    }
-                    None => {}
-                }
-                i += ALIGN;
-            }
-            pos += i as u64;
         }
         let mut ring = self.ring.lock();
-        let mut out = Vec::with_capacity(newest.len());
-        let mut last: Option<(u64, u64)> = None; // (seq, end of record)
-        for (key, (offset, h)) in newest {
+        let mut out = Vec::with_capacity(scanned.live.len());
+        let mut newest: Option<(u64, u64)> = None; // (seq, end of its record)
+        for (offset, h) in scanned.live {
             let len = h.record_len();
-            if last.is_none_or(|(seq, _)| seq < h.seq) {
-                last = Some((h.seq, offset + len));
+            if newest.is_none_or(|(seq, _)| seq < h.seq) {
+                newest = Some((h.seq, offset + len));
             }
             ring.next_seq = ring.next_seq.max(h.seq + 1);
-            ring.by_offset.insert(offset, (key.clone(), len));
-            ring.used += len;
-            ring.by_key.insert(
-                key.clone(),
+            out.push(Recovered {
+                key: h.key.clone(),
+                value_len: h.value_len,
+                put_id: h.put_id,
+            });
+            ring.index(
+                h.key,
                 Loc {
                     offset,
                     len,
@@ -299,13 +319,8 @@ impl SsdStore {
                     seq: h.seq,
                 },
             );
-            out.push(Recovered {
-                key,
-                value_len: h.value_len,
-                put_id: h.put_id,
-            });
         }
-        if let Some((_, end)) = last {
+        if let Some((_, end)) = newest {
             ring.head = if end >= self.end { ALIGN as u64 } else { end };
         }
         Ok(out)
@@ -328,20 +343,22 @@ impl SsdStore {
             offset = ALIGN as u64;
         }
         let stop = offset + len;
-        let overlaps = |m: &BTreeMap<u64, u64>| {
-            m.range(..stop)
-                .next_back()
-                .is_some_and(|(s, l)| s + l > offset)
-        };
-        if overlaps(&ring.inflight) {
+        if overlaps(&ring.inflight, offset, len, |l| *l) {
             return Err(SsdError::Busy);
         }
-        let victims: Vec<(ObjectKey, u64)> = ring
+        let victims: Vec<Victim> = ring
             .by_offset
             .range(..stop)
             .rev()
-            .take_while(|(s, (_, l))| *s + *l > offset)
-            .filter_map(|(_, (k, _))| ring.by_key.get(k).map(|loc| (k.clone(), loc.put_id)))
+            .take_while(|(s, v)| *s + v.1 > offset)
+            .filter_map(|(s, (k, _, seq))| {
+                ring.by_key.get(k).map(|loc| Victim {
+                    key: k.clone(),
+                    put_id: loc.put_id,
+                    offset: *s,
+                    seq: *seq,
+                })
+            })
             .collect();
         ring.inflight.insert(offset, len);
         ring.head = if stop >= self.end { ALIGN as u64 } else { stop };
@@ -352,32 +369,36 @@ impl SsdStore {
             len,
             seq,
             victims,
+            evicted: false,
         })
     }
 
-    /// Forgets the records a reservation overwrites (after the master was told).
-    pub fn evict_victims(&self, r: &Reservation) {
+    /// Forgets the records a reservation overwrites (after the master was told). A victim
+    /// already gone (deleted, or replaced by a newer version) is left alone.
+    pub fn evict_victims(&self, r: &mut Reservation) {
         let mut ring = self.ring.lock();
-        let stop = r.offset + r.len;
-        let gone: Vec<u64> = ring
-            .by_offset
-            .range(..stop)
-            .rev()
-            .take_while(|(s, (_, l))| *s + *l > r.offset)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in gone {
-            let (key, len) = ring.by_offset.remove(&s).expect("listed above");
-            ring.used -= len;
-            if ring.by_key.get(&key).is_some_and(|l| l.offset == s) {
-                ring.by_key.remove(&key);
+        for v in &r.victims {
+            let same = ring.by_key.get(&v.key).is_some_and(|l| l.seq == v.seq);
+            if same {
+                ring.unindex(&v.key);
+                self.evicted.fetch_add(1, Ordering::Relaxed);
             }
-            self.evicted.fetch_add(1, Ordering::Relaxed);
         }
+        r.evicted = true;
     }
 
-    /// Gives a reservation up without writing; the records in its way stay readable.
-    pub fn abandon(&self, r: Reservation) {
+    /// Gives a reservation up without writing. Victims not yet evicted stay readable; evicted
+    /// victims whose headers lie in the region get them zeroed, so they cannot come back at a
+    /// restart (the master was told they are gone).
+    pub async fn abandon(&self, r: Reservation) {
+        if r.evicted {
+            for v in r.victims.iter().filter(|v| v.offset >= r.offset) {
+                let (_, res) = self.engine.write_at(zeroed(ALIGN), v.offset).await;
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, offset = v.offset, "cannot zero an evicted record's header");
+                }
+            }
+        }
         self.ring.lock().inflight.remove(&r.offset);
     }
 
@@ -399,6 +420,8 @@ impl SsdStore {
     }
 
     /// Writes an encoded record into its reservation and indexes it; only then is it readable.
+    /// A record of an older version than the one indexed (a late, stale offload) is not indexed
+    /// and its header is zeroed; a record it replaces has its header zeroed.
     pub async fn write(
         &self,
         r: Reservation,
@@ -409,30 +432,54 @@ impl SsdStore {
     ) -> Result<(), SsdError> {
         let (buf, res) = self.engine.write_at(buf, r.offset).await;
         self.bufs.give(buf);
-        let mut ring = self.ring.lock();
-        ring.inflight.remove(&r.offset);
-        res?;
-        self.written.fetch_add(r.len, Ordering::Relaxed);
-        if let Some(old) = ring.by_key.remove(key) {
-            ring.by_offset.remove(&old.offset);
-            ring.used -= old.len;
+        let zero = {
+            let mut ring = self.ring.lock();
+            ring.inflight.remove(&r.offset);
+            res?;
+            self.written.fetch_add(r.len, Ordering::Relaxed);
+            match ring.by_key.get(key) {
+                Some(old) if old.put_id > put_id => Some(r.offset),
+                _ => {
+                    let old = ring.unindex(key);
+                    ring.index(
+                        key.clone(),
+                        Loc {
+                            offset: r.offset,
+                            len: r.len,
+                            value_len,
+                            put_id,
+                            seq: r.seq,
+                        },
+                    );
+                    old.map(|l| l.offset)
+                }
+            }
+        };
+        if let Some(at) = zero {
+            self.zero_header(at).await;
         }
-        ring.by_offset.insert(r.offset, (key.clone(), r.len));
-        ring.used += r.len;
-        ring.by_key.insert(
-            key.clone(),
-            Loc {
-                offset: r.offset,
-                len: r.len,
-                value_len,
-                put_id,
-                seq: r.seq,
-            },
-        );
         Ok(())
     }
 
-    /// Reads and verifies version `put_id` of `key`, of `value_len` bytes.
+    /// Zeroes the header block at `at` of a record that no longer counts, unless newer data is
+    /// being written or lives there (then its header is gone or going anyway).
+    async fn zero_header(&self, at: u64) {
+        {
+            let mut ring = self.ring.lock();
+            if ring.busy(at, ALIGN as u64) {
+                return;
+            }
+            ring.inflight.insert(at, ALIGN as u64);
+        }
+        let (_, res) = self.engine.write_at(zeroed(ALIGN), at).await;
+        self.ring.lock().inflight.remove(&at);
+        if let Err(e) = res {
+            tracing::warn!(error = %e, offset = at, "cannot zero a dropped record's header");
+        }
+    }
+
+    /// Reads and verifies version `put_id` of `key`, of `value_len` bytes. A record that is
+    /// missing or fails its checks is remembered for `take_lost`.
     pub async fn read(
         &self,
         key: &ObjectKey,
@@ -441,7 +488,14 @@ impl SsdStore {
     ) -> Result<DiskValue, SsdError> {
         let loc = match self.ring.lock().by_key.get(key) {
             Some(l) if l.put_id == put_id && l.value_len == value_len => l.clone(),
-            _ => return Err(SsdError::NotFound { key: key.clone() }),
+            _ => {
+                self.lost.lock().push(Lost {
+                    key: key.clone(),
+                    put_id,
+                    corrupt_seq: None,
+                });
+                return Err(SsdError::NotFound { key: key.clone() });
+            }
         };
         let permits = loc.len.min(self.read_budget_bytes) as u32;
         let permit = self
@@ -458,73 +512,80 @@ impl SsdStore {
             self.bufs.give(buf);
             return Err(e.into());
         }
-        let buf = scopeguard(buf, &self.bufs);
-        self.read.fetch_add(loc.len, Ordering::Relaxed);
-        let corrupt = |why: &str| {
-            self.corrupt.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%key, offset = loc.offset, why, "corrupt record on the ssd tier");
-            self.found_corrupt.lock().push((key.clone(), put_id));
-            SsdError::Corrupt {
-                key: key.clone(),
-                why: why.to_string(),
+        let buf = Pooled {
+            buf: Some(buf),
+            pool: &self.bufs,
+        };
+        let check = || -> Result<Range<usize>, &'static str> {
+            let h = record::decode_header(&buf, self.file_id).ok_or("bad header")?;
+            if h.key != *key || h.seq != loc.seq || h.value_len != value_len {
+                return Err("header names another record");
             }
+            let range = h.value_offset()..h.value_offset() + value_len as usize;
+            if crc32c::crc32c(&buf[range.clone()]) != h.value_crc {
+                return Err("value checksum mismatch");
+            }
+            Ok(range)
         };
-        let Some(h) = record::decode_header(&buf, self.file_id) else {
-            return Err(corrupt("bad header"));
-        };
-        if h.key != *key || h.seq != loc.seq || h.value_len != value_len {
-            return Err(corrupt("header names another record"));
+        match check() {
+            Ok(range) => {
+                self.read.fetch_add(loc.len, Ordering::Relaxed);
+                Ok(DiskValue {
+                    buf: Some(buf.into_inner()),
+                    range,
+                    bufs: self.bufs.clone(),
+                    _permit: permit,
+                })
+            }
+            Err(why) => {
+                // Overwritten or deleted while it was read: it is gone, not corrupt.
+                let still = self
+                    .ring
+                    .lock()
+                    .by_key
+                    .get(key)
+                    .is_some_and(|l| l.seq == loc.seq);
+                if !still {
+                    return Err(SsdError::NotFound { key: key.clone() });
+                }
+                self.corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%key, offset = loc.offset, why, "corrupt record on the ssd tier");
+                self.lost.lock().push(Lost {
+                    key: key.clone(),
+                    put_id,
+                    corrupt_seq: Some(loc.seq),
+                });
+                Err(SsdError::Corrupt {
+                    key: key.clone(),
+                    why: why.to_string(),
+                })
+            }
         }
-        let range = h.value_offset()..h.value_offset() + value_len as usize;
-        if crc32c::crc32c(&buf[range.clone()]) != h.value_crc {
-            return Err(corrupt("value checksum mismatch"));
-        }
-        Ok(DiskValue {
-            buf: Some(buf.into_inner()),
-            range,
-            bufs: self.bufs.clone(),
-            _permit: permit,
-        })
     }
 
-    /// Drops version `put_id` of `key` and zeroes its header on disk, so a restart does not
-    /// bring it back. Returns whether there was such a record.
-    pub async fn delete(&self, key: &ObjectKey, put_id: u64) -> Result<bool, SsdError> {
-        let offset = {
+    /// Drops version `put_id` of `key` (only the record with sequence number `seq`, if given)
+    /// and zeroes its header on disk, so a restart does not bring it back. Returns whether there
+    /// was such a record.
+    pub async fn delete(&self, key: &ObjectKey, put_id: u64, seq: Option<u64>) -> bool {
+        let at = {
             let mut ring = self.ring.lock();
             match ring.by_key.get(key) {
-                Some(l) if l.put_id == put_id => {
-                    let l = ring.by_key.remove(key).expect("checked above");
-                    ring.by_offset.remove(&l.offset);
-                    ring.used -= l.len;
-                    // Held like a write until the header is zeroed: nobody reuses it meanwhile.
-                    ring.inflight.insert(l.offset, ALIGN as u64);
-                    l.offset
+                Some(l) if l.put_id == put_id && seq.is_none_or(|s| s == l.seq) => {
+                    ring.unindex(key).expect("checked above").offset
                 }
-                _ => return Ok(false),
+                _ => return false,
             }
         };
-        let (_, res) = self.engine.write_at(zeroed(ALIGN), offset).await;
-        self.ring.lock().inflight.remove(&offset);
-        res?;
-        Ok(true)
+        self.zero_header(at).await;
+        true
     }
 
-    /// Records found corrupt since the last call (each once).
-    pub fn take_corrupt(&self) -> Vec<(ObjectKey, u64)> {
-        let mut found = std::mem::take(&mut *self.found_corrupt.lock());
-        found.sort();
-        found.dedup();
-        found
-    }
-
-    /// The master gave a recovered record a new version: reads must name that one.
-    pub fn set_put_id(&self, key: &ObjectKey, old: u64, new: u64) {
-        if let Some(l) = self.ring.lock().by_key.get_mut(key) {
-            if l.put_id == old {
-                l.put_id = new;
-            }
-        }
+    /// Records reads found missing or corrupt since the last call (each once).
+    pub fn take_lost(&self) -> Vec<Lost> {
+        let mut lost = std::mem::take(&mut *self.lost.lock());
+        lost.sort();
+        lost.dedup();
+        lost
     }
 
     /// Every indexed record (for registering them at the master).
@@ -577,13 +638,6 @@ impl SsdStore {
 struct Pooled<'a> {
     buf: Option<AlignedBuf>,
     pool: &'a BufPool,
-}
-
-fn scopeguard(buf: AlignedBuf, pool: &BufPool) -> Pooled<'_> {
-    Pooled {
-        buf: Some(buf),
-        pool,
-    }
 }
 
 impl Pooled<'_> {

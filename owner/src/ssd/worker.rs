@@ -48,7 +48,7 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut backoff = Duration::from_millis(100);
         'run: loop {
-            self.drop_corrupt().await;
+            self.report_lost().await;
             let polled = tokio::select! {
                 r = self.link.poll_tasks(POLL_MAX, POLL_WAIT) => r,
                 _ = stop.changed() => break,
@@ -88,27 +88,29 @@ impl Worker {
         let _ = reporter.await;
     }
 
-    /// Records a read found corrupt (a torn write before a crash, a bad disk block) are useless:
-    /// the master forgets them (the object is gone unless another replica holds it), then they
-    /// are dropped here, so the next get answers "not found" instead of failing again.
-    async fn drop_corrupt(&self) {
-        let found = self.store.take_corrupt();
-        if found.is_empty() {
+    /// Records reads found missing or corrupt: the master stops pointing at them (the object is
+    /// gone unless another replica holds it), then corrupt ones are dropped here, so the next
+    /// get answers "not found" instead of failing again.
+    async fn report_lost(&self) {
+        let lost = self.store.take_lost();
+        if lost.is_empty() {
             return;
         }
-        let items = found
+        let items = lost
             .iter()
-            .map(|(k, put_id)| pb::PutRef {
-                key: k.to_string(),
-                put_id: *put_id,
+            .map(|l| pb::PutRef {
+                key: l.key.to_string(),
+                put_id: l.put_id,
             })
             .collect();
         if let Err(e) = self.link.disk_dropped(items).await {
-            tracing::warn!(error = %e, "cannot tell the master about corrupt records; they stay refused");
+            tracing::warn!(error = %e, "cannot tell the master about lost records; gets keep failing on them");
             return;
         }
-        for (key, put_id) in found {
-            let _ = self.store.delete(&key, put_id).await;
+        for l in lost {
+            if let Some(seq) = l.corrupt_seq {
+                self.store.delete(&l.key, l.put_id, Some(seq)).await;
+            }
         }
     }
 
@@ -165,9 +167,14 @@ impl Worker {
             };
             match t.kind() {
                 pb::TaskKind::Offload => {
-                    let _ = self.store.delete(&key, t.put_id).await;
+                    self.store.delete(&key, t.put_id, None).await;
                 }
-                pb::TaskKind::Promote => self.index.forget(t.offset, t.size),
+                pb::TaskKind::Promote => {
+                    // Only if the range still holds what the promotion wrote.
+                    if self.index.holds(t.offset, t.size, &key) {
+                        self.index.forget(t.offset, t.size);
+                    }
+                }
                 pb::TaskKind::Drop => {}
             }
         }
@@ -179,7 +186,7 @@ impl Worker {
         match t.kind() {
             pb::TaskKind::Offload => self.offload(&key, t).await,
             pb::TaskKind::Drop => {
-                self.store.delete(&key, t.put_id).await?;
+                self.store.delete(&key, t.put_id, None).await;
                 Ok(())
             }
             pb::TaskKind::Promote => self.promote(&key, t).await,
@@ -187,44 +194,45 @@ impl Worker {
     }
 
     async fn offload(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
-        let r = self.store.reserve(key, t.size)?;
+        let mut r = self.store.reserve(key, t.size)?;
         if !r.victims.is_empty() {
             let items = r
                 .victims
                 .iter()
-                .map(|(k, put_id)| pb::PutRef {
-                    key: k.to_string(),
-                    put_id: *put_id,
+                .map(|v| pb::PutRef {
+                    key: v.key.to_string(),
+                    put_id: v.put_id,
                 })
                 .collect();
             if let Err(e) = self.link.disk_dropped(items).await {
-                self.store.abandon(r);
+                self.store.abandon(r).await;
                 return Err(Failure(
                     Code::RpcFail,
                     format!("cannot tell the master about records to overwrite: {e}"),
                 ));
             }
-            self.store.evict_victims(&r);
+            self.store.evict_victims(&mut r);
         }
-        let buf = {
-            let guard = match self.pool.read_range(t.offset, t.size) {
-                Ok(g) => g,
-                Err(e) => {
-                    self.store.abandon(r);
-                    return Err(Failure(e.code(), e.to_string()));
-                }
-            };
-            if !self.index.holds(t.offset, t.size, key) {
-                self.store.abandon(r);
-                return Err(Failure(
-                    Code::ObjectNotFound,
-                    format!("memory at offset {} no longer holds {key}", t.offset),
-                ));
+        let encoded = match self.pool.read_range(t.offset, t.size) {
+            Ok(guard) if self.index.holds(t.offset, t.size, key) => {
+                Ok(self.store.encode(&r, key, t.put_id, &guard))
             }
-            self.store.encode(&r, key, t.put_id, &guard)
+            Ok(_) => Err(Failure(
+                Code::ObjectNotFound,
+                format!("memory at offset {} no longer holds {key}", t.offset),
+            )),
+            Err(e) => Err(Failure(e.code(), e.to_string())),
         };
-        self.store.write(r, buf, key, t.put_id, t.size).await?;
-        Ok(())
+        match encoded {
+            Ok(buf) => {
+                self.store.write(r, buf, key, t.put_id, t.size).await?;
+                Ok(())
+            }
+            Err(f) => {
+                self.store.abandon(r).await;
+                Err(f)
+            }
+        }
     }
 
     async fn promote(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
@@ -264,10 +272,13 @@ pub async fn register_all(link: &MasterLink, store: &SsdStore) {
         };
         for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
             if code == 0 {
-                store.set_put_id(&r.key, r.put_id, put_id);
+                if put_id != r.put_id {
+                    tracing::warn!(key = %r.key, "master registered a record under another version");
+                }
                 registered += 1;
             } else {
-                let _ = store.delete(&r.key, r.put_id).await;
+                // The key exists with other bytes, or this version was removed: drop it.
+                store.delete(&r.key, r.put_id, None).await;
                 refused += 1;
             }
         }
