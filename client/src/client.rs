@@ -691,17 +691,24 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        self.batch_exists_owned(keys.iter().map(|k| k.to_string()).collect())
-            .await
+        let resp = self.master.exists_strs(keys).await?;
+        Self::exists_results(keys.len(), resp)
     }
 
-    /// Like `batch_exists`, taking the keys by value (no copy when the caller owns them).
+    /// Like `batch_exists`, taking the keys by value.
     pub async fn batch_exists_owned(
         &self,
         keys: Vec<String>,
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
         let n = keys.len();
         let resp = self.master.exists(keys).await?;
+        Self::exists_results(n, resp)
+    }
+
+    fn exists_results(
+        n: usize,
+        resp: pb::BatchExistsResponse,
+    ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
         if resp.codes.len() != n {
             return Err(ClientError::Rpc(
                 "master answered a wrong number of results".into(),

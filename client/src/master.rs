@@ -170,6 +170,23 @@ impl MasterRpc {
         .await
     }
 
+    /// `exists` over borrowed keys: on the framed RPC they are encoded straight into the frame.
+    pub async fn exists_strs(&self, keys: &[&str]) -> Result<pb::BatchExistsResponse, ClientError> {
+        let Backend::Framed(pool) = &self.backend else {
+            return self
+                .exists(keys.iter().map(|k| k.to_string()).collect())
+                .await;
+        };
+        let len = mooncake_common::pbkeys::encoded_len(1, keys);
+        let call = pool.call_with(Method::BatchExists, len, |buf| {
+            mooncake_common::pbkeys::encode_strings(1, keys, buf)
+        });
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::RpcTimeout(self.timeout)),
+        }
+    }
+
     pub async fn remove(&self, keys: Vec<String>, force: bool) -> Result<Vec<i32>, ClientError> {
         let req = pb::BatchRemoveRequest { keys, force };
         let r: pb::BatchRemoveResponse = self
@@ -221,6 +238,19 @@ impl FramedPool {
         method: Method,
         req: &Req,
     ) -> Result<Resp, ClientError> {
+        self.call_with(method, req.encoded_len(), |buf| {
+            req.encode(buf).expect("a Vec grows as needed")
+        })
+        .await
+    }
+
+    /// One exchange whose request body (`len` bytes) `encode` appends to the frame buffer.
+    async fn call_with<Resp: Message + Default>(
+        &self,
+        method: Method,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<Resp, ClientError> {
         let _permit = self
             .permits
             .acquire()
@@ -235,10 +265,10 @@ impl FramedPool {
             |e: io::Error| ClientError::Rpc(format!("master {} connection failed: {e}", self.addr));
         let id = conn.next_id;
         conn.next_id += 1;
-        let body = req.encode_to_vec();
-        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + body.len());
-        frame.extend_from_slice(&rpc_wire::encode_header(body.len(), method as u32, id));
-        frame.extend_from_slice(&body);
+        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);
+        frame.extend_from_slice(&rpc_wire::encode_header(len, method as u32, id));
+        encode(&mut frame);
+        debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
         conn.stream.write_all(&frame).await.map_err(rpc_err)?;
         let mut h = [0u8; rpc_wire::HEADER_LEN];
         conn.stream.read_exact(&mut h).await.map_err(rpc_err)?;

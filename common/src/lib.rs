@@ -7,6 +7,7 @@ pub mod code;
 pub mod config;
 pub mod ids;
 pub mod local;
+pub mod pbkeys;
 pub mod rpc_wire;
 pub mod size;
 pub mod transport;

@@ -121,9 +121,13 @@ async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>)
         Method::BatchGetReplicas => {
             call::<pb::BatchGetReplicasRequest, _, _, _>(body, |r| svc.batch_get_replicas(r)).await
         }
-        Method::BatchExists => {
-            call::<pb::BatchExistsRequest, _, _, _>(body, |r| svc.batch_exists(r)).await
-        }
+        Method::BatchExists => match mooncake_common::pbkeys::decode_strings(body, 1) {
+            Ok(keys) => (rpc_wire::STATUS_OK, svc.exists_strs(&keys).encode_to_vec()),
+            Err(e) => (
+                rpc_wire::STATUS_BAD_REQUEST,
+                format!("cannot decode the request: {e}").into_bytes(),
+            ),
+        },
         Method::BatchRemove => {
             call::<pb::BatchRemoveRequest, _, _, _>(body, |r| svc.batch_remove(r)).await
         }

@@ -10,6 +10,7 @@ use mooncake_common::Code;
 use parking_lot::RwLock;
 use pyo3::{
     prelude::*,
+    pybacked::PyBackedStr,
     types::{PyByteArray, PyBytes, PyDict, PyTuple},
 };
 
@@ -447,25 +448,13 @@ impl NativeStore {
 
     /// 1 if the key exists, 0 if not, a negative code on error. A hit is leased.
     fn is_exist(&self, py: Python<'_>, key: &str) -> i32 {
-        self.batch_is_exist(py, vec![key.to_string()])[0]
+        self.exists_of(py, &[key])[0]
     }
 
-    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
-        let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-        let n = keys.len();
-        self.with_session(py, vec![INVALID; n], |s| {
-            match s.rt.block_on(s.client.batch_exists(&refs)) {
-                Ok(r) => r
-                    .iter()
-                    .map(|x| match x {
-                        Ok(true) => 1,
-                        Ok(false) => 0,
-                        Err(e) => e.code().as_i32(),
-                    })
-                    .collect(),
-                Err(e) => vec![e.code().as_i32(); n],
-            }
-        })
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<PyBackedStr>) -> Vec<i32> {
+        // Borrowed from the Python strings (their UTF-8 form): no copy per key.
+        let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
+        self.exists_of(py, &refs)
     }
 
     /// The object's size in bytes, or a negative code (-704 on a miss).
@@ -597,5 +586,25 @@ fn log_miss(op: &str, key: &str, e: &ClientError) {
         tracing::debug!(key, "{op}: miss");
     } else {
         tracing::warn!(key, code = e.code().as_i32(), "{op} failed: {e}");
+    }
+}
+
+impl NativeStore {
+    /// Exists over borrowed keys: 1, 0, or a negative code each.
+    fn exists_of(&self, py: Python<'_>, refs: &[&str]) -> Vec<i32> {
+        let n = refs.len();
+        self.with_session(py, vec![INVALID; n], |s| {
+            match s.rt.block_on(s.client.batch_exists(refs)) {
+                Ok(r) => r
+                    .iter()
+                    .map(|x| match x {
+                        Ok(true) => 1,
+                        Ok(false) => 0,
+                        Err(e) => e.code().as_i32(),
+                    })
+                    .collect(),
+                Err(e) => vec![e.code().as_i32(); n],
+            }
+        })
     }
 }
