@@ -43,7 +43,15 @@ struct OwnerConns {
 struct Conn {
     stream: TcpStream,
     next_id: u64,
+    /// Bytes received and not consumed yet: the answers to a batch of small requests arrive
+    /// many per `recv`, so they are read through this instead of two syscalls per answer.
+    rbuf: Box<[u8]>,
+    rpos: usize,
+    rend: usize,
 }
+
+/// Size of a connection's receive buffer; reads at least half as large bypass it.
+const RECV_BUF: usize = 64 << 10;
 
 /// A connection taken from an owner's pool, with its slot. Dropped without `give_back`, the
 /// connection is closed and the slot freed.
@@ -150,11 +158,47 @@ impl TcpTransport {
             }
         };
         stream.set_nodelay(true).map_err(err)?;
-        Ok(Conn { stream, next_id: 1 })
+        Ok(Conn {
+            stream,
+            next_id: 1,
+            rbuf: vec![0u8; RECV_BUF].into_boxed_slice(),
+            rpos: 0,
+            rend: 0,
+        })
     }
 }
 
 impl Conn {
+    /// Fills `dst`: first from what is buffered, then from the socket, large reads straight into
+    /// `dst` (no staging copy), small ones through the buffer.
+    async fn read_exact(&mut self, dst: &mut [u8]) -> io::Result<()> {
+        let n = (self.rend - self.rpos).min(dst.len());
+        dst[..n].copy_from_slice(&self.rbuf[self.rpos..self.rpos + n]);
+        self.rpos += n;
+        let mut dst = &mut dst[n..];
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // The buffer is empty now.
+        (self.rpos, self.rend) = (0, 0);
+        if dst.len() >= RECV_BUF / 2 {
+            self.stream.read_exact(dst).await?;
+            return Ok(());
+        }
+        while !dst.is_empty() {
+            let got = self.stream.read(&mut self.rbuf[self.rend..]).await?;
+            if got == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            self.rend += got;
+            let n = (self.rend - self.rpos).min(dst.len());
+            dst[..n].copy_from_slice(&self.rbuf[self.rpos..self.rpos + n]);
+            self.rpos += n;
+            dst = &mut dst[n..];
+        }
+        Ok(())
+    }
+
     async fn send(
         &mut self,
         op: Op,
@@ -194,7 +238,7 @@ impl Conn {
             source,
         };
         let mut hb = [0u8; wire::RESPONSE_HEADER_LEN];
-        self.stream.read_exact(&mut hb).await.map_err(io_err)?;
+        self.read_exact(&mut hb).await.map_err(io_err)?;
         let h = ResponseHeader::decode(&hb).map_err(|source| TransferError::Protocol {
             target: target.clone(),
             source,
@@ -210,7 +254,7 @@ impl Conn {
         }
         if h.status != 0 {
             let mut msg = vec![0u8; h.length as usize];
-            self.stream.read_exact(&mut msg).await.map_err(io_err)?;
+            self.read_exact(&mut msg).await.map_err(io_err)?;
             return Err(TransferError::Remote {
                 target: target.clone(),
                 code: h.code(),
@@ -342,7 +386,7 @@ impl TcpTransport {
                     match conn.receive(target, op, first + i as u64).await {
                         Ok(h) if h.length == *len => {
                             for part in it.parts.iter_mut() {
-                                conn.stream.read_exact(part).await.map_err(io_err)?;
+                                conn.read_exact(part).await.map_err(io_err)?;
                             }
                             out.push(Ok(()));
                         }
@@ -519,7 +563,7 @@ impl DataTransport for TcpTransport {
                     )));
                 }
                 for part in parts.iter_mut() {
-                    conn.stream.read_exact(part).await.map_err(io_err)?;
+                    conn.read_exact(part).await.map_err(io_err)?;
                 }
                 Ok(())
             })
