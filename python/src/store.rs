@@ -112,6 +112,27 @@ impl NativeStore {
         0
     }
 
+    /// What this client moved so far: bytes by path (`local_bytes` same-host, `tcp_bytes`) and
+    /// keys and bytes of gets served from owners' memory and from their SSD tiers. Not part of
+    /// Mooncake's API; empty before setup.
+    fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(s) = self.session.read().as_ref() {
+            let t = s.client.transfer_stats();
+            for (k, v) in [
+                ("local_bytes", t.local_bytes),
+                ("tcp_bytes", t.tcp_bytes),
+                ("memory_keys", t.memory_keys),
+                ("memory_bytes", t.memory_bytes),
+                ("disk_keys", t.disk_keys),
+                ("disk_bytes", t.disk_bytes),
+            ] {
+                d.set_item(k, v)?;
+            }
+        }
+        Ok(d)
+    }
+
     /// This process's segment ("host:port") when it contributes memory, else its local hostname.
     fn get_hostname(&self) -> String {
         self.session

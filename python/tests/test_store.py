@@ -94,8 +94,15 @@ def test_put_get_and_mooncake_conventions(store):
     assert store.put_batch(["pb1", "pb2"], [b"one", b"two"]) == 0
     assert store.get_batch(["pb1", "missing", "pb2"]) == [b"one", b"", b"two"]
     big = os.urandom(5 << 20)
+    before = store.transfer_stats()
     assert store.put("big", big) == 0
     assert store.get("big") == big
+    after = store.transfer_stats()
+    assert after["memory_keys"] - before["memory_keys"] == 1
+    assert after["memory_bytes"] - before["memory_bytes"] == 5 << 20
+    assert after["disk_keys"] == before["disk_keys"] == 0
+    moved = (after["local_bytes"] + after["tcp_bytes"]) - (before["local_bytes"] + before["tcp_bytes"])
+    assert moved == 2 * (5 << 20), "the put and the get"
 
 
 def test_zero_copy_put_from_and_get_into(store):
