@@ -14,6 +14,9 @@ use super::{
 
 /// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
 const MAX_TOMBSTONES: usize = 1 << 20;
+/// Eager offloads waiting for queue room, at most; beyond it a fresh object is offloaded when it
+/// is evicted instead (the backlog stays bounded when puts outrun the SSD for good).
+const MAX_EAGER_BACKLOG: usize = 1 << 20;
 use crate::{clock::Millis, error::MasterError};
 
 /// Which tier a replica lives in.
@@ -308,7 +311,7 @@ impl MasterState {
             let eligible = self.objects.get(key).is_some_and(|o| {
                 o.offload == Offload::Idle && o.disk.is_empty() && self.has_disk_tier(o)
             });
-            if eligible {
+            if eligible && self.eager_backlog.len() < MAX_EAGER_BACKLOG {
                 self.eager_backlog.push_back(key.clone());
             }
         }
