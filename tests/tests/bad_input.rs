@@ -229,10 +229,11 @@ async fn the_master_refuses_bad_ids_per_item_and_keeps_serving() {
 }
 
 fn run(bin: &str, args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(bin_path(bin))
-        .args(args)
-        .output()
-        .unwrap();
+    run_path(&bin_path(bin), args)
+}
+
+fn run_path(exe: &std::path::Path, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(exe).args(args).output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -276,11 +277,12 @@ fn unknown_flags_and_bad_values_exit_non_zero_with_a_message() {
 
 #[test]
 fn an_owner_that_cannot_mount_exits_non_zero_with_a_clear_message() {
-    // Port 1 on loopback: nothing listens there. Build before the clock starts.
-    bin_path("mooncake_ownerd");
+    // Port 1 on loopback: nothing listens there. Build before the clock starts (and do not go
+    // through `bin_path` again: another test may hold its lock while it builds another binary).
+    let exe = bin_path("mooncake_ownerd");
     let t = Instant::now();
-    let (code, err) = run(
-        "mooncake_ownerd",
+    let (code, err) = run_path(
+        &exe,
         &[
             "--master",
             "127.0.0.1:1",
