@@ -695,16 +695,6 @@ impl Client {
         Self::exists_results(keys.len(), resp)
     }
 
-    /// Like `batch_exists`, taking the keys by value.
-    pub async fn batch_exists_owned(
-        &self,
-        keys: Vec<String>,
-    ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        let n = keys.len();
-        let resp = self.master.exists(keys).await?;
-        Self::exists_results(n, resp)
-    }
-
     fn exists_results(
         n: usize,
         resp: pb::BatchExistsResponse,

@@ -5,6 +5,7 @@
 
 pub mod code;
 pub mod config;
+pub mod disk_stats;
 pub mod ids;
 pub mod local;
 pub mod pbkeys;
@@ -14,5 +15,6 @@ pub mod transport;
 pub mod wire;
 
 pub use code::Code;
+pub use disk_stats::DiskStats;
 pub use ids::{ClientId, IdError, ObjectKey, SegmentName};
 pub use size::ByteSize;

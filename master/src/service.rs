@@ -162,7 +162,7 @@ impl pb::master_server::Master for MasterService {
             let mut state = self.shared.state.lock();
             let reply = state.heartbeat(owner, now);
             if let Some(d) = r.disk {
-                state.set_disk_stats(owner, crate::tiers::disk_stats(&d));
+                state.set_disk_stats(owner, (&d).into());
             }
             reply
         };

@@ -8,7 +8,7 @@ use mooncake_proto::master as pb;
 use tonic::{Response, Status};
 
 use crate::{
-    core::{DiskStats, OwnerTask, TaskKind},
+    core::{OwnerTask, TaskKind},
     service::{client_id, key, segment, Reply, Shared},
 };
 
@@ -16,18 +16,6 @@ use crate::{
 const MAX_POLL_WAIT: Duration = Duration::from_secs(5);
 /// The most tasks one poll hands out.
 const MAX_POLL_TASKS: usize = 1024;
-
-pub(crate) fn disk_stats(d: &pb::DiskStats) -> DiskStats {
-    DiskStats {
-        capacity: d.capacity,
-        used: d.used,
-        records: d.records,
-        written_bytes: d.written_bytes,
-        read_bytes: d.read_bytes,
-        corrupt_reads: d.corrupt_reads,
-        evicted_records: d.evicted_records,
-    }
-}
 
 fn kind_to_pb(k: TaskKind) -> pb::TaskKind {
     match k {
@@ -57,6 +45,7 @@ fn task_to_pb(t: OwnerTask) -> pb::OwnerTask {
 }
 
 /// The segment the request names, checked to belong to the caller and to have an SSD tier.
+/// The outer error is a malformed request, the inner one a segment this owner may not use.
 fn resolve(
     shared: &Shared,
     client: &str,
@@ -64,6 +53,15 @@ fn resolve(
 ) -> Result<Result<crate::core::SegmentId, crate::error::MasterError>, Status> {
     let (owner, name) = (client_id(client)?, segment(name)?);
     Ok(shared.state.lock().disk_segment(owner, &name))
+}
+
+/// `resolve`, with a segment this owner may not use refused as a failed precondition.
+fn resolve_mounted(
+    shared: &Shared,
+    client: &str,
+    name: &str,
+) -> Result<crate::core::SegmentId, Status> {
+    resolve(shared, client, name)?.map_err(|e| Status::failed_precondition(e.to_string()))
 }
 
 pub(crate) async fn poll_tasks(
@@ -106,8 +104,7 @@ pub(crate) fn report_tasks(
     shared: &Shared,
     r: pb::ReportTasksRequest,
 ) -> Reply<pb::ReportTasksResponse> {
-    let id = resolve(shared, &r.client_id, &r.segment)?
-        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+    let id = resolve_mounted(shared, &r.client_id, &r.segment)?;
     let now = shared.clock.now();
     let mut codes = Vec::with_capacity(r.results.len());
     {
@@ -131,8 +128,7 @@ pub(crate) fn disk_dropped(
     shared: &Shared,
     r: pb::DiskDroppedRequest,
 ) -> Reply<pb::DiskDroppedResponse> {
-    let id = resolve(shared, &r.client_id, &r.segment)?
-        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+    let id = resolve_mounted(shared, &r.client_id, &r.segment)?;
     let now = shared.clock.now();
     let mut state = shared.state.lock();
     for item in &r.items {
@@ -148,8 +144,7 @@ pub(crate) fn register_disk(
     shared: &Shared,
     r: pb::RegisterDiskRequest,
 ) -> Reply<pb::RegisterDiskResponse> {
-    let id = resolve(shared, &r.client_id, &r.segment)?
-        .map_err(|e| Status::failed_precondition(e.to_string()))?;
+    let id = resolve_mounted(shared, &r.client_id, &r.segment)?;
     let now = shared.clock.now();
     let mut codes = Vec::with_capacity(r.items.len());
     let mut put_ids = Vec::with_capacity(r.items.len());

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use mooncake_common::{ClientId, Code, SegmentName};
+use mooncake_common::{ClientId, Code, ObjectKey, SegmentName};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
@@ -114,18 +114,7 @@ impl MasterLink {
     pub async fn heartbeat(&self) -> Result<bool, LinkError> {
         let req = pb::HeartbeatRequest {
             client_id: self.owner.to_string(),
-            disk: self.ssd.as_ref().map(|s| {
-                let st = s.stats();
-                pb::DiskStats {
-                    capacity: st.capacity,
-                    used: st.used,
-                    records: st.records,
-                    written_bytes: st.written_bytes,
-                    read_bytes: st.read_bytes,
-                    corrupt_reads: st.corrupt_reads,
-                    evicted_records: st.evicted_records,
-                }
-            }),
+            disk: self.ssd.as_ref().map(|s| s.stats().into()),
         };
         let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().heartbeat(req))
             .await
@@ -189,7 +178,17 @@ impl MasterLink {
     }
 
     /// Tells the master these disk records are about to be overwritten.
-    pub async fn disk_dropped(&self, items: Vec<pb::PutRef>) -> Result<(), LinkError> {
+    pub async fn disk_dropped<'k>(
+        &self,
+        records: impl IntoIterator<Item = (&'k ObjectKey, u64)>,
+    ) -> Result<(), LinkError> {
+        let items = records
+            .into_iter()
+            .map(|(key, put_id)| pb::PutRef {
+                key: key.to_string(),
+                put_id,
+            })
+            .collect();
         let req = pb::DiskDroppedRequest {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),

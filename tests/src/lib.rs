@@ -4,7 +4,7 @@
 
 use std::{
     io::{BufRead, BufReader},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{mpsc, Arc},
     time::Duration,
@@ -322,6 +322,30 @@ pub fn spawn_owner(master: &str, size: &str, extra: &[&str]) -> (ChildGuard, Str
             .push(mooncake_common::local::socket_path(&dir, &name));
     }
     (o, seg)
+}
+
+/// A fresh directory under the system temp dir (a real file system here, so O_DIRECT works),
+/// removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("mooncake-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).expect("create the test directory");
+        TempDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Polls `f` every 50 ms until it returns true or `timeout` passes.

@@ -1,6 +1,6 @@
 //! mooncake_bench keeps working: a short embedded run in JSON mode, every get verified.
 
-use mooncake_tests::bin_path;
+use mooncake_tests::{bin_path, TempDir};
 
 #[test]
 fn the_bench_runs_embedded_and_verifies_every_byte() {
@@ -57,15 +57,8 @@ fn run_json(args: &[&str]) -> Vec<serde_json::Value> {
 /// a second process on the same SSD directory with little memory reads them all from disk.
 #[test]
 fn the_bench_writes_to_an_ssd_tier_and_a_second_run_reads_it_back_from_disk() {
-    struct Cleanup(std::path::PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let dir =
-        Cleanup(std::env::temp_dir().join(format!("mooncake-bench-ssd-{}", std::process::id())));
-    let d = dir.0.to_str().unwrap();
+    let dir = TempDir::new("bench-ssd");
+    let d = dir.path().to_str().unwrap();
     let common = [
         "--ssd-path",
         d,

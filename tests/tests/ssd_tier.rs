@@ -5,7 +5,6 @@
 
 use std::{
     io::{Seek, SeekFrom, Write},
-    path::PathBuf,
     time::Duration,
 };
 
@@ -13,41 +12,15 @@ use mooncake_client::{get_code, Client, ClientConfig, ReplicateConfig};
 use mooncake_common::{ByteSize, ObjectKey};
 use mooncake_master::{MasterConfig, RunningMaster};
 use mooncake_owner::RunningOwner;
-use mooncake_tests::{master_config, owner_config, payload, spawn_master, spawn_owner, transport};
+use mooncake_tests::{
+    master_config, owner_config, payload, spawn_master, spawn_owner, transport, TempDir,
+};
 
 const KIB: usize = 1 << 10;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        // Under the target directory: a real disk (O_DIRECT), cleaned up by the guard.
-        let p = std::env::temp_dir().join(format!(
-            "mooncake-ssd-{tag}-{}-{}",
-            std::process::id(),
-            rand_suffix()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-fn rand_suffix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 async fn tiered_owner(master: &str, mem: u64, dir: &TempDir, ssd: u64) -> RunningOwner {
     let mut cfg = owner_config(master, mem);
-    cfg.ssd_path = Some(dir.0.clone());
+    cfg.ssd_path = Some(dir.path().to_path_buf());
     cfg.ssd_size = ByteSize(ssd);
     cfg.shared_memory = false;
     RunningOwner::start(cfg).await.expect("start owner")
@@ -108,7 +81,7 @@ async fn objects_spill_to_ssd_and_read_back_exactly_and_a_corrupt_record_is_refu
     .await
     .unwrap();
     let addr = master.rpc_addr.to_string();
-    let dir = TempDir::new("spill");
+    let dir = TempDir::new("ssd-spill");
     let owner = tiered_owner(&addr, 8 << 20, &dir, 64 << 20).await;
     let c = client(&addr).await;
     const SIZE: usize = 512 * KIB;
@@ -175,7 +148,7 @@ async fn objects_spill_to_ssd_and_read_back_exactly_and_a_corrupt_record_is_refu
 async fn a_full_ssd_evicts_its_oldest_records_and_never_returns_wrong_bytes() {
     let master = RunningMaster::start(master_config()).await.unwrap();
     let addr = master.rpc_addr.to_string();
-    let dir = TempDir::new("full");
+    let dir = TempDir::new("ssd-full");
     // 4 MiB of memory and 8 MiB of SSD for 24 MiB of objects.
     let owner = tiered_owner(&addr, 4 << 20, &dir, 8 << 20).await;
     let c = client(&addr).await;
@@ -201,8 +174,8 @@ async fn a_full_ssd_evicts_its_oldest_records_and_never_returns_wrong_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_killed_and_restarted_on_its_ssd_directory_serves_its_objects_again() {
-    let dir = TempDir::new("restart");
-    let dir_s = dir.0.to_str().unwrap().to_string();
+    let dir = TempDir::new("ssd-restart");
+    let dir_s = dir.path().to_str().unwrap().to_string();
     let (_master, rpc, _http) = spawn_master(&["--client_ttl", "2", "--eager_offload"]);
     let ssd = [
         "--ssd-path",
@@ -252,7 +225,7 @@ async fn a_disk_only_object_read_twice_is_promoted_back_to_memory() {
     .await
     .unwrap();
     let addr = master.rpc_addr.to_string();
-    let dir = TempDir::new("promote");
+    let dir = TempDir::new("ssd-promote");
     let owner = tiered_owner(&addr, 4 << 20, &dir, 64 << 20).await;
     let c = client(&addr).await;
     const SIZE: usize = 256 * KIB;

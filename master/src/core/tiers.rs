@@ -4,6 +4,7 @@
 //! against the object's current version, so a late or repeated report cannot resurrect or
 //! misattribute bytes.
 
+pub use mooncake_common::DiskStats;
 use mooncake_common::ObjectKey;
 use serde::{Deserialize, Serialize};
 
@@ -44,18 +45,6 @@ pub struct OwnerTask {
     pub put_id: u64,
     pub offset: u64,
     pub size: u64,
-}
-
-/// What an owner last reported about its SSD tier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DiskStats {
-    pub capacity: u64,
-    pub used: u64,
-    pub records: u64,
-    pub written_bytes: u64,
-    pub read_bytes: u64,
-    pub corrupt_reads: u64,
-    pub evicted_records: u64,
 }
 
 /// What eviction does with an object whose owner's SSD tier has a full offload queue.

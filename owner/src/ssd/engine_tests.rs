@@ -1,47 +1,15 @@
 //! The conformance suite every `DiskEngine` must pass: the same tests run against io_uring and
 //! pread, on real O_DIRECT files in a temporary directory.
 
-use std::{
-    io,
-    path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{io, path::Path, sync::Arc, time::Duration};
 
 use futures::{future::join_all, FutureExt};
 
-use super::{open_direct, open_engine, AlignedBuf, DiskEngine, EngineKind, ALIGN};
+use super::{
+    open_direct, open_engine, test_dir::TempDir, AlignedBuf, DiskEngine, EngineKind, ALIGN,
+};
 
 const FILE_SIZE: u64 = 16 << 20;
-
-/// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "mooncake-ssd-test-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&path).expect("create the test directory");
-        TempDir(path)
-    }
-
-    fn file(&self) -> PathBuf {
-        self.0.join("disk")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn open(kind: EngineKind, path: &Path) -> Arc<dyn DiskEngine> {
     let file = open_direct(path, FILE_SIZE).expect("open the test file with O_DIRECT");

@@ -11,6 +11,8 @@ mod uring;
 
 #[cfg(test)]
 mod engine_tests;
+#[cfg(test)]
+mod test_dir;
 
 pub use buf::{AlignedBuf, ALIGN};
 pub use engine::{open_direct, open_engine, DiskEngine, EngineKind};
@@ -22,5 +24,5 @@ pub mod store;
 #[cfg(test)]
 mod store_tests;
 
-pub use store::{DiskValue, Lost, Recovered, SsdError, SsdStats, SsdStore, Victim};
+pub use store::{DiskValue, Lost, Recovered, SsdError, SsdStore, Victim};
 pub mod worker;

@@ -67,11 +67,13 @@ fn read_all(file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
     Ok(())
 }
 
-impl DiskEngine for PreadEngine {
-    fn write_at(
+impl PreadEngine {
+    /// One checked transfer of the whole buffer on the blocking pool.
+    fn transfer(
         &self,
-        buf: AlignedBuf,
+        mut buf: AlignedBuf,
         offset: u64,
+        write: bool,
     ) -> BoxFuture<'static, (AlignedBuf, io::Result<()>)> {
         let file = self.file.clone();
         Box::pin(async move {
@@ -79,11 +81,25 @@ impl DiskEngine for PreadEngine {
                 return (buf, Err(e));
             }
             blocking(move || {
-                let r = write_all(&file, &buf, offset);
+                let r = if write {
+                    write_all(&file, &buf, offset)
+                } else {
+                    read_all(&file, &mut buf, offset)
+                };
                 (buf, r)
             })
             .await
         })
+    }
+}
+
+impl DiskEngine for PreadEngine {
+    fn write_at(
+        &self,
+        buf: AlignedBuf,
+        offset: u64,
+    ) -> BoxFuture<'static, (AlignedBuf, io::Result<()>)> {
+        self.transfer(buf, offset, true)
     }
 
     fn read_at(
@@ -91,18 +107,7 @@ impl DiskEngine for PreadEngine {
         buf: AlignedBuf,
         offset: u64,
     ) -> BoxFuture<'static, (AlignedBuf, io::Result<()>)> {
-        let file = self.file.clone();
-        Box::pin(async move {
-            if let Err(e) = check_aligned(buf.len(), offset) {
-                return (buf, Err(e));
-            }
-            blocking(move || {
-                let mut buf = buf;
-                let r = read_all(&file, &mut buf, offset);
-                (buf, r)
-            })
-            .await
-        })
+        self.transfer(buf, offset, false)
     }
 
     fn sync(&self) -> BoxFuture<'static, io::Result<()>> {

@@ -17,7 +17,7 @@ use std::{
     },
 };
 
-use mooncake_common::{Code, ObjectKey};
+use mooncake_common::{Code, DiskStats, ObjectKey};
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -158,17 +158,6 @@ impl Drop for DiskValue {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SsdStats {
-    pub capacity: u64,
-    pub used: u64,
-    pub records: u64,
-    pub written_bytes: u64,
-    pub read_bytes: u64,
-    pub corrupt_reads: u64,
-    pub evicted_records: u64,
-}
-
 /// Records the master should stop pointing at: reads found them missing (the master's disk
 /// replica is a ghost) or corrupt (`seq` set: also drop the record here).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -281,10 +270,6 @@ impl SsdStore {
         tracing::info!(path = %store.path.display(), capacity = end, engine = %store.engine.kind(),
             records = recovered.len(), "ssd tier open");
         Ok((Arc::new(store), recovered))
-    }
-
-    pub fn engine_kind(&self) -> EngineKind {
-        self.engine.kind()
     }
 
     /// Indexes what the scan found, zeroes the headers that must not come back, and puts the
@@ -606,9 +591,9 @@ impl SsdStore {
         Ok(self.engine.sync().await?)
     }
 
-    pub fn stats(&self) -> SsdStats {
+    pub fn stats(&self) -> DiskStats {
         let ring = self.ring.lock();
-        SsdStats {
+        DiskStats {
             capacity: self.end - ALIGN as u64,
             used: ring.used,
             records: ring.by_key.len() as u64,

@@ -2,34 +2,11 @@
 //! records refused with -801, deletes that survive a reopen, and recovery after a reopen. Runs on
 //! both engines.
 
-use std::{
-    io::{Seek, SeekFrom, Write},
-    path::PathBuf,
-};
+use std::io::{Seek, SeekFrom, Write};
 
 use mooncake_common::{Code, ObjectKey};
 
-use super::{EngineKind, SsdError, SsdStore};
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!(
-            "mooncake-ssd-store-{tag}-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use super::{test_dir::TempDir, EngineKind, SsdError, SsdStore};
 
 fn k(s: &str) -> ObjectKey {
     ObjectKey::new(s).unwrap()
@@ -42,7 +19,7 @@ fn value(seed: u8, len: usize) -> Vec<u8> {
 }
 
 async fn open(dir: &TempDir, cap: u64, kind: EngineKind) -> (std::sync::Arc<SsdStore>, usize) {
-    let (s, rec) = SsdStore::open(&dir.0, cap, kind, 16, 64 << 20)
+    let (s, rec) = SsdStore::open(dir.path(), cap, kind, 16, 64 << 20)
         .await
         .unwrap();
     (s, rec.len())
@@ -64,7 +41,7 @@ async fn put(s: &SsdStore, key: &str, put_id: u64, v: &[u8]) -> Vec<(ObjectKey, 
 }
 
 async fn round_trip_wrap_and_recover(kind: EngineKind) {
-    let dir = TempDir::new("ring");
+    let dir = TempDir::new();
     // 1 MiB of records: 64 KiB values take 17 blocks each, so 15 fit.
     let cap = (1 << 20) + 4096;
     let (s, n) = open(&dir, cap, kind).await;
@@ -115,7 +92,7 @@ async fn round_trip_wrap_and_recover(kind: EngineKind) {
 }
 
 async fn corrupt_records_are_refused(kind: EngineKind) {
-    let dir = TempDir::new("corrupt");
+    let dir = TempDir::new();
     let (s, _) = open(&dir, 4 << 20, kind).await;
     put(&s, "a", 1, &value(1, 10_000)).await;
     put(&s, "b", 2, &value(2, 10_000)).await;
@@ -174,14 +151,14 @@ async fn corrupt_records_are_refused_pread() {
 
 #[tokio::test]
 async fn a_full_tier_refuses_oversized_records_and_a_wrong_size_is_named() {
-    let dir = TempDir::new("full");
+    let dir = TempDir::new();
     let (s, _) = open(&dir, 64 << 10, EngineKind::Pread).await;
     assert!(matches!(
         s.reserve(&k("big"), 1 << 20),
         Err(SsdError::TooLarge { .. })
     ));
     drop(s);
-    let e = SsdStore::open(&dir.0, 128 << 10, EngineKind::Pread, 4, 1 << 20)
+    let e = SsdStore::open(dir.path(), 128 << 10, EngineKind::Pread, 4, 1 << 20)
         .await
         .err()
         .unwrap();
@@ -189,7 +166,7 @@ async fn a_full_tier_refuses_oversized_records_and_a_wrong_size_is_named() {
 }
 
 async fn many_concurrent_records_all_come_back(kind: EngineKind) {
-    let dir = TempDir::new("many");
+    let dir = TempDir::new();
     let cap = 128 << 20;
     let (s, _) = open(&dir, cap, kind).await;
     let keys: Vec<String> = (0..96).map(|i| format!("m/1048576/{i}")).collect();
@@ -232,7 +209,7 @@ async fn many_concurrent_records_all_come_back_pread() {
 /// delete of a victim while a reservation writes over it does not damage the new record.
 #[tokio::test]
 async fn versions_and_races_on_the_ring_survive_a_reopen() {
-    let dir = TempDir::new("races");
+    let dir = TempDir::new();
     // Three records of four blocks each (one-byte keys, values of 16 KiB - 65 bytes).
     const LEN: usize = 16384 - 65;
     let cap = 12 * 4096 + 4096;

@@ -96,14 +96,8 @@ impl Worker {
         if lost.is_empty() {
             return;
         }
-        let items = lost
-            .iter()
-            .map(|l| pb::PutRef {
-                key: l.key.to_string(),
-                put_id: l.put_id,
-            })
-            .collect();
-        if let Err(e) = self.link.disk_dropped(items).await {
+        let records = lost.iter().map(|l| (&l.key, l.put_id));
+        if let Err(e) = self.link.disk_dropped(records).await {
             tracing::warn!(error = %e, "cannot tell the master about lost records; gets keep failing on them");
             return;
         }
@@ -196,15 +190,8 @@ impl Worker {
     async fn offload(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
         let mut r = self.store.reserve(key, t.size)?;
         if !r.victims.is_empty() {
-            let items = r
-                .victims
-                .iter()
-                .map(|v| pb::PutRef {
-                    key: v.key.to_string(),
-                    put_id: v.put_id,
-                })
-                .collect();
-            if let Err(e) = self.link.disk_dropped(items).await {
+            let records = r.victims.iter().map(|v| (&v.key, v.put_id));
+            if let Err(e) = self.link.disk_dropped(records).await {
                 self.store.abandon(r).await;
                 return Err(Failure(
                     Code::RpcFail,
