@@ -136,6 +136,8 @@ impl Client {
                 connect_timeout: config.connect_timeout,
                 transfer_timeout: config.transfer_timeout,
                 connections_per_owner: config.connections_per_owner,
+                transfer_threads: config.transfer_threads,
+                dedicated_runtime: config.dedicated_runtime,
             },
             shared_memory: config.shared_memory && mooncake_common::local::shm_enabled(),
             socket_dir: config

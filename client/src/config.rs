@@ -29,6 +29,15 @@ pub struct ClientConfig {
     pub transfer_timeout: Duration,
     /// Connections kept per owner; transfers beyond it queue.
     pub connections_per_owner: usize,
+    /// Threads one large TCP batch to one owner may use, each driving one connection (a TCP
+    /// receive or send copies every byte on the calling thread, so one thread caps a batch at
+    /// one core's copy rate). Used for batches of at least 4 MiB per thread; 1: never.
+    pub transfer_threads: usize,
+    /// The runtime that polls this client's calls is a current-thread runtime that runs nothing
+    /// else (as the Python binding's is), so a large batch may block it while transfer threads
+    /// move the bytes. Leave it off when other tasks share such a runtime; multi-threaded
+    /// runtimes need neither (their other tasks move to another thread meanwhile).
+    pub dedicated_runtime: bool,
     /// Use the same-host shared-memory path to owners on this host that offer it
     /// (`MOONCAKE_SHM=0` in the environment turns it off too).
     pub shared_memory: bool,
@@ -47,12 +56,27 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(2),
             transfer_timeout: Duration::from_secs(10),
             connections_per_owner: 8,
+            transfer_threads: default_transfer_threads(),
+            dedicated_runtime: false,
             shared_memory: true,
             socket_dir: None,
             master_protocol: Default::default(),
         }
     }
 }
+
+/// `MOONCAKE_TRANSFER_THREADS` when set to a positive number (for measurement and debugging),
+/// else one per core, at most 8.
+fn default_transfer_threads() -> usize {
+    std::env::var(TRANSFER_THREADS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(8)))
+}
+
+/// Environment variable that sets the default of `transfer_threads`.
+pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
 
 impl ClientConfig {
     pub fn new(master: impl Into<String>) -> Self {
@@ -65,6 +89,11 @@ impl ClientConfig {
     pub fn validate(&self) -> Result<(), ClientError> {
         if self.master.trim().is_empty() {
             return Err(ClientError::Config("master address is empty".into()));
+        }
+        if self.transfer_threads == 0 {
+            return Err(ClientError::Config(
+                "transfer_threads must be at least 1 (1: no extra threads)".into(),
+            ));
         }
         if self.connections_per_owner == 0 {
             return Err(ClientError::Config(

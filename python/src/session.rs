@@ -84,6 +84,8 @@ impl Session {
         let config = ClientConfig {
             connect_timeout: Duration::from_secs(2),
             rpc_timeout: Duration::from_secs(5),
+            // The runtime exists only for this client's calls.
+            dedicated_runtime: true,
             ..ClientConfig::new(args.master_server_addr.trim())
         };
         // Connect first: an unreachable master fails here within the connect deadline.

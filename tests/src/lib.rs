@@ -110,6 +110,8 @@ pub fn transport(config: &ClientConfig) -> Arc<dyn mooncake_common::transport::D
             connect_timeout: config.connect_timeout,
             transfer_timeout: config.transfer_timeout,
             connections_per_owner: config.connections_per_owner,
+            transfer_threads: config.transfer_threads,
+            dedicated_runtime: config.dedicated_runtime,
         },
     ))
 }

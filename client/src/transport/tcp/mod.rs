@@ -23,11 +23,20 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 
+mod threads;
+
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
     pub connect_timeout: Duration,
     pub transfer_timeout: Duration,
     pub connections_per_owner: usize,
+    /// Threads one large batch to one owner may use (each drives one connection); 1 keeps
+    /// every transfer on the caller's runtime.
+    pub transfer_threads: usize,
+    /// A current-thread runtime that polls these transfers runs nothing else, so a large batch
+    /// may block it while its threads work. Otherwise batches on such a runtime stay on it (a
+    /// multi-threaded runtime hands its other tasks to another thread first).
+    pub dedicated_runtime: bool,
 }
 
 pub struct TcpTransport {
@@ -116,25 +125,36 @@ impl TcpTransport {
     async fn exchange<T>(
         &self,
         target: &SegmentName,
-        mut checkout: Checkout,
+        checkout: Checkout,
         f: impl AsyncFnOnce(&mut Conn) -> Result<T, TransferError>,
     ) -> Result<T, TransferError> {
+        let (result, reusable) = self.exchange_keep(target, checkout, f).await;
+        if let Some(c) = reusable {
+            c.give_back();
+        }
+        result
+    }
+
+    /// `exchange`, handing the connection back to the caller when it is fit for reuse.
+    async fn exchange_keep<T>(
+        &self,
+        target: &SegmentName,
+        mut checkout: Checkout,
+        f: impl AsyncFnOnce(&mut Conn) -> Result<T, TransferError>,
+    ) -> (Result<T, TransferError>, Option<Checkout>) {
         let after = self.config.transfer_timeout;
         let conn = checkout.conn.as_mut().expect("checked out");
         match tokio::time::timeout(after, f(conn)).await {
-            Ok(Ok(v)) => {
-                checkout.give_back();
-                Ok(v)
-            }
-            Ok(Err(e @ TransferError::Remote { .. })) => {
-                checkout.give_back();
-                Err(e)
-            }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(TransferError::Timeout {
-                target: target.clone(),
-                after,
-            }),
+            Ok(Ok(v)) => (Ok(v), Some(checkout)),
+            Ok(Err(e @ TransferError::Remote { .. })) => (Err(e), Some(checkout)),
+            Ok(Err(e)) => (Err(e), None),
+            Err(_) => (
+                Err(TransferError::Timeout {
+                    target: target.clone(),
+                    after,
+                }),
+                None,
+            ),
         }
     }
 
@@ -172,6 +192,13 @@ impl Conn {
     /// Fills `dst`: first from what is buffered, then from the socket, large reads straight into
     /// `dst` (no staging copy), small ones through the buffer.
     async fn read_exact(&mut self, dst: &mut [u8]) -> io::Result<()> {
+        self.read_exact_capped(dst, RECV_BUF).await
+    }
+
+    /// `read_exact`, buffering at most `cap` bytes per receive: a header followed by a large
+    /// payload is read alone, so the payload lands in the caller's memory without a stop in the
+    /// buffer.
+    async fn read_exact_capped(&mut self, dst: &mut [u8], cap: usize) -> io::Result<()> {
         let n = (self.rend - self.rpos).min(dst.len());
         dst[..n].copy_from_slice(&self.rbuf[self.rpos..self.rpos + n]);
         self.rpos += n;
@@ -185,8 +212,9 @@ impl Conn {
             self.stream.read_exact(dst).await?;
             return Ok(());
         }
+        let cap = cap.clamp(dst.len(), RECV_BUF);
         while !dst.is_empty() {
-            let got = self.stream.read(&mut self.rbuf[self.rend..]).await?;
+            let got = self.stream.read(&mut self.rbuf[self.rend..cap]).await?;
             if got == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
@@ -226,19 +254,26 @@ impl Conn {
         Ok(request_id)
     }
 
-    /// Reads a response header; on a refusal, also its message.
+    /// Reads a response header (that of a payload of `expect` bytes); on a refusal, also its
+    /// message.
     async fn receive(
         &mut self,
         target: &SegmentName,
         op: Op,
         request_id: u64,
+        expect: u64,
     ) -> Result<ResponseHeader, TransferError> {
         let io_err = |source| TransferError::Io {
             target: target.clone(),
             source,
         };
         let mut hb = [0u8; wire::RESPONSE_HEADER_LEN];
-        self.read_exact(&mut hb).await.map_err(io_err)?;
+        let cap = if expect >= (RECV_BUF / 2) as u64 {
+            hb.len()
+        } else {
+            RECV_BUF
+        };
+        self.read_exact_capped(&mut hb, cap).await.map_err(io_err)?;
         let h = ResponseHeader::decode(&hb).map_err(|source| TransferError::Protocol {
             target: target.clone(),
             source,
@@ -299,15 +334,12 @@ impl TcpTransport {
     async fn pipelined_writes(
         &self,
         target: &SegmentName,
+        checkout: Checkout,
         items: &[WriteItem<'_>],
-    ) -> Vec<Result<(), TransferError>> {
-        let checkout = match self.checkout(target).await {
-            Ok(c) => c,
-            Err(e) => return fail_all(items.len(), &e),
-        };
+    ) -> (Vec<Result<(), TransferError>>, Option<Checkout>) {
         let n = items.len();
-        let res = self
-            .exchange(target, checkout, async |conn: &mut Conn| {
+        let (res, reusable) = self
+            .exchange_keep(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),
                     source,
@@ -330,7 +362,7 @@ impl TcpTransport {
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
                 for i in 0..n {
-                    match conn.receive(target, Op::Write, first + i as u64).await {
+                    match conn.receive(target, Op::Write, first + i as u64, 0).await {
                         Ok(_) => out.push(Ok(())),
                         // A refusal keeps the stream in step; go on with the next answer.
                         Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
@@ -340,7 +372,7 @@ impl TcpTransport {
                 Ok(out)
             })
             .await;
-        res.unwrap_or_else(|e| fail_all(n, &e))
+        (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
     }
 
     /// Sends every read request of `items` back to back, then receives the payloads in order.
@@ -348,16 +380,13 @@ impl TcpTransport {
     async fn pipelined_reads(
         &self,
         target: &SegmentName,
+        checkout: Checkout,
         items: &mut [ReadItem<'_, '_>],
         op: Op,
-    ) -> Vec<Result<(), TransferError>> {
+    ) -> (Vec<Result<(), TransferError>>, Option<Checkout>) {
         let n = items.len();
-        let checkout = match self.checkout(target).await {
-            Ok(c) => c,
-            Err(e) => return fail_all(n, &e),
-        };
-        let res = self
-            .exchange(target, checkout, async |conn: &mut Conn| {
+        let (res, reusable) = self
+            .exchange_keep(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),
                     source,
@@ -383,7 +412,7 @@ impl TcpTransport {
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
                 for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate() {
-                    match conn.receive(target, op, first + i as u64).await {
+                    match conn.receive(target, op, first + i as u64, *len).await {
                         Ok(h) if h.length == *len => {
                             for part in it.parts.iter_mut() {
                                 conn.read_exact(part).await.map_err(io_err)?;
@@ -403,12 +432,13 @@ impl TcpTransport {
                 Ok(out)
             })
             .await;
-        res.unwrap_or_else(|e| fail_all(n, &e))
+        (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
     }
 }
 
 impl TcpTransport {
-    /// Splits a batch of reads over connections by size and pipelines each chunk.
+    /// Splits a batch of reads over connections by size and pipelines each chunk; a batch of
+    /// several MiB goes over several threads.
     async fn spread_reads<'k, 'b>(
         &self,
         target: &SegmentName,
@@ -416,23 +446,80 @@ impl TcpTransport {
         op: Op,
     ) -> Vec<Result<(), TransferError>> {
         let bytes: u64 = items.iter().map(|i| i.len()).sum();
-        let k = self.fan_out(items.len(), bytes);
+        let threads = self.threads_for(items.len(), bytes);
+        let k = if threads > 1 {
+            threads
+        } else {
+            self.fan_out(items.len(), bytes)
+        };
         let bounds = chunk_bounds(items.len(), k);
         let mut rest: &mut [ReadItem<'k, 'b>] = items;
         let mut chunks = Vec::with_capacity(k);
         for (a, b) in bounds {
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(b - a);
-            chunks.push(head);
+            chunks.push((b - a, head));
             rest = tail;
         }
-        let results = join_all(
-            chunks
-                .into_iter()
-                .map(|c| self.pipelined_reads(target, c, op)),
-        )
-        .await;
+        let results = if threads > 1 {
+            self.on_threads(target, chunks, |checkout, chunk| {
+                self.pipelined_reads(target, checkout, chunk, op)
+            })
+            .await
+        } else {
+            join_all(chunks.into_iter().map(|(n, c)| async move {
+                match self.checkout(target).await {
+                    Ok(checkout) => keep(self.pipelined_reads(target, checkout, c, op).await),
+                    Err(e) => fail_all(n, &e),
+                }
+            }))
+            .await
+        };
         results.into_iter().flatten().collect()
     }
+
+    /// Splits a batch of writes like `spread_reads` does reads.
+    async fn spread_writes(
+        &self,
+        target: &SegmentName,
+        items: &[WriteItem<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let bytes: u64 = items.iter().map(|i| i.len()).sum();
+        let threads = self.threads_for(items.len(), bytes);
+        let k = if threads > 1 {
+            threads
+        } else {
+            self.fan_out(items.len(), bytes)
+        };
+        let chunks: Vec<(usize, &[WriteItem<'_>])> = chunk_bounds(items.len(), k)
+            .into_iter()
+            .map(|(a, b)| (b - a, &items[a..b]))
+            .collect();
+        let results = if threads > 1 {
+            self.on_threads(target, chunks, |checkout, chunk| {
+                self.pipelined_writes(target, checkout, chunk)
+            })
+            .await
+        } else {
+            join_all(chunks.into_iter().map(|(n, c)| async move {
+                match self.checkout(target).await {
+                    Ok(checkout) => keep(self.pipelined_writes(target, checkout, c).await),
+                    Err(e) => fail_all(n, &e),
+                }
+            }))
+            .await
+        };
+        results.into_iter().flatten().collect()
+    }
+}
+
+/// Puts a connection fit for reuse back in its pool; returns the chunk's results.
+fn keep(
+    (results, reusable): (Vec<Result<(), TransferError>>, Option<Checkout>),
+) -> Vec<Result<(), TransferError>> {
+    if let Some(c) = reusable {
+        c.give_back();
+    }
+    results
 }
 
 /// A connection-level failure, reported on every item it affected.
@@ -481,18 +568,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(async move {
-            let bytes: u64 = items.iter().map(|i| i.len()).sum();
-            let k = self.fan_out(items.len(), bytes);
-            let chunks = chunk_bounds(items.len(), k);
-            let results = join_all(
-                chunks
-                    .iter()
-                    .map(|&(a, b)| self.pipelined_writes(target, &items[a..b])),
-            )
-            .await;
-            results.into_iter().flatten().collect()
-        })
+        Box::pin(self.spread_writes(target, items))
     }
 
     fn read_batch<'a, 'k: 'a, 'b: 'a>(
@@ -529,7 +605,7 @@ impl DataTransport for TcpTransport {
                         target: target.clone(),
                         source,
                     })?;
-                conn.receive(target, Op::Write, id).await.map(|_| ())
+                conn.receive(target, Op::Write, id, 0).await.map(|_| ())
             })
             .await
         })
@@ -554,7 +630,7 @@ impl DataTransport for TcpTransport {
                     .send(Op::Read, key, offset, length, &[])
                     .await
                     .map_err(io_err)?;
-                let h = conn.receive(target, Op::Read, id).await?;
+                let h = conn.receive(target, Op::Read, id, length).await?;
                 if h.length != length {
                     // The stream now carries a payload nobody reads: drop the connection.
                     return Err(io_err(io::Error::new(
