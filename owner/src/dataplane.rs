@@ -10,12 +10,12 @@ use mooncake_common::{
     Code, ObjectKey,
 };
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter},
+    io::{AsyncReadExt, BufReader},
     net::{TcpListener, TcpStream},
     sync::watch,
 };
 
-use crate::{index::KeyIndex, pool::MemoryPool, ssd::SsdStore};
+use crate::{index::KeyIndex, pool::MemoryPool, replies::Replies, ssd::SsdStore};
 
 /// Serves connections until `stop` turns true.
 pub async fn serve(
@@ -50,7 +50,8 @@ pub async fn serve(
 
 struct Connection {
     reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
-    writer: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+    replies: Replies,
     pool: Arc<MemoryPool>,
     index: Arc<KeyIndex>,
     ssd: Option<Arc<SsdStore>>,
@@ -76,7 +77,8 @@ impl Connection {
         let (r, w) = stream.into_split();
         Connection {
             reader: BufReader::with_capacity(64 << 10, r),
-            writer: BufWriter::with_capacity(64 << 10, w),
+            writer: w,
+            replies: Replies::default(),
             pool,
             index,
             ssd,
@@ -161,7 +163,7 @@ impl Connection {
                         request_id: h.request_id,
                         length: 0,
                     };
-                    self.writer.write_all(&ok.encode()).await?;
+                    self.replies.push_bytes(&ok.encode());
                 }
             }
             Err(r) => {
@@ -169,10 +171,10 @@ impl Connection {
                     .await?
             }
         }
-        // A pipelining client has more requests buffered already: answer them all, then flush
+        // A pipelining client has more requests buffered already: answer them all, then send
         // once. With nothing buffered the peer is waiting for this answer.
-        if self.reader.buffer().is_empty() {
-            self.writer.flush().await?;
+        if self.reader.buffer().is_empty() || self.replies.full() {
+            self.replies.flush(&mut self.writer).await?;
         }
         Ok(true)
     }
@@ -218,7 +220,7 @@ impl Connection {
             }));
         }
         // Take the range first, then check what it holds: no write can start in between.
-        let guard = match self.pool.read_range(h.offset, h.length) {
+        let guard = match self.pool.read_range_owned(h.offset, h.length) {
             Ok(g) => g,
             Err(e) => {
                 return Ok(Err(Refusal {
@@ -239,8 +241,8 @@ impl Connection {
             request_id: h.request_id,
             length: h.length,
         };
-        self.writer.write_all(&ok.encode()).await?;
-        self.writer.write_all(&guard).await?;
+        self.replies.push_bytes(&ok.encode());
+        self.replies.push_pool(guard);
         Ok(Ok(()))
     }
 
@@ -272,8 +274,8 @@ impl Connection {
             request_id: h.request_id,
             length: h.length,
         };
-        self.writer.write_all(&ok.encode()).await?;
-        self.writer.write_all(&value).await?;
+        self.replies.push_bytes(&ok.encode());
+        self.replies.push_disk(value);
         Ok(Ok(()))
     }
 
@@ -305,8 +307,8 @@ impl Connection {
             request_id,
             length: msg.len() as u64,
         };
-        self.writer.write_all(&h.encode()).await?;
-        self.writer.write_all(msg).await?;
-        self.writer.flush().await
+        self.replies.push_bytes(&h.encode());
+        self.replies.push_bytes(msg);
+        self.replies.flush(&mut self.writer).await
     }
 }

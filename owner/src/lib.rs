@@ -13,6 +13,7 @@ pub mod local;
 pub mod master_link;
 #[allow(unsafe_code)]
 pub mod pool;
+mod replies;
 pub mod ssd;
 
 pub use config::OwnerConfig;

@@ -159,6 +159,21 @@ impl MemoryPool {
         })
     }
 
+    /// Shared access to `[offset, offset + len)` that owns a handle to the pool, so the bytes can
+    /// wait in a queue of replies until they are sent.
+    pub fn read_range_owned(
+        self: &Arc<Self>,
+        offset: u64,
+        len: u64,
+    ) -> Result<PoolSlice, RangeError> {
+        self.acquire(offset, len, false)?;
+        Ok(PoolSlice {
+            pool: self.clone(),
+            offset,
+            len,
+        })
+    }
+
     /// Holds `[offset, offset + len)` for a same-host client that copies through its own mapping:
     /// conflicting transfers are refused until the lock is dropped. No bytes are exposed here.
     pub fn lock_range(
@@ -273,6 +288,28 @@ impl Drop for ReadGuard<'_> {
     }
 }
 
+/// A range held for reading with its own handle to the pool; derefs to a slice.
+pub struct PoolSlice {
+    pool: Arc<MemoryPool>,
+    offset: u64,
+    len: u64,
+}
+
+impl std::ops::Deref for PoolSlice {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range is inside the mapping (checked at acquire), the mapping lives as long
+        // as `pool`, and no exclusive guard overlaps the range while this one is registered.
+        unsafe { std::slice::from_raw_parts(self.pool.ptr(self.offset), self.len as usize) }
+    }
+}
+
+impl Drop for PoolSlice {
+    fn drop(&mut self) {
+        self.pool.release(self.offset, self.len, false);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,6 +339,21 @@ mod tests {
         assert!(pool.write_range(90, 20).is_err());
         drop((r1, r2));
         assert!(pool.write_range(90, 20).is_ok());
+    }
+
+    #[test]
+    fn an_owned_read_holds_its_range_until_dropped() {
+        let pool = Arc::new(MemoryPool::create(1 << 20, false).unwrap());
+        pool.write_range(0, 4).unwrap().copy_from_slice(b"abcd");
+        let slice = pool.read_range_owned(0, 4).unwrap();
+        assert_eq!(&slice[..], b"abcd");
+        assert!(
+            pool.write_range(2, 4).is_err(),
+            "a writer waits for the reader"
+        );
+        assert!(pool.read_range(0, 4).is_ok(), "readers share");
+        drop(slice);
+        assert!(pool.write_range(2, 4).is_ok());
     }
 
     #[test]

@@ -196,6 +196,48 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     }
 }
 
+/// A batch of many small values (more answers than one `writev` of the owner carries), with a
+/// refused item among them: answers stay in order and every byte is right.
+async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
+    const N: usize = 1100;
+    const LEN: usize = 1000;
+    const BASE: u64 = 9 << 20;
+    let keys: Vec<ObjectKey> = (0..N).map(|i| k(&format!("small/{i}"))).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k.as_str(), LEN)).collect();
+    let parts: Vec<[&[u8]; 1]> = values.iter().map(|v| [&v[..]]).collect();
+    let writes: Vec<WriteItem<'_>> = (0..N)
+        .map(|i| WriteItem {
+            key: &keys[i],
+            offset: BASE + (i * LEN) as u64,
+            parts: &parts[i],
+        })
+        .collect();
+    let res = t.write_batch(seg, &writes).await;
+    assert!(res.iter().all(|r| r.is_ok()), "{name}: {res:?}");
+    let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+    let mut dsts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+    let refused = 777;
+    let mut reads: Vec<ReadItem<'_, '_>> = dsts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| ReadItem {
+            key: &keys[if i == refused { 0 } else { i }],
+            offset: BASE + (i * LEN) as u64,
+            parts: d,
+        })
+        .collect();
+    let res = t.read_batch(seg, &mut reads).await;
+    drop(reads);
+    for (i, r) in res.iter().enumerate() {
+        if i == refused {
+            assert_eq!(r.as_ref().unwrap_err().code().as_i32(), -704, "{name}");
+        } else {
+            assert!(r.is_ok(), "{name} item {i}: {r:?}");
+            assert!(bufs[i] == values[i], "{name}: item {i} bytes differ");
+        }
+    }
+}
+
 /// The large-batch part on current-thread runtimes too: one the cluster shares (the batch must
 /// stay on it, or the owner it waits for would never run), and a dedicated one (the Python
 /// binding's), where the caller's thread itself waits for the transfer threads.
@@ -236,6 +278,7 @@ async fn every_transport_passes_the_same_suite() {
     for (name, t) in transports() {
         conformance(name, t.as_ref(), &seg).await;
         large_batches(name, t.as_ref(), &seg).await;
+        many_small(name, t.as_ref(), &seg).await;
         let stats = t.stats();
         if name == "shm" {
             assert!(
