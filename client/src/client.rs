@@ -20,6 +20,7 @@ use mooncake_proto::master as pb;
 use crate::{
     config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV},
     error::ClientError,
+    lookup::Location,
     master::MasterRpc,
     transport::{tcp::TcpConfig, HybridConfig, HybridTransport},
 };
@@ -411,11 +412,8 @@ impl Client {
             return results.into_iter().map(|r| r.expect("answered")).collect();
         }
         let asked_at = Instant::now();
-        let resp = match self
-            .master
-            .get_replicas(valid.iter().map(|(_, k)| k.to_string()).collect())
-            .await
-        {
+        let names: Vec<&str> = valid.iter().map(|(_, k)| k.as_str()).collect();
+        let resp = match self.master.get_replicas(&names).await {
             Ok(r) if r.results.len() == valid.len() => r,
             Ok(_) => {
                 fill(&mut results, &valid, || {
@@ -456,7 +454,7 @@ impl Client {
                 }));
                 continue;
             }
-            let replicas = self.replica_order(&found.replicas);
+            let replicas = self.replica_order(resp.replicas(found));
             if replicas.is_empty() {
                 results[i] = Some(Err(ClientError::master(
                     Code::ObjectNotFound.as_i32(),
@@ -568,17 +566,18 @@ impl Client {
             .iter()
             .map(|k| ObjectKey::new(k).map_err(|e| ClientError::Invalid(e.to_string())))
             .collect();
-        let names: Vec<String> = valid.iter().flatten().map(|k| k.to_string()).collect();
+        let names: Vec<&str> = valid.iter().flatten().map(|k| k.as_str()).collect();
         if names.is_empty() {
             return valid.into_iter().map(|k| k.map(|_| Vec::new())).collect();
         }
         let asked_at = Instant::now();
-        let resp = match self.master.get_replicas(names).await {
+        let resp = match self.master.get_replicas(&names).await {
             Ok(r) => r,
             Err(e) => return keys.iter().map(|_| Err(clone_err(&e))).collect(),
         };
         let lease_deadline = asked_at + Duration::from_millis(resp.lease_ttl_ms);
         let mut found = resp.results.iter();
+        let resp = &resp;
         let reads = valid.into_iter().map(|k| {
             let hit = k.as_ref().ok().and_then(|_| found.next());
             async move {
@@ -589,7 +588,7 @@ impl Client {
                     return Err(ClientError::master(hit.code, format!("get {key}")));
                 }
                 let mut buf = vec![0u8; hit.size as usize];
-                self.read_one(&key, &hit.replicas, &mut [&mut buf[..]])
+                self.read_one(&key, resp.replicas(hit), &mut [&mut buf[..]])
                     .await?;
                 if Instant::now() >= lease_deadline {
                     return Err(ClientError::LeaseExpired(key.to_string()));
@@ -602,15 +601,14 @@ impl Client {
 
     /// Replicas in the order to try them: memory before disk, the preferred segment first
     /// within each; unparsable names dropped.
-    fn replica_order(&self, replicas: &[pb::ReplicaLocation]) -> Vec<Loc> {
+    fn replica_order(&self, replicas: &[Location]) -> Vec<Loc> {
         let mut order: Vec<Loc> = replicas
             .iter()
             .filter_map(|r| {
-                let disk = r.tier == pb::ReplicaTier::Disk as i32;
-                SegmentName::parse(&r.segment).ok().map(|seg| Loc {
+                r.segment.clone().map(|seg| Loc {
                     seg,
-                    offset: if disk { r.put_id } else { r.offset },
-                    disk,
+                    offset: if r.disk { r.put_id } else { r.offset },
+                    disk: r.disk,
                 })
             })
             .collect();
@@ -645,7 +643,7 @@ impl Client {
     async fn read_one(
         &self,
         key: &ObjectKey,
-        replicas: &[pb::ReplicaLocation],
+        replicas: &[Location],
         dst: &mut [&mut [u8]],
     ) -> Result<usize, ClientError> {
         let len = dst.iter().map(|d| d.len()).sum();
@@ -761,10 +759,7 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
-        let resp = self
-            .master
-            .get_replicas(keys.iter().map(|k| k.to_string()).collect())
-            .await?;
+        let resp = self.master.get_replicas(keys).await?;
         if resp.results.len() != keys.len() {
             return Err(ClientError::Rpc(
                 "master answered a wrong number of results".into(),
@@ -772,25 +767,21 @@ impl Client {
         }
         Ok(resp
             .results
-            .into_iter()
+            .iter()
             .map(|r| {
                 if r.code != 0 {
                     return Err(ClientError::master(r.code, "get replica list"));
                 }
-                let replicas = r
-                    .replicas
-                    .into_iter()
+                let replicas = resp
+                    .replicas(r)
+                    .iter()
                     .map(|l| {
                         Ok(ReplicaDesc {
-                            segment: SegmentName::parse(&l.segment).map_err(|e| {
-                                ClientError::Rpc(format!("master sent a bad segment name: {e}"))
+                            segment: l.segment.clone().ok_or_else(|| {
+                                ClientError::Rpc("master sent a bad segment name".into())
                             })?,
                             offset: l.offset,
-                            tier: if l.tier == pb::ReplicaTier::Disk as i32 {
-                                Tier::Disk
-                            } else {
-                                Tier::Memory
-                            },
+                            tier: if l.disk { Tier::Disk } else { Tier::Memory },
                         })
                     })
                     .collect::<Result<Vec<_>, ClientError>>()?;

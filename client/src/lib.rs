@@ -7,6 +7,7 @@
 pub mod client;
 pub mod config;
 pub mod error;
+mod lookup;
 pub mod master;
 pub mod transport;
 

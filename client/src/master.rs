@@ -5,7 +5,10 @@
 
 use std::{future::Future, io, sync::Arc, time::Duration};
 
-use mooncake_common::rpc_wire::{self, Method};
+use mooncake_common::{
+    pbreplicas,
+    rpc_wire::{self, Method},
+};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use parking_lot::Mutex;
 use prost::Message;
@@ -20,7 +23,7 @@ use tonic::{
     Response, Status,
 };
 
-use crate::error::ClientError;
+use crate::{error::ClientError, lookup::Lookup};
 
 /// How the client talks to the master.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -151,15 +154,38 @@ impl MasterRpc {
         Ok(r.codes)
     }
 
-    pub async fn get_replicas(
-        &self,
-        keys: Vec<String>,
-    ) -> Result<pb::BatchGetReplicasResponse, ClientError> {
-        let req = pb::BatchGetReplicasRequest { keys };
-        self.unary(Method::BatchGetReplicas, req, |mut c, r| async move {
-            c.batch_get_replicas(r).await
-        })
-        .await
+    /// Where each key's replicas are (leasing the hits). On the framed RPC the keys go into
+    /// the frame borrowed and the answer is read without a message struct.
+    pub async fn get_replicas(&self, keys: &[&str]) -> Result<Lookup, ClientError> {
+        let pool = match &self.backend {
+            Backend::Framed(pool) => pool,
+            Backend::Grpc(_) => {
+                let req = pb::BatchGetReplicasRequest {
+                    keys: keys.iter().map(|k| k.to_string()).collect(),
+                };
+                let resp: pb::BatchGetReplicasResponse = self
+                    .unary(Method::BatchGetReplicas, req, |mut c, r| async move {
+                        c.batch_get_replicas(r).await
+                    })
+                    .await?;
+                return Ok(Lookup::from_pb(resp));
+            }
+        };
+        let len = mooncake_common::pbkeys::encoded_len(1, keys);
+        let call = pool.call_raw(Method::BatchGetReplicas, len, |buf| {
+            mooncake_common::pbkeys::encode_strings(1, keys, buf)
+        });
+        let body = match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r?,
+            Err(_) => return Err(ClientError::RpcTimeout(self.timeout)),
+        };
+        let decoded = pbreplicas::decode(&body).map_err(|e| {
+            ClientError::Rpc(format!(
+                "master {} sent an undecodable answer: {e}",
+                pool.addr
+            ))
+        })?;
+        Ok(Lookup::from_decoded(decoded))
     }
 
     pub async fn exists(&self, keys: Vec<String>) -> Result<pb::BatchExistsResponse, ClientError> {
@@ -251,6 +277,22 @@ impl FramedPool {
         len: usize,
         encode: impl FnOnce(&mut Vec<u8>),
     ) -> Result<Resp, ClientError> {
+        let out = self.call_raw(method, len, encode).await?;
+        Resp::decode(&out[..]).map_err(|e| {
+            ClientError::Rpc(format!(
+                "master {} sent an undecodable answer: {e}",
+                self.addr
+            ))
+        })
+    }
+
+    /// `call_with`, returning the answer's bytes undecoded.
+    async fn call_raw(
+        &self,
+        method: Method,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<Vec<u8>, ClientError> {
         let _permit = self
             .permits
             .acquire()
@@ -292,14 +334,8 @@ impl FramedPool {
                 ClientError::Rpc(format!("master {}: {text}", self.addr))
             });
         }
-        let resp = Resp::decode(&out[..]).map_err(|e| {
-            ClientError::Rpc(format!(
-                "master {} sent an undecodable answer: {e}",
-                self.addr
-            ))
-        })?;
         self.idle.lock().push(conn);
-        Ok(resp)
+        Ok(out)
     }
 
     async fn connect(&self) -> Result<FramedConn, ClientError> {

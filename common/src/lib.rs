@@ -9,6 +9,7 @@ pub mod disk_stats;
 pub mod ids;
 pub mod local;
 pub mod pbkeys;
+pub mod pbreplicas;
 pub mod rpc_wire;
 pub mod size;
 pub mod transport;

@@ -53,13 +53,13 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
     Ok(out)
 }
 
-fn skip(body: &[u8], at: usize, n: usize) -> Result<usize, String> {
+pub(crate) fn skip(body: &[u8], at: usize, n: usize) -> Result<usize, String> {
     at.checked_add(n)
         .filter(|end| *end <= body.len())
         .ok_or_else(|| "message truncated".to_string())
 }
 
-fn put_varint(mut v: u64, out: &mut Vec<u8>) {
+pub(crate) fn put_varint(mut v: u64, out: &mut Vec<u8>) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
@@ -67,11 +67,11 @@ fn put_varint(mut v: u64, out: &mut Vec<u8>) {
     out.push(v as u8);
 }
 
-fn varint_len(v: u64) -> usize {
+pub(crate) fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
-fn get_varint(body: &[u8], at: &mut usize) -> Result<u64, String> {
+pub(crate) fn get_varint(body: &[u8], at: &mut usize) -> Result<u64, String> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
         let b = *body.get(*at).ok_or("message truncated")?;

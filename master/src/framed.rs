@@ -118,9 +118,13 @@ async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>)
         Method::BatchPutRevoke => {
             call::<pb::BatchPutRevokeRequest, _, _, _>(body, |r| svc.batch_put_revoke(r)).await
         }
-        Method::BatchGetReplicas => {
-            call::<pb::BatchGetReplicasRequest, _, _, _>(body, |r| svc.batch_get_replicas(r)).await
-        }
+        Method::BatchGetReplicas => match mooncake_common::pbkeys::decode_strings(body, 1) {
+            Ok(keys) => (rpc_wire::STATUS_OK, svc.get_replicas_encoded(&keys)),
+            Err(e) => (
+                rpc_wire::STATUS_BAD_REQUEST,
+                format!("cannot decode the request: {e}").into_bytes(),
+            ),
+        },
         Method::BatchExists => match mooncake_common::pbkeys::decode_strings(body, 1) {
             Ok(keys) => (rpc_wire::STATUS_OK, svc.exists_strs(&keys).encode_to_vec()),
             Err(e) => (

@@ -297,20 +297,30 @@ impl MasterState {
         key: &ObjectKey,
         now: Millis,
     ) -> Result<(u64, Vec<ReplicaView>), MasterError> {
+        self.get_replicas_str(key.as_str(), now)
+    }
+
+    /// `get_replicas` by a key not yet made an `ObjectKey` (valid or not: an invalid one is
+    /// simply not found), for callers that hold it borrowed.
+    pub fn get_replicas_str(
+        &mut self,
+        key: &str,
+        now: Millis,
+    ) -> Result<(u64, Vec<ReplicaView>), MasterError> {
         let lease = now.plus(self.policy.lease_ttl);
-        let obj = self
-            .objects
-            .get_mut(key)
-            .ok_or_else(|| MasterError::NotFound(key.clone()))?;
+        let owned = || ObjectKey::new(key).map_err(MasterError::from);
+        let Some(obj) = self.objects.get_mut(key) else {
+            return Err(MasterError::NotFound(owned()?));
+        };
         if obj.phase != Phase::Complete {
-            return Err(MasterError::NotReady(key.clone()));
+            return Err(MasterError::NotReady(owned()?));
         }
         obj.lease_until = obj.lease_until.max(lease);
         obj.last_access = obj.last_access.max(now);
         if obj.replicas.is_empty() {
             obj.disk_hits = obj.disk_hits.saturating_add(1);
             self.counters.disk_hits += 1;
-            self.maybe_promote(key, now);
+            self.maybe_promote(&owned()?, now);
         }
         let obj = &self.objects[key];
         let (size, put_id) = (obj.size, obj.put_id);

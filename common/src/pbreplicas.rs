@@ -1,0 +1,315 @@
+//! `BatchGetReplicasResponse` written and read without a message struct and a `String` per
+//! replica: the master encodes straight from its state, the client reads replica locations as
+//! slices of the answer. A get of 64 small values otherwise spends more on these allocations than
+//! on the lookups. The bytes are exactly prost's for the generated types (zero fields omitted,
+//! negative codes as ten-byte varints), so either side may use those instead.
+
+use std::ops::Range;
+
+use crate::pbkeys::{get_varint, put_varint, skip, varint_len};
+
+/// One replica's location, its segment borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaRef<'a> {
+    pub segment: &'a str,
+    pub offset: u64,
+    pub size: u64,
+    /// `ReplicaTier` as its number.
+    pub tier: i32,
+    pub put_id: u64,
+}
+
+/// One key's answer: its replicas are `replicas[range]` of the decoded response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub code: i32,
+    pub size: u64,
+    pub replicas: Range<usize>,
+}
+
+#[derive(Debug, Default)]
+pub struct Decoded<'a> {
+    pub results: Vec<Found>,
+    pub replicas: Vec<ReplicaRef<'a>>,
+    pub lease_ttl_ms: u64,
+}
+
+/// Builds a response one result at a time.
+#[derive(Default)]
+pub struct Encoder {
+    out: Vec<u8>,
+}
+
+const LEN: u64 = 2;
+
+fn tag(field: u64, wire: u64) -> u64 {
+    field << 3 | wire
+}
+
+fn put_u64(field: u64, v: u64, out: &mut Vec<u8>) {
+    if v != 0 {
+        put_varint(tag(field, 0), out);
+        put_varint(v, out);
+    }
+}
+
+fn u64_len(field: u64, v: u64) -> usize {
+    if v == 0 {
+        0
+    } else {
+        varint_len(tag(field, 0)) + varint_len(v)
+    }
+}
+
+/// int32 goes on the wire sign-extended to 64 bits.
+fn i32_wire(v: i32) -> u64 {
+    i64::from(v) as u64
+}
+
+fn replica_len(r: &ReplicaRef<'_>) -> usize {
+    let seg = if r.segment.is_empty() {
+        0
+    } else {
+        1 + varint_len(r.segment.len() as u64) + r.segment.len()
+    };
+    seg + u64_len(2, r.offset)
+        + u64_len(3, r.size)
+        + u64_len(4, i32_wire(r.tier))
+        + u64_len(5, r.put_id)
+}
+
+impl Encoder {
+    pub fn with_capacity(bytes: usize) -> Self {
+        Encoder {
+            out: Vec::with_capacity(bytes),
+        }
+    }
+
+    /// Appends one key's result.
+    pub fn result<'r, I>(&mut self, code: i32, size: u64, replicas: I)
+    where
+        I: IntoIterator<Item = ReplicaRef<'r>>,
+        I::IntoIter: Clone,
+    {
+        let replicas = replicas.into_iter();
+        let lens: usize = replicas
+            .clone()
+            .map(|r| {
+                let n = replica_len(&r);
+                1 + varint_len(n as u64) + n
+            })
+            .sum();
+        let body = u64_len(1, i32_wire(code)) + u64_len(2, size) + lens;
+        let out = &mut self.out;
+        put_varint(tag(1, LEN), out);
+        put_varint(body as u64, out);
+        put_u64(1, i32_wire(code), out);
+        put_u64(2, size, out);
+        for r in replicas {
+            put_varint(tag(3, LEN), out);
+            put_varint(replica_len(&r) as u64, out);
+            if !r.segment.is_empty() {
+                put_varint(tag(1, LEN), out);
+                put_varint(r.segment.len() as u64, out);
+                out.extend_from_slice(r.segment.as_bytes());
+            }
+            put_u64(2, r.offset, out);
+            put_u64(3, r.size, out);
+            put_u64(4, i32_wire(r.tier), out);
+            put_u64(5, r.put_id, out);
+        }
+    }
+
+    pub fn finish(mut self, lease_ttl_ms: u64) -> Vec<u8> {
+        put_u64(2, lease_ttl_ms, &mut self.out);
+        self.out
+    }
+}
+
+/// Reads a response; unknown fields are skipped, malformed input is an error (never a panic).
+pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
+    let mut d = Decoded::default();
+    walk(body, |field, value| {
+        match (field, value) {
+            (1, Value::Bytes(b)) => {
+                let start = d.replicas.len();
+                let mut found = Found {
+                    code: 0,
+                    size: 0,
+                    replicas: start..start,
+                };
+                walk(b, |f, v| {
+                    match (f, v) {
+                        (1, Value::Int(c)) => found.code = c as i32,
+                        (2, Value::Int(s)) => found.size = s,
+                        (3, Value::Bytes(r)) => d.replicas.push(replica(r)?),
+                        _ => {}
+                    }
+                    Ok(())
+                })?;
+                found.replicas = start..d.replicas.len();
+                d.results.push(found);
+            }
+            (2, Value::Int(ttl)) => d.lease_ttl_ms = ttl,
+            _ => {}
+        }
+        Ok(())
+    })?;
+    Ok(d)
+}
+
+fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
+    let mut r = ReplicaRef {
+        segment: "",
+        offset: 0,
+        size: 0,
+        tier: 0,
+        put_id: 0,
+    };
+    walk(body, |f, v| {
+        match (f, v) {
+            (1, Value::Bytes(s)) => {
+                r.segment =
+                    std::str::from_utf8(s).map_err(|_| "segment is not UTF-8".to_string())?
+            }
+            (2, Value::Int(x)) => r.offset = x,
+            (3, Value::Int(x)) => r.size = x,
+            (4, Value::Int(x)) => r.tier = x as i32,
+            (5, Value::Int(x)) => r.put_id = x,
+            _ => {}
+        }
+        Ok(())
+    })?;
+    Ok(r)
+}
+
+enum Value<'a> {
+    Int(u64),
+    Bytes(&'a [u8]),
+    Other,
+}
+
+/// Calls `f` with every field of the message `body` in order.
+fn walk<'a>(
+    body: &'a [u8],
+    mut f: impl FnMut(u64, Value<'a>) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut at = 0usize;
+    while at < body.len() {
+        let key = get_varint(body, &mut at)?;
+        let (field, wire) = (key >> 3, key & 7);
+        let value = match wire {
+            0 => Value::Int(get_varint(body, &mut at)?),
+            1 => {
+                at = skip(body, at, 8)?;
+                Value::Other
+            }
+            5 => {
+                at = skip(body, at, 4)?;
+                Value::Other
+            }
+            2 => {
+                let len = get_varint(body, &mut at)?;
+                let len = usize::try_from(len).map_err(|_| "length overflows".to_string())?;
+                let end = skip(body, at, len)?;
+                let b = &body[at..end];
+                at = end;
+                Value::Bytes(b)
+            }
+            w => return Err(format!("unsupported wire type {w}")),
+        };
+        f(field, value)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mooncake_proto::master as pb;
+    use proptest::prelude::*;
+    use prost::Message;
+
+    fn replica_strategy() -> impl Strategy<Value = pb::ReplicaLocation> {
+        (
+            "[a-z0-9.:\\[\\]]{0,40}",
+            any::<u64>(),
+            any::<u64>(),
+            0i32..3,
+            any::<u64>(),
+        )
+            .prop_map(
+                |(segment, offset, size, tier, put_id)| pb::ReplicaLocation {
+                    segment,
+                    offset,
+                    size,
+                    tier,
+                    put_id,
+                },
+            )
+    }
+
+    fn result_strategy() -> impl Strategy<Value = pb::GetReplicasResult> {
+        (
+            prop_oneof![Just(0i32), -1000i32..0, any::<i32>()],
+            any::<u64>(),
+            proptest::collection::vec(replica_strategy(), 0..4),
+        )
+            .prop_map(|(code, size, replicas)| pb::GetReplicasResult {
+                code,
+                size,
+                replicas,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn matches_prost_both_ways(
+            results in proptest::collection::vec(result_strategy(), 0..20),
+            lease_ttl_ms: u64,
+        ) {
+            let theirs = pb::BatchGetReplicasResponse { results: results.clone(), lease_ttl_ms };
+            let mut enc = Encoder::default();
+            for r in &results {
+                let refs: Vec<ReplicaRef<'_>> = r.replicas.iter().map(|l| ReplicaRef {
+                    segment: &l.segment,
+                    offset: l.offset,
+                    size: l.size,
+                    tier: l.tier,
+                    put_id: l.put_id,
+                }).collect();
+                enc.result(r.code, r.size, refs.iter().copied());
+            }
+            let ours = enc.finish(lease_ttl_ms);
+            prop_assert_eq!(&ours, &theirs.encode_to_vec());
+            let d = decode(&ours).unwrap();
+            prop_assert_eq!(d.lease_ttl_ms, lease_ttl_ms);
+            prop_assert_eq!(d.results.len(), results.len());
+            for (f, r) in d.results.iter().zip(&results) {
+                prop_assert_eq!(f.code, r.code);
+                prop_assert_eq!(f.size, r.size);
+                let got = &d.replicas[f.replicas.clone()];
+                prop_assert_eq!(got.len(), r.replicas.len());
+                for (g, l) in got.iter().zip(&r.replicas) {
+                    prop_assert_eq!(g.segment, l.segment.as_str());
+                    prop_assert_eq!((g.offset, g.size, g.tier, g.put_id), (l.offset, l.size, l.tier, l.put_id));
+                }
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn malformed_messages_are_errors() {
+        assert!(decode(&[0x0a, 5, 0x08]).is_err(), "truncated result");
+        assert!(decode(&[0x0a, 3, 0x1a, 1, 0x0b]).is_err(), "bad replica");
+        assert!(
+            decode(&[0x0a, 4, 0x1a, 2, 0x0a, 0xff]).is_err(),
+            "truncated segment"
+        );
+    }
+}
