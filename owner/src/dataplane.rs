@@ -59,6 +59,23 @@ struct Connection {
     key_buf: Vec<u8>,
 }
 
+/// Forgets what a range held unless the write into it finished. Declared after the range's write
+/// guard, so on drop it runs before the guard lets readers in.
+struct ForgetUnlessFinished<'a> {
+    index: &'a KeyIndex,
+    offset: u64,
+    len: u64,
+    finished: bool,
+}
+
+impl Drop for ForgetUnlessFinished<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.index.forget(self.offset, self.len);
+        }
+    }
+}
+
 /// Why a request was refused while the connection stays usable.
 struct Refusal {
     code: Code,
@@ -198,13 +215,20 @@ impl Connection {
                 }));
             }
         };
-        // While the guard is held no reader overlaps the range. The range stops naming its old
-        // key before the first byte changes, and names the new one only once every byte landed,
-        // so a read never returns a torn or foreign value: it is refused instead.
-        self.index.forget(h.offset, h.length);
+        // While the guard is held no reader overlaps the range. The range names the new key
+        // only once every byte landed; a write that fails or is cancelled part-way makes it name
+        // nothing before the guard lets readers in (the forget runs first on drop), so a read
+        // never returns a torn or foreign value: it is refused instead.
+        let index = self.index.clone();
+        let mut unfinished = ForgetUnlessFinished {
+            index: &index,
+            offset: h.offset,
+            len: h.length,
+            finished: false,
+        };
         self.reader.read_exact(&mut guard).await?;
-        self.index.record(h.offset, h.length, key);
-        drop(guard);
+        index.record(h.offset, h.length, key);
+        unfinished.finished = true;
         Ok(Ok(()))
     }
 

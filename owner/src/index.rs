@@ -27,15 +27,14 @@ impl KeyIndex {
 
     fn remove_overlapping(ranges: &mut BTreeMap<u64, (ObjectKey, u64)>, offset: u64, len: u64) {
         let end = offset + len;
-        let overlapping: Vec<u64> = ranges
+        // Recorded ranges never overlap, so the last one starting before `end` either overlaps
+        // or ends at or before `offset`, and then so does every earlier one. Usually there is
+        // none, and this is one lookup.
+        while let Some((&start, _)) = ranges
             .range(..end)
-            .rev()
-            // Recorded ranges never overlap, so the first one ending at or before `offset`
-            // means every earlier one does too.
-            .take_while(|(start, (_, l))| **start + *l > offset)
-            .map(|(start, _)| *start)
-            .collect();
-        for start in overlapping {
+            .next_back()
+            .filter(|(start, (_, l))| **start + *l > offset)
+        {
             ranges.remove(&start);
         }
     }

@@ -153,6 +153,41 @@ async fn malformed_truncated_and_out_of_range_frames_get_errors_and_the_owner_ke
     assert!(closed(&mut s).await);
     assert!(t.elapsed() < Duration::from_secs(3));
     ping_ok(addr).await;
+    // Its ten bytes landed over "mine": the range no longer names "mine" (never torn bytes).
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&header(Op::Read, "mine", 0, 64)).await.unwrap();
+    assert_eq!(response(&mut s).await.0.status, -704);
+    // Likewise for a writer that goes away mid-payload.
+    let mut f = header(Op::Write, "whole", 4096, 64);
+    f.extend_from_slice(&payload("whole", 64));
+    s.write_all(&f).await.unwrap();
+    assert_eq!(response(&mut s).await.0.status, 0);
+    let mut w = TcpStream::connect(addr).await.unwrap();
+    let mut f = header(Op::Write, "torn", 4096, 64);
+    f.extend_from_slice(&[9u8; 20]);
+    w.write_all(&f).await.unwrap();
+    drop(w);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        s.write_all(&header(Op::Read, "whole", 4096, 64))
+            .await
+            .unwrap();
+        let (h, body) = response(&mut s).await;
+        if h.status == -704 {
+            break;
+        }
+        // Until the owner sees the writer gone, the range is busy or still whole.
+        assert!(
+            h.status == -800 || (h.status == 0 && body == payload("whole", 64)),
+            "status {} after a torn write",
+            h.status
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the torn range still names its old key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // After the stalled writer was cut off its range is free for a proper write.
     let mut s = TcpStream::connect(addr).await.unwrap();
     let mut f = header(Op::Write, "slow", 0, 100);
