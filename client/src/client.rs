@@ -258,12 +258,12 @@ impl Client {
                 hard_pin: config.hard_pin,
             }),
         };
-        let grants = match self.master.put_start(req).await {
-            Ok(r) if r.results.len() == valid.len() => r.results,
+        let started = match self.master.put_start(req).await {
+            Ok(r) if r.starts.len() == valid.len() => r,
             Ok(r) => {
                 let msg = format!(
                     "master answered {} results for {} keys",
-                    r.results.len(),
+                    r.starts.len(),
                     valid.len()
                 );
                 return fill(results, valid, || ClientError::Rpc(msg.clone()));
@@ -275,19 +275,16 @@ impl Client {
         // Every replica write, one batch per owner, all owners at once.
         let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
         let mut groups: Vec<(SegmentName, Vec<usize>, Vec<WriteItem<'_>>)> = Vec::new();
-        for (slot, ((i, key), grant)) in valid.iter().zip(&grants).enumerate() {
+        let grants = &started.starts;
+        for (slot, ((i, key), grant)) in valid.iter().zip(grants).enumerate() {
             if grant.code != 0 {
                 continue;
             }
-            for rep in &grant.replicas {
-                let seg = match SegmentName::parse(&rep.segment) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        write_errors[slot].get_or_insert(ClientError::Rpc(format!(
-                            "master sent a bad segment name: {e}"
-                        )));
-                        continue;
-                    }
+            for rep in started.replicas(grant) {
+                let Some(seg) = rep.segment.clone() else {
+                    write_errors[slot]
+                        .get_or_insert(ClientError::Rpc("master sent a bad segment name".into()));
+                    continue;
                 };
                 let g = match groups.iter().position(|(s, ..)| *s == seg) {
                     Some(g) => g,
@@ -317,7 +314,7 @@ impl Client {
         }
 
         let (mut end, mut revoke) = (Vec::new(), Vec::new());
-        for (slot, ((i, key), grant)) in valid.iter().zip(&grants).enumerate() {
+        for (slot, ((i, key), grant)) in valid.iter().zip(grants).enumerate() {
             let put_ref = pb::PutRef {
                 key: key.to_string(),
                 put_id: grant.put_id,

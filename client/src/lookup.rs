@@ -1,4 +1,4 @@
-//! A batch lookup's answer in the client's own form: per key a code, a size and a run of replica
+//! A batch lookup's answer (and a batch put start's) in the client's own form: per key a code, a size and a run of replica
 //! locations, the segment names parsed once per distinct segment (a batch mostly names one or two
 //! owners) and shared. Built from the framed RPC's bytes without a `String` per replica, or from
 //! gRPC's message.
@@ -32,16 +32,7 @@ impl Lookup {
     pub fn from_decoded(d: pbreplicas::Decoded<'_>) -> Lookup {
         let mut names = Interner::default();
         Lookup {
-            locations: d
-                .replicas
-                .iter()
-                .map(|r| Location {
-                    segment: names.get(r.segment),
-                    offset: r.offset,
-                    disk: r.tier == pb::ReplicaTier::Disk as i32,
-                    put_id: r.put_id,
-                })
-                .collect(),
+            locations: d.replicas.iter().map(|r| location(r, &mut names)).collect(),
             results: d.results,
             lease_ttl_ms: d.lease_ttl_ms,
         }
@@ -55,12 +46,7 @@ impl Lookup {
             .iter()
             .map(|r| {
                 let start = locations.len();
-                locations.extend(r.replicas.iter().map(|l| Location {
-                    segment: names.get(&l.segment),
-                    offset: l.offset,
-                    disk: l.tier == pb::ReplicaTier::Disk as i32,
-                    put_id: l.put_id,
-                }));
+                locations.extend(r.replicas.iter().map(|l| pb_location(l, &mut names)));
                 pbreplicas::Found {
                     code: r.code,
                     size: r.size,
@@ -76,6 +62,89 @@ impl Lookup {
             locations,
             lease_ttl_ms: resp.lease_ttl_ms,
         }
+    }
+}
+
+/// A batch put start's answer: per key a code (and message), the put's id and a run of the
+/// replica locations to write.
+#[derive(Debug, Default)]
+pub struct Starts {
+    pub starts: Vec<Start>,
+    pub locations: Vec<Location>,
+}
+
+#[derive(Debug)]
+pub struct Start {
+    pub code: i32,
+    pub message: String,
+    pub put_id: u64,
+    replicas: Range<usize>,
+}
+
+fn location(r: &pbreplicas::ReplicaRef<'_>, names: &mut Interner) -> Location {
+    Location {
+        segment: names.get(r.segment),
+        offset: r.offset,
+        disk: r.tier == pb::ReplicaTier::Disk as i32,
+        put_id: r.put_id,
+    }
+}
+
+fn pb_location(l: &pb::ReplicaLocation, names: &mut Interner) -> Location {
+    location(
+        &pbreplicas::ReplicaRef {
+            segment: &l.segment,
+            offset: l.offset,
+            size: l.size,
+            tier: l.tier,
+            put_id: l.put_id,
+        },
+        names,
+    )
+}
+
+impl Starts {
+    pub fn replicas(&self, s: &Start) -> &[Location] {
+        self.locations.get(s.replicas.clone()).unwrap_or(&[])
+    }
+
+    pub fn from_decoded(
+        starts: Vec<pbreplicas::Started<'_>>,
+        replicas: Vec<pbreplicas::ReplicaRef<'_>>,
+    ) -> Starts {
+        let mut names = Interner::default();
+        Starts {
+            locations: replicas.iter().map(|r| location(r, &mut names)).collect(),
+            starts: starts
+                .into_iter()
+                .map(|s| Start {
+                    code: s.code,
+                    message: s.message.to_string(),
+                    put_id: s.put_id,
+                    replicas: s.replicas,
+                })
+                .collect(),
+        }
+    }
+
+    pub fn from_pb(resp: pb::BatchPutStartResponse) -> Starts {
+        let mut names = Interner::default();
+        let mut locations = Vec::new();
+        let starts = resp
+            .results
+            .into_iter()
+            .map(|r| {
+                let start = locations.len();
+                locations.extend(r.replicas.iter().map(|l| pb_location(l, &mut names)));
+                Start {
+                    code: r.code,
+                    message: r.message,
+                    put_id: r.put_id,
+                    replicas: start..locations.len(),
+                }
+            })
+            .collect();
+        Starts { starts, locations }
     }
 }
 

@@ -23,7 +23,10 @@ use tonic::{
     Response, Status,
 };
 
-use crate::{error::ClientError, lookup::Lookup};
+use crate::{
+    error::ClientError,
+    lookup::{Lookup, Starts},
+};
 
 /// How the client talks to the master.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -124,14 +127,34 @@ impl MasterRpc {
         }
     }
 
-    pub async fn put_start(
-        &self,
-        req: pb::BatchPutStartRequest,
-    ) -> Result<pb::BatchPutStartResponse, ClientError> {
-        self.unary(Method::BatchPutStart, req, |mut c, r| async move {
-            c.batch_put_start(r).await
-        })
-        .await
+    /// Starts puts: space for each, or why not. On the framed RPC the answer is read without a
+    /// message struct.
+    pub async fn put_start(&self, req: pb::BatchPutStartRequest) -> Result<Starts, ClientError> {
+        let pool = match &self.backend {
+            Backend::Framed(pool) => pool,
+            Backend::Grpc(_) => {
+                let resp: pb::BatchPutStartResponse = self
+                    .unary(Method::BatchPutStart, req, |mut c, r| async move {
+                        c.batch_put_start(r).await
+                    })
+                    .await?;
+                return Ok(Starts::from_pb(resp));
+            }
+        };
+        let call = pool.call_raw(Method::BatchPutStart, req.encoded_len(), |buf| {
+            req.encode(buf).expect("a Vec grows as needed")
+        });
+        let body = match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r?,
+            Err(_) => return Err(ClientError::RpcTimeout(self.timeout)),
+        };
+        let (starts, replicas) = pbreplicas::decode_put_start(&body).map_err(|e| {
+            ClientError::Rpc(format!(
+                "master {} sent an undecodable answer: {e}",
+                pool.addr
+            ))
+        })?;
+        Ok(Starts::from_decoded(starts, replicas))
     }
 
     pub async fn put_end(&self, items: Vec<pb::PutRef>) -> Result<Vec<i32>, ClientError> {

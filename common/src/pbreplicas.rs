@@ -1,5 +1,5 @@
-//! `BatchGetReplicasResponse` written and read without a message struct and a `String` per
-//! replica: the master encodes straight from its state, the client reads replica locations as
+//! `BatchGetReplicasResponse` and `BatchPutStartResponse` written and read without message
+//! structs and a `String` per replica: the master encodes straight from its state, the client reads replica locations as
 //! slices of the answer. A get of 64 small values otherwise spends more on these allocations than
 //! on the lookups. The bytes are exactly prost's for the generated types (zero fields omitted,
 //! negative codes as ten-byte varints), so either side may use those instead.
@@ -78,6 +78,21 @@ fn replica_len(r: &ReplicaRef<'_>) -> usize {
         + u64_len(5, r.put_id)
 }
 
+/// A `ReplicaLocation` as field `field` of the enclosing message.
+fn put_replica(field: u64, r: &ReplicaRef<'_>, out: &mut Vec<u8>) {
+    put_varint(tag(field, LEN), out);
+    put_varint(replica_len(r) as u64, out);
+    if !r.segment.is_empty() {
+        put_varint(tag(1, LEN), out);
+        put_varint(r.segment.len() as u64, out);
+        out.extend_from_slice(r.segment.as_bytes());
+    }
+    put_u64(2, r.offset, out);
+    put_u64(3, r.size, out);
+    put_u64(4, i32_wire(r.tier), out);
+    put_u64(5, r.put_id, out);
+}
+
 impl Encoder {
     pub fn with_capacity(bytes: usize) -> Self {
         Encoder {
@@ -106,17 +121,42 @@ impl Encoder {
         put_u64(1, i32_wire(code), out);
         put_u64(2, size, out);
         for r in replicas {
-            put_varint(tag(3, LEN), out);
-            put_varint(replica_len(&r) as u64, out);
-            if !r.segment.is_empty() {
-                put_varint(tag(1, LEN), out);
-                put_varint(r.segment.len() as u64, out);
-                out.extend_from_slice(r.segment.as_bytes());
-            }
-            put_u64(2, r.offset, out);
-            put_u64(3, r.size, out);
-            put_u64(4, i32_wire(r.tier), out);
-            put_u64(5, r.put_id, out);
+            put_replica(3, &r, out);
+        }
+    }
+
+    /// Appends one put's start (a `PutStartResult`, field 1 of `BatchPutStartResponse`).
+    pub fn put_start_result<'r, I>(&mut self, code: i32, message: &str, put_id: u64, replicas: I)
+    where
+        I: IntoIterator<Item = ReplicaRef<'r>>,
+        I::IntoIter: Clone,
+    {
+        let replicas = replicas.into_iter();
+        let lens: usize = replicas
+            .clone()
+            .map(|r| {
+                let n = replica_len(&r);
+                1 + varint_len(n as u64) + n
+            })
+            .sum();
+        let msg = if message.is_empty() {
+            0
+        } else {
+            1 + varint_len(message.len() as u64) + message.len()
+        };
+        let body = u64_len(1, i32_wire(code)) + msg + u64_len(3, put_id) + lens;
+        let out = &mut self.out;
+        put_varint(tag(1, LEN), out);
+        put_varint(body as u64, out);
+        put_u64(1, i32_wire(code), out);
+        if !message.is_empty() {
+            put_varint(tag(2, LEN), out);
+            put_varint(message.len() as u64, out);
+            out.extend_from_slice(message.as_bytes());
+        }
+        put_u64(3, put_id, out);
+        for r in replicas {
+            put_replica(4, &r, out);
         }
     }
 
@@ -156,6 +196,50 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
         Ok(())
     })?;
     Ok(d)
+}
+
+/// One put's start as read from a `BatchPutStartResponse`; its replicas are
+/// `replicas[range]` of the decoded answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Started<'a> {
+    pub code: i32,
+    pub message: &'a str,
+    pub put_id: u64,
+    pub replicas: Range<usize>,
+}
+
+/// Reads a `BatchPutStartResponse`: the starts, and every replica they name.
+#[allow(clippy::type_complexity)]
+pub fn decode_put_start(body: &[u8]) -> Result<(Vec<Started<'_>>, Vec<ReplicaRef<'_>>), String> {
+    let (mut starts, mut replicas) = (Vec::new(), Vec::new());
+    walk(body, |field, value| {
+        if let (1, Value::Bytes(b)) = (field, value) {
+            let start = replicas.len();
+            let mut st = Started {
+                code: 0,
+                message: "",
+                put_id: 0,
+                replicas: start..start,
+            };
+            walk(b, |f, v| {
+                match (f, v) {
+                    (1, Value::Int(c)) => st.code = c as i32,
+                    (2, Value::Bytes(m)) => {
+                        st.message = std::str::from_utf8(m)
+                            .map_err(|_| "message is not UTF-8".to_string())?
+                    }
+                    (3, Value::Int(id)) => st.put_id = id,
+                    (4, Value::Bytes(r)) => replicas.push(replica(r)?),
+                    _ => {}
+                }
+                Ok(())
+            })?;
+            st.replicas = start..replicas.len();
+            starts.push(st);
+        }
+        Ok(())
+    })?;
+    Ok((starts, replicas))
 }
 
 fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
@@ -298,8 +382,46 @@ mod tests {
         }
 
         #[test]
+        fn put_starts_match_prost_both_ways(
+            starts in proptest::collection::vec(
+                (any::<i32>(), "[a-z é]{0,30}", any::<u64>(), proptest::collection::vec(replica_strategy(), 0..3)),
+                0..20,
+            ),
+        ) {
+            let results: Vec<pb::PutStartResult> = starts
+                .into_iter()
+                .map(|(code, message, put_id, replicas)| pb::PutStartResult { code, message, put_id, replicas })
+                .collect();
+            let theirs = pb::BatchPutStartResponse { results: results.clone() };
+            let mut enc = Encoder::default();
+            for r in &results {
+                enc.put_start_result(r.code, &r.message, r.put_id, r.replicas.iter().map(|l| ReplicaRef {
+                    segment: &l.segment,
+                    offset: l.offset,
+                    size: l.size,
+                    tier: l.tier,
+                    put_id: l.put_id,
+                }));
+            }
+            let ours = enc.finish(0);
+            prop_assert_eq!(&ours, &theirs.encode_to_vec());
+            let (got, reps) = decode_put_start(&ours).unwrap();
+            prop_assert_eq!(got.len(), results.len());
+            for (g, r) in got.iter().zip(&results) {
+                prop_assert_eq!((g.code, g.message, g.put_id), (r.code, r.message.as_str(), r.put_id));
+                let rs = &reps[g.replicas.clone()];
+                prop_assert_eq!(rs.len(), r.replicas.len());
+                for (a, b) in rs.iter().zip(&r.replicas) {
+                    prop_assert_eq!(a.segment, b.segment.as_str());
+                    prop_assert_eq!((a.offset, a.size, a.tier, a.put_id), (b.offset, b.size, b.tier, b.put_id));
+                }
+            }
+        }
+
+        #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = decode(&bytes);
+            let _ = decode_put_start(&bytes);
         }
     }
 

@@ -109,9 +109,13 @@ async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>)
         Method::Heartbeat => {
             call::<pb::HeartbeatRequest, _, _, _>(body, |r| svc.heartbeat(r)).await
         }
-        Method::BatchPutStart => {
-            call::<pb::BatchPutStartRequest, _, _, _>(body, |r| svc.batch_put_start(r)).await
-        }
+        Method::BatchPutStart => match pb::BatchPutStartRequest::decode(body) {
+            Ok(req) => (rpc_wire::STATUS_OK, svc.put_start_encoded(req).await),
+            Err(e) => (
+                rpc_wire::STATUS_BAD_REQUEST,
+                format!("cannot decode the request: {e}").into_bytes(),
+            ),
+        },
         Method::BatchPutEnd => {
             call::<pb::BatchPutEndRequest, _, _, _>(body, |r| svc.batch_put_end(r)).await
         }

@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 
 use crate::{
     clock::Clock,
-    core::{HeartbeatReply, MasterState, ReplicaView, ReplicateConfig, Tier},
+    core::{HeartbeatReply, MasterState, PutGrant, ReplicaView, ReplicateConfig, Tier},
     error::MasterError,
     metrics::{Metrics, Op},
 };
@@ -76,6 +76,11 @@ pub(crate) fn client_id(s: &str) -> Result<ClientId, Status> {
 
 pub(crate) fn segment(s: &str) -> Result<SegmentName, Status> {
     SegmentName::parse(s).map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+fn short_of_memory(r: &Result<PutGrant, MasterError>) -> bool {
+    r.as_ref()
+        .is_err_and(|e| e.code() == Code::NoAvailableHandle)
 }
 
 fn replica_ref(v: &ReplicaView) -> pbreplicas::ReplicaRef<'_> {
@@ -190,86 +195,26 @@ impl pb::master_server::Master for MasterService {
         &self,
         req: Request<pb::BatchPutStartRequest>,
     ) -> Reply<pb::BatchPutStartResponse> {
-        let r = req.into_inner();
-        let config = replicate_config(r.config);
-        let mut results: Vec<Option<pb::PutStartResult>> = vec![None; r.items.len()];
-        let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
-        loop {
-            // Registered before looking, so progress made in between is not missed.
-            let progress = self.shared.offload_progress.notified();
-            tokio::pin!(progress);
-            progress.as_mut().enable();
-            let waiting = {
-                let now = self.shared.clock.now();
-                let mut state = self.shared.state.lock();
-                for (item, slot) in r.items.iter().zip(results.iter_mut()) {
-                    if slot
-                        .as_ref()
-                        .is_some_and(|x| x.code != Code::NoAvailableHandle.as_i32())
-                    {
-                        continue;
-                    }
-                    let res = config
-                        .as_ref()
-                        .map_err(Clone::clone)
-                        .and_then(|c| state.put_start(&key(&item.key)?, item.size, c, now));
-                    *slot = Some(match res {
-                        Ok(grant) => pb::PutStartResult {
-                            code: 0,
-                            message: String::new(),
-                            put_id: grant.put_id,
-                            replicas: grant.replicas.into_iter().map(location).collect(),
-                        },
-                        Err(e) => pb::PutStartResult {
-                            code: e.code().as_i32(),
-                            message: e.to_string(),
-                            put_id: 0,
-                            replicas: Vec::new(),
-                        },
-                    });
-                }
-                // Out of memory while offloads are on their way to disk: their memory comes
-                // back when they land, so start room for every item still short at once and
-                // wait for it (briefly) instead of failing.
-                let short: u64 = r
-                    .items
-                    .iter()
-                    .zip(&results)
-                    .filter(|(_, x)| {
-                        x.as_ref()
-                            .is_some_and(|x| x.code == Code::NoAvailableHandle.as_i32())
-                    })
-                    .map(|(i, _)| i.size)
-                    .sum();
-                let freed_now = if short > 0 {
-                    state.make_room(now, short)
-                } else {
-                    0
-                };
-                self.shared.wake_owners(&mut state);
-                if short > 0 && freed_now > 0 {
-                    // Room came free at once (objects with disk copies left memory): try again.
-                    continue;
-                }
-                short > 0 && state.offloads_outstanding()
-            };
-            if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
-                break;
-            }
-        }
-        let results: Vec<pb::PutStartResult> = results
-            .into_iter()
-            .map(|x| x.expect("every item tried"))
-            .collect();
-        // An existing key is the normal write-once outcome, not a failure.
-        let failed = results
-            .iter()
-            .filter(|x| x.code != 0 && x.code != Code::ObjectAlreadyExists.as_i32())
-            .count();
-        self.shared
-            .metrics
-            .record(Op::PutStart, results.len(), failed);
-        Ok(Response::new(pb::BatchPutStartResponse { results }))
+        let results = self.put_start_items(req.into_inner()).await;
+        Ok(Response::new(pb::BatchPutStartResponse {
+            results: results
+                .into_iter()
+                .map(|r| match r {
+                    Ok(grant) => pb::PutStartResult {
+                        code: 0,
+                        message: String::new(),
+                        put_id: grant.put_id,
+                        replicas: grant.replicas.into_iter().map(location).collect(),
+                    },
+                    Err(e) => pb::PutStartResult {
+                        code: e.code().as_i32(),
+                        message: e.to_string(),
+                        put_id: 0,
+                        replicas: Vec::new(),
+                    },
+                })
+                .collect(),
+        }))
     }
 
     async fn batch_put_end(
@@ -421,6 +366,93 @@ impl pb::master_server::Master for MasterService {
 impl MasterService {
     /// Batch exists over borrowed keys: the framed RPC decodes them straight from the request
     /// frame, so a batch of 10k keys allocates nothing per key on either path.
+    /// Starts every put of `r`: space on `replica_num` segments each, or the reason why not. A
+    /// batch short of memory while offloads are on their way waits (briefly) for their room.
+    pub async fn put_start_items(
+        &self,
+        r: pb::BatchPutStartRequest,
+    ) -> Vec<Result<PutGrant, MasterError>> {
+        let config = replicate_config(r.config);
+        let mut results: Vec<Option<Result<PutGrant, MasterError>>> =
+            (0..r.items.len()).map(|_| None).collect();
+        let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
+        loop {
+            // Registered before looking, so progress made in between is not missed.
+            let progress = self.shared.offload_progress.notified();
+            tokio::pin!(progress);
+            progress.as_mut().enable();
+            let waiting =
+                {
+                    let now = self.shared.clock.now();
+                    let mut state = self.shared.state.lock();
+                    for (item, slot) in r.items.iter().zip(results.iter_mut()) {
+                        if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
+                            continue;
+                        }
+                        *slot =
+                            Some(config.as_ref().map_err(Clone::clone).and_then(|c| {
+                                state.put_start(&key(&item.key)?, item.size, c, now)
+                            }));
+                    }
+                    // Out of memory while offloads are on their way to disk: their memory comes
+                    // back when they land, so start room for every item still short at once and
+                    // wait for it (briefly) instead of failing.
+                    let short: u64 = r
+                        .items
+                        .iter()
+                        .zip(&results)
+                        .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
+                        .map(|(i, _)| i.size)
+                        .sum();
+                    let freed_now = if short > 0 {
+                        state.make_room(now, short)
+                    } else {
+                        0
+                    };
+                    self.shared.wake_owners(&mut state);
+                    if short > 0 && freed_now > 0 {
+                        // Room came free at once (objects with disk copies left memory): try again.
+                        continue;
+                    }
+                    short > 0 && state.offloads_outstanding()
+                };
+            if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
+                break;
+            }
+        }
+        let results: Vec<Result<PutGrant, MasterError>> = results
+            .into_iter()
+            .map(|x| x.expect("every item tried"))
+            .collect();
+        // An existing key is the normal write-once outcome, not a failure.
+        let failed = results
+            .iter()
+            .filter(|x| {
+                x.as_ref()
+                    .is_err_and(|e| e.code() != Code::ObjectAlreadyExists)
+            })
+            .count();
+        self.shared
+            .metrics
+            .record(Op::PutStart, results.len(), failed);
+        results
+    }
+
+    /// `batch_put_start` for the framed RPC: the answer encoded straight from the grants.
+    pub async fn put_start_encoded(&self, r: pb::BatchPutStartRequest) -> Vec<u8> {
+        let results = self.put_start_items(r).await;
+        let mut enc = pbreplicas::Encoder::with_capacity(results.len() * 48);
+        for r in &results {
+            match r {
+                Ok(g) => enc.put_start_result(0, "", g.put_id, g.replicas.iter().map(replica_ref)),
+                Err(e) => {
+                    enc.put_start_result(e.code().as_i32(), &e.to_string(), 0, std::iter::empty())
+                }
+            }
+        }
+        enc.finish(0)
+    }
+
     /// `batch_get_replicas` for the framed RPC: keys borrowed from the request, the answer
     /// encoded straight from the state (no message structs, no `String` per replica).
     pub fn get_replicas_encoded(&self, keys: &[&str]) -> Vec<u8> {
