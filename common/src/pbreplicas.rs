@@ -78,6 +78,16 @@ fn replica_len(r: &ReplicaRef<'_>) -> usize {
         + u64_len(5, r.put_id)
 }
 
+/// Bytes `put_replica` writes for every replica of `replicas`.
+fn replicas_len<'r>(replicas: impl Iterator<Item = ReplicaRef<'r>>) -> usize {
+    replicas
+        .map(|r| {
+            let n = replica_len(&r);
+            1 + varint_len(n as u64) + n
+        })
+        .sum()
+}
+
 /// A `ReplicaLocation` as field `field` of the enclosing message.
 fn put_replica(field: u64, r: &ReplicaRef<'_>, out: &mut Vec<u8>) {
     put_varint(tag(field, LEN), out);
@@ -107,13 +117,7 @@ impl Encoder {
         I::IntoIter: Clone,
     {
         let replicas = replicas.into_iter();
-        let lens: usize = replicas
-            .clone()
-            .map(|r| {
-                let n = replica_len(&r);
-                1 + varint_len(n as u64) + n
-            })
-            .sum();
+        let lens = replicas_len(replicas.clone());
         let body = u64_len(1, i32_wire(code)) + u64_len(2, size) + lens;
         let out = &mut self.out;
         put_varint(tag(1, LEN), out);
@@ -132,13 +136,7 @@ impl Encoder {
         I::IntoIter: Clone,
     {
         let replicas = replicas.into_iter();
-        let lens: usize = replicas
-            .clone()
-            .map(|r| {
-                let n = replica_len(&r);
-                1 + varint_len(n as u64) + n
-            })
-            .sum();
+        let lens = replicas_len(replicas.clone());
         let msg = if message.is_empty() {
             0
         } else {

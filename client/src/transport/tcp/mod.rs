@@ -437,6 +437,14 @@ impl TcpTransport {
 }
 
 impl TcpTransport {
+    /// How many threads (1: the caller's runtime only) and connections a batch gets.
+    fn split_plan(&self, items: usize, bytes: u64) -> (usize, usize) {
+        match self.threads_for(items, bytes) {
+            1 => (1, self.fan_out(items, bytes)),
+            t => (t, t),
+        }
+    }
+
     /// Splits a batch of reads over connections by size and pipelines each chunk; a batch of
     /// several MiB goes over several threads.
     async fn spread_reads<'k, 'b>(
@@ -445,13 +453,7 @@ impl TcpTransport {
         items: &mut [ReadItem<'k, 'b>],
         op: Op,
     ) -> Vec<Result<(), TransferError>> {
-        let bytes: u64 = items.iter().map(|i| i.len()).sum();
-        let threads = self.threads_for(items.len(), bytes);
-        let k = if threads > 1 {
-            threads
-        } else {
-            self.fan_out(items.len(), bytes)
-        };
+        let (threads, k) = self.split_plan(items.len(), items.iter().map(|i| i.len()).sum());
         let bounds = chunk_bounds(items.len(), k);
         let mut rest: &mut [ReadItem<'k, 'b>] = items;
         let mut chunks = Vec::with_capacity(k);
@@ -483,13 +485,7 @@ impl TcpTransport {
         target: &SegmentName,
         items: &[WriteItem<'_>],
     ) -> Vec<Result<(), TransferError>> {
-        let bytes: u64 = items.iter().map(|i| i.len()).sum();
-        let threads = self.threads_for(items.len(), bytes);
-        let k = if threads > 1 {
-            threads
-        } else {
-            self.fan_out(items.len(), bytes)
-        };
+        let (threads, k) = self.split_plan(items.len(), items.iter().map(|i| i.len()).sum());
         let chunks: Vec<(usize, &[WriteItem<'_>])> = chunk_bounds(items.len(), k)
             .into_iter()
             .map(|(a, b)| (b - a, &items[a..b]))
