@@ -303,48 +303,46 @@ impl NativeStore {
     fn put_from(
         &self,
         py: Python<'_>,
-        key: &str,
+        key: PyBackedStr,
         buffer_ptr: usize,
         size: usize,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
-        self.batch_put_from(
-            py,
-            vec![key.to_string()],
-            vec![buffer_ptr],
-            vec![size],
-            config,
-        )[0]
+        let key = std::slice::from_ref(&key);
+        self.put_from_ranges(py, key, &[(buffer_ptr, size)], &[1], config)[0]
     }
 
-    fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
-        self.batch_get_into(py, vec![key.to_string()], vec![buffer_ptr], vec![size])[0]
+    fn get_into(&self, py: Python<'_>, key: PyBackedStr, buffer_ptr: usize, size: usize) -> i64 {
+        let key = std::slice::from_ref(&key);
+        self.get_into_ranges(py, key, &[(buffer_ptr, size)], &[1])[0]
     }
 
     #[pyo3(signature = (keys, buffer_ptrs, sizes, config=None))]
     fn batch_put_from(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: Vec<PyBackedStr>,
         buffer_ptrs: Vec<usize>,
         sizes: Vec<usize>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
-        let ptrs: Vec<Vec<usize>> = buffer_ptrs.into_iter().map(|p| vec![p]).collect();
-        let sizes: Vec<Vec<usize>> = sizes.into_iter().map(|s| vec![s]).collect();
-        self.batch_put_from_multi_buffers(py, keys, ptrs, sizes, config)
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, config),
+            None => vec![INVALID; keys.len()],
+        }
     }
 
     fn batch_get_into(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: Vec<PyBackedStr>,
         buffer_ptrs: Vec<usize>,
         sizes: Vec<usize>,
     ) -> Vec<i64> {
-        let ptrs: Vec<Vec<usize>> = buffer_ptrs.into_iter().map(|p| vec![p]).collect();
-        let sizes: Vec<Vec<usize>> = sizes.into_iter().map(|s| vec![s]).collect();
-        self.batch_get_into_multi_buffers(py, keys, ptrs, sizes, false)
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some((ranges, counts)) => self.get_into_ranges(py, &keys, &ranges, &counts),
+            None => vec![INVALID as i64; keys.len()],
+        }
     }
 
     /// Each key's value is the concatenation of its buffers, all inside registered memory.
@@ -352,56 +350,15 @@ impl NativeStore {
     fn batch_put_from_multi_buffers(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: Vec<PyBackedStr>,
         all_buffer_ptrs: Vec<Vec<usize>>,
         all_sizes: Vec<Vec<usize>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
-        if !shapes_match(&keys, &all_buffer_ptrs, &all_sizes) {
-            return vec![INVALID; keys.len()];
+        match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
+            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, config),
+            None => vec![INVALID; keys.len()],
         }
-        let cfg = replicate(config);
-        let pinned = self.registry.pin();
-        let mut out = vec![INVALID; keys.len()];
-        let mut idx = Vec::with_capacity(keys.len());
-        let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
-        for (i, (ptrs, sizes)) in all_buffer_ptrs.iter().zip(&all_sizes).enumerate() {
-            let slices: Option<Vec<&[u8]>> = ptrs
-                .iter()
-                .zip(sizes)
-                .map(|(&p, &n)| pinned.slice(p, n))
-                .collect();
-            match slices {
-                Some(s) => {
-                    idx.push(i);
-                    parts.push(s);
-                }
-                None => log_unregistered(
-                    "batch_put_from",
-                    ptrs.first().copied().unwrap_or(0),
-                    sizes.iter().sum(),
-                ),
-            }
-        }
-        let items: Vec<(&str, &[&[u8]])> = idx
-            .iter()
-            .zip(&parts)
-            .map(|(&i, p)| (keys[i].as_str(), &p[..]))
-            .collect();
-        let codes = self.with_session(py, None, |s| {
-            Some(
-                s.rt.block_on(s.client.batch_put_parts(&items, &cfg))
-                    .iter()
-                    .map(put_code)
-                    .collect::<Vec<_>>(),
-            )
-        });
-        if let Some(codes) = codes {
-            for (i, c) in idx.into_iter().zip(codes) {
-                out[i] = c;
-            }
-        }
-        out
     }
 
     /// Each object is scattered over its buffers in order; they must hold it together (-600 if not).
@@ -409,62 +366,16 @@ impl NativeStore {
     fn batch_get_into_multi_buffers(
         &self,
         py: Python<'_>,
-        keys: Vec<String>,
+        keys: Vec<PyBackedStr>,
         all_buffer_ptrs: Vec<Vec<usize>>,
         all_sizes: Vec<Vec<usize>>,
         prefer_alloc_in_same_node: bool,
     ) -> Vec<i64> {
         let _ = prefer_alloc_in_same_node; // placement is the master's; reads prefer the local replica already
-        if !shapes_match(&keys, &all_buffer_ptrs, &all_sizes) {
-            return vec![INVALID as i64; keys.len()];
+        match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
+            Some((ranges, counts)) => self.get_into_ranges(py, &keys, &ranges, &counts),
+            None => vec![INVALID as i64; keys.len()],
         }
-        let pinned = self.registry.pin();
-        // Destinations of the whole batch must not alias: check them all together.
-        let flat: Vec<(usize, usize)> = all_buffer_ptrs
-            .iter()
-            .zip(&all_sizes)
-            .flat_map(|(p, s)| p.iter().copied().zip(s.iter().copied()))
-            .collect();
-        let mut slices = pinned.slices_mut(&flat).into_iter();
-        let mut out = vec![INVALID as i64; keys.len()];
-        let mut idx = Vec::with_capacity(keys.len());
-        let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
-        for (i, ptrs) in all_buffer_ptrs.iter().enumerate() {
-            let mine: Option<Vec<&mut [u8]>> = slices.by_ref().take(ptrs.len()).collect();
-            match mine {
-                Some(b) => {
-                    idx.push(i);
-                    bufs.push(b);
-                }
-                None => log_unregistered(
-                    "batch_get_into",
-                    ptrs.first().copied().unwrap_or(0),
-                    all_sizes[i].iter().sum(),
-                ),
-            }
-        }
-        let key_refs: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
-        let got = self.with_session(py, None, |s| {
-            let res =
-                s.rt.block_on(s.client.batch_get_parts(&key_refs, &mut bufs));
-            Some(
-                res.iter()
-                    .zip(&key_refs)
-                    .map(|(r, k)| {
-                        if let Err(e) = r {
-                            log_miss("get", k, e);
-                        }
-                        get_code(r)
-                    })
-                    .collect::<Vec<_>>(),
-            )
-        });
-        if let Some(got) = got {
-            for (i, c) in idx.into_iter().zip(got) {
-                out[i] = c;
-            }
-        }
-        out
     }
 
     /// 1 if the key exists, 0 if not, a negative code on error. A hit is leased.
@@ -591,14 +502,148 @@ impl Drop for NativeStore {
     }
 }
 
-fn shapes_match(keys: &[String], ptrs: &[Vec<usize>], sizes: &[Vec<usize>]) -> bool {
-    let ok = keys.len() == ptrs.len()
-        && keys.len() == sizes.len()
+/// The batch calls' buffers as one list of (pointer, size) ranges and how many belong to each key.
+type Ranges = (Vec<(usize, usize)>, Vec<usize>);
+
+/// One buffer per key; None (logged) when the lists' lengths differ.
+fn single_ranges(keys: usize, ptrs: &[usize], sizes: &[usize]) -> Option<Ranges> {
+    if keys != ptrs.len() || keys != sizes.len() {
+        tracing::error!("keys, buffer pointers and sizes must have matching shapes");
+        return None;
+    }
+    Some((
+        ptrs.iter().copied().zip(sizes.iter().copied()).collect(),
+        vec![1; keys],
+    ))
+}
+
+/// Several buffers per key; None (logged) when the shapes differ.
+fn multi_ranges(keys: usize, ptrs: &[Vec<usize>], sizes: &[Vec<usize>]) -> Option<Ranges> {
+    let ok = keys == ptrs.len()
+        && keys == sizes.len()
         && ptrs.iter().zip(sizes).all(|(p, s)| p.len() == s.len());
     if !ok {
         tracing::error!("keys, buffer pointers and sizes must have matching shapes");
+        return None;
     }
-    ok
+    Some((
+        ptrs.iter()
+            .zip(sizes)
+            .flat_map(|(p, s)| p.iter().copied().zip(s.iter().copied()))
+            .collect(),
+        ptrs.iter().map(Vec::len).collect(),
+    ))
+}
+
+impl NativeStore {
+    /// Puts each key's value from its run of `ranges` (`counts[i]` ranges for key i), all inside
+    /// registered memory.
+    fn put_from_ranges(
+        &self,
+        py: Python<'_>,
+        keys: &[PyBackedStr],
+        ranges: &[(usize, usize)],
+        counts: &[usize],
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let cfg = replicate(config);
+        let pinned = self.registry.pin();
+        let mut out = vec![INVALID; keys.len()];
+        let mut idx = Vec::with_capacity(keys.len());
+        let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
+        let mut at = 0;
+        for (i, &n) in counts.iter().enumerate() {
+            let mine = &ranges[at..at + n];
+            at += n;
+            let slices: Option<Vec<&[u8]>> =
+                mine.iter().map(|&(p, len)| pinned.slice(p, len)).collect();
+            match slices {
+                Some(s) => {
+                    idx.push(i);
+                    parts.push(s);
+                }
+                None => log_unregistered(
+                    "batch_put_from",
+                    mine.first().map_or(0, |r| r.0),
+                    mine.iter().map(|r| r.1).sum(),
+                ),
+            }
+        }
+        let items: Vec<(&str, &[&[u8]])> = idx
+            .iter()
+            .zip(&parts)
+            .map(|(&i, p)| (&*keys[i], &p[..]))
+            .collect();
+        let codes = self.with_session(py, None, |s| {
+            Some(
+                s.rt.block_on(s.client.batch_put_parts(&items, &cfg))
+                    .iter()
+                    .map(put_code)
+                    .collect::<Vec<_>>(),
+            )
+        });
+        if let Some(codes) = codes {
+            for (i, c) in idx.into_iter().zip(codes) {
+                out[i] = c;
+            }
+        }
+        out
+    }
+
+    /// Reads each key's value into its run of `ranges`, all inside registered memory and none
+    /// overlapping another.
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        keys: &[PyBackedStr],
+        ranges: &[(usize, usize)],
+        counts: &[usize],
+    ) -> Vec<i64> {
+        let pinned = self.registry.pin();
+        // Destinations of the whole batch must not alias: check them all together.
+        let mut slices = pinned.slices_mut(ranges).into_iter();
+        let mut out = vec![INVALID as i64; keys.len()];
+        let mut idx = Vec::with_capacity(keys.len());
+        let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
+        let mut at = 0;
+        for (i, &n) in counts.iter().enumerate() {
+            let mine: Option<Vec<&mut [u8]>> = slices.by_ref().take(n).collect();
+            match mine {
+                Some(b) => {
+                    idx.push(i);
+                    bufs.push(b);
+                }
+                None => log_unregistered(
+                    "batch_get_into",
+                    ranges.get(at).map_or(0, |r| r.0),
+                    ranges[at..at + n].iter().map(|r| r.1).sum(),
+                ),
+            }
+            at += n;
+        }
+        let key_refs: Vec<&str> = idx.iter().map(|&i| &*keys[i]).collect();
+        let got = self.with_session(py, None, |s| {
+            let res =
+                s.rt.block_on(s.client.batch_get_parts(&key_refs, &mut bufs));
+            Some(
+                res.iter()
+                    .zip(&key_refs)
+                    .map(|(r, k)| {
+                        if let Err(e) = r {
+                            log_miss("get", k, e);
+                        }
+                        get_code(r)
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        });
+        if let Some(got) = got {
+            for (i, c) in idx.into_iter().zip(got) {
+                out[i] = c;
+            }
+        }
+        out
+    }
 }
 
 /// Misses are routine for a cache; only other failures are worth a warning.
