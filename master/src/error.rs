@@ -12,6 +12,8 @@ pub enum MasterError {
     TooLarge { size: u64, largest: u64 },
     #[error("no segment has {size} free bytes even after eviction: retry later or add owners")]
     NoSpace { size: u64 },
+    #[error("no segment is mounted: start an owner (or wait for it to mount) and retry")]
+    NoSegments,
     #[error("object {0} not found")]
     NotFound(ObjectKey),
     #[error("object {0} already exists")]
@@ -36,7 +38,7 @@ impl MasterError {
             MasterError::Invalid(_) | MasterError::BadId(_) | MasterError::TooLarge { .. } => {
                 Code::InvalidParams
             }
-            MasterError::NoSpace { .. } => Code::NoAvailableHandle,
+            MasterError::NoSpace { .. } | MasterError::NoSegments => Code::NoAvailableHandle,
             MasterError::NotFound(_) | MasterError::StalePut { .. } => Code::ObjectNotFound,
             MasterError::Exists(_) | MasterError::PutInFlight(_) => Code::ObjectAlreadyExists,
             MasterError::NotReady(_) => Code::ReplicaIsNotReady,

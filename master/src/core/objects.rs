@@ -124,12 +124,9 @@ impl MasterState {
         if size == 0 {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
         }
-        let largest = self
-            .segments
-            .values()
-            .map(|s| s.allocator.capacity())
-            .max()
-            .unwrap_or(0);
+        let Some(largest) = self.segments.values().map(|s| s.allocator.capacity()).max() else {
+            return Err(MasterError::NoSegments);
+        };
         if size > largest {
             return Err(MasterError::TooLarge { size, largest });
         }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use mooncake_common::{ClientId, ObjectKey, SegmentName};
+use mooncake_common::{ClientId, Code, ObjectKey, SegmentName};
 use proptest::prelude::*;
 
 use super::*;
@@ -59,6 +59,15 @@ fn put(
     s.put_end(&k(key), g.put_id, Millis(0))?;
     s.check_invariants().unwrap();
     Ok(g)
+}
+
+#[test]
+fn a_put_with_no_segment_mounted_says_so() {
+    let mut s = state_with(&[]);
+    let e = s.put_start(&k("a"), 1000, &cfg(1), Millis(0)).unwrap_err();
+    assert_eq!(e, MasterError::NoSegments);
+    assert_eq!(e.code(), Code::NoAvailableHandle);
+    assert!(e.to_string().contains("no segment is mounted"), "{e}");
 }
 
 #[test]
