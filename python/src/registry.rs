@@ -95,7 +95,10 @@ impl Pinned<'_> {
     // pinned, and aliasing is ruled out by the overlap check below.
     #[allow(clippy::mut_from_ref)]
     pub fn slices_mut(&self, ranges: &[(usize, usize)]) -> Vec<Option<&mut [u8]>> {
-        let mut taken: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+        // Start -> end of every range handed out so far; they never overlap, so a new range
+        // overlaps one of them exactly when the last one starting before its end reaches past
+        // its start (one lookup, not a scan: batches may have thousands of buffers).
+        let mut taken: std::collections::BTreeMap<usize, usize> = Default::default();
         ranges
             .iter()
             .map(|&(ptr, len)| {
@@ -106,14 +109,47 @@ impl Pinned<'_> {
                     return None;
                 }
                 let end = ptr + len;
-                if taken.iter().any(|&(s, e)| s < end && ptr < e) {
+                if taken
+                    .range(..end)
+                    .next_back()
+                    .is_some_and(|(_, &e)| e > ptr)
+                {
                     return None;
                 }
-                taken.push((ptr, end));
+                taken.insert(ptr, end);
                 // SAFETY: registered as above; no other slice of this request overlaps it, and
                 // the registry's read guard keeps the registration alive while the slice lives.
                 Some(unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations_of_one_request_never_alias() {
+        let mut mem = vec![0u8; 64];
+        let base = mem.as_mut_ptr() as usize;
+        let reg = Registry::default();
+        reg.register(base, 64).unwrap();
+        let pinned = reg.pin();
+        let got: Vec<bool> = pinned
+            .slices_mut(&[
+                (base, 10),
+                (base + 10, 10), // touches the first: fine
+                (base + 5, 10),  // overlaps both: refused
+                (base + 30, 10),
+                (base + 35, 1),  // inside an earlier one: refused
+                (base + 20, 10), // between two taken ones, touching both: fine
+                (base + 60, 8),  // runs past the registration: refused
+                (base + 3, 0),   // empty: always fine
+            ])
+            .iter()
+            .map(Option::is_some)
+            .collect();
+        assert_eq!(got, [true, true, false, true, false, true, false, true]);
     }
 }
