@@ -124,32 +124,3 @@ impl Pinned<'_> {
             .collect()
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn destinations_of_one_request_never_alias() {
-        let mut mem = vec![0u8; 64];
-        let base = mem.as_mut_ptr() as usize;
-        let reg = Registry::default();
-        reg.register(base, 64).unwrap();
-        let pinned = reg.pin();
-        let got: Vec<bool> = pinned
-            .slices_mut(&[
-                (base, 10),
-                (base + 10, 10), // touches the first: fine
-                (base + 5, 10),  // overlaps both: refused
-                (base + 30, 10),
-                (base + 35, 1),  // inside an earlier one: refused
-                (base + 20, 10), // between two taken ones, touching both: fine
-                (base + 60, 8),  // runs past the registration: refused
-                (base + 3, 0),   // empty: always fine
-            ])
-            .iter()
-            .map(Option::is_some)
-            .collect();
-        assert_eq!(got, [true, true, false, true, false, true, false, true]);
-    }
-}

@@ -139,6 +139,10 @@ def test_pointers_outside_registered_memory_are_refused(store):
     assert store.is_exist("never") == 0 and store.is_exist("past-end") == 0
     # Two destinations of one batch may not overlap.
     assert store.batch_get_into(["ok", "ok"], [p, p + 100], [4096, 100]) == [4096, INVALID]
+    # They may touch; one overlapping any earlier destination of the batch is refused.
+    assert store.put_from("ten", p + 2000, 10) == 0
+    got = store.batch_get_into(["ten"] * 5, [p, p + 10, p + 5, p + 30, p + 20], [10] * 5)
+    assert got == [10, 10, INVALID, 10, 10]
     assert store.unregister_buffer(p) == 0
     assert store.unregister_buffer(p) == INVALID
     assert store.get_into("ok", p, 4096) == INVALID, "unregistered memory is refused"
