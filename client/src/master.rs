@@ -94,6 +94,16 @@ impl MasterRpc {
         Ok(MasterRpc { backend, timeout })
     }
 
+    /// `call` under the RPC deadline.
+    async fn within<T>(
+        &self,
+        call: impl Future<Output = Result<T, ClientError>>,
+    ) -> Result<T, ClientError> {
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .unwrap_or(Err(ClientError::RpcTimeout(self.timeout)))
+    }
+
     async fn unary<Req, Resp, F, Fut>(
         &self,
         method: Method,
@@ -121,10 +131,7 @@ impl MasterRpc {
                 Backend::Framed(pool) => pool.call(method, &req).await,
             }
         };
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::RpcTimeout(self.timeout)),
-        }
+        self.within(call).await
     }
 
     /// Starts puts: space for each, or why not. On the framed RPC the answer is read without a
@@ -144,10 +151,7 @@ impl MasterRpc {
         let call = pool.call_raw(Method::BatchPutStart, req.encoded_len(), |buf| {
             req.encode(buf).expect("a Vec grows as needed")
         });
-        let body = match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r?,
-            Err(_) => return Err(ClientError::RpcTimeout(self.timeout)),
-        };
+        let body = self.within(call).await?;
         let (starts, replicas) = pbreplicas::decode_put_start(&body).map_err(|e| {
             ClientError::Rpc(format!(
                 "master {} sent an undecodable answer: {e}",
@@ -198,10 +202,7 @@ impl MasterRpc {
         let call = pool.call_raw(Method::BatchGetReplicas, len, |buf| {
             mooncake_common::pbkeys::encode_strings(1, keys, buf)
         });
-        let body = match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r?,
-            Err(_) => return Err(ClientError::RpcTimeout(self.timeout)),
-        };
+        let body = self.within(call).await?;
         let decoded = pbreplicas::decode(&body).map_err(|e| {
             ClientError::Rpc(format!(
                 "master {} sent an undecodable answer: {e}",
@@ -230,10 +231,7 @@ impl MasterRpc {
         let call = pool.call_with(Method::BatchExists, len, |buf| {
             mooncake_common::pbkeys::encode_strings(1, keys, buf)
         });
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::RpcTimeout(self.timeout)),
-        }
+        self.within(call).await
     }
 
     pub async fn remove(&self, keys: Vec<String>, force: bool) -> Result<Vec<i32>, ClientError> {

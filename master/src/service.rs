@@ -243,32 +243,22 @@ impl pb::master_server::Master for MasterService {
         req: Request<pb::BatchGetReplicasRequest>,
     ) -> Reply<pb::BatchGetReplicasResponse> {
         let keys = req.into_inner().keys;
-        let now = self.shared.clock.now();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let mut results = Vec::with_capacity(keys.len());
-        let lease_ttl_ms;
-        {
-            let mut state = self.shared.state.lock();
-            lease_ttl_ms = state.policy().lease_ttl.as_millis() as u64;
-            for k in &keys {
-                results.push(match key(k).and_then(|k| state.get_replicas(&k, now)) {
-                    Ok((size, replicas)) => pb::GetReplicasResult {
-                        code: 0,
-                        size,
-                        replicas: replicas.into_iter().map(location).collect(),
-                    },
-                    Err(e) => pb::GetReplicasResult {
-                        code: e.code().as_i32(),
-                        size: 0,
-                        replicas: Vec::new(),
-                    },
-                });
-            }
-            self.shared.wake_owners(&mut state);
-        }
-        let failed = results.iter().filter(|r| r.code != 0).count();
-        self.shared
-            .metrics
-            .record(Op::GetReplicaList, results.len(), failed);
+        let lease_ttl_ms = self.look_up(&refs, |found| {
+            results.push(match found {
+                Ok((size, replicas)) => pb::GetReplicasResult {
+                    code: 0,
+                    size,
+                    replicas: replicas.into_iter().map(location).collect(),
+                },
+                Err(e) => pb::GetReplicasResult {
+                    code: e.code().as_i32(),
+                    size: 0,
+                    replicas: Vec::new(),
+                },
+            })
+        });
         Ok(Response::new(pb::BatchGetReplicasResponse {
             results,
             lease_ttl_ms,
@@ -456,8 +446,22 @@ impl MasterService {
     /// `batch_get_replicas` for the framed RPC: keys borrowed from the request, the answer
     /// encoded straight from the state (no message structs, no `String` per replica).
     pub fn get_replicas_encoded(&self, keys: &[&str]) -> Vec<u8> {
-        let now = self.shared.clock.now();
         let mut enc = pbreplicas::Encoder::with_capacity(keys.len() * 48);
+        let lease_ttl_ms = self.look_up(keys, |found| match found {
+            Ok((size, views)) => enc.result(0, size, views.iter().map(replica_ref)),
+            Err(e) => enc.result(e.code().as_i32(), 0, std::iter::empty()),
+        });
+        enc.finish(lease_ttl_ms)
+    }
+
+    /// Looks up (and leases) every key under one lock, hands each answer to `answer` in order,
+    /// counts the batch in the metrics, and returns the lease TTL the hits got.
+    fn look_up(
+        &self,
+        keys: &[&str],
+        mut answer: impl FnMut(Result<(u64, Vec<ReplicaView>), MasterError>),
+    ) -> u64 {
+        let now = self.shared.clock.now();
         let mut failed = 0;
         let lease_ttl_ms;
         {
@@ -467,20 +471,15 @@ impl MasterService {
                 let found = ObjectKey::validate(k)
                     .map_err(MasterError::from)
                     .and_then(|()| state.get_replicas_str(k, now));
-                match found {
-                    Ok((size, views)) => enc.result(0, size, views.iter().map(replica_ref)),
-                    Err(e) => {
-                        failed += 1;
-                        enc.result(e.code().as_i32(), 0, std::iter::empty());
-                    }
-                }
+                failed += usize::from(found.is_err());
+                answer(found);
             }
             self.shared.wake_owners(&mut state);
         }
         self.shared
             .metrics
             .record(Op::GetReplicaList, keys.len(), failed);
-        enc.finish(lease_ttl_ms)
+        lease_ttl_ms
     }
 
     pub fn exists_strs(&self, keys: &[&str]) -> pb::BatchExistsResponse {

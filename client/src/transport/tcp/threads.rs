@@ -65,16 +65,20 @@ impl TcpTransport {
     /// How many threads a batch of `items` items and `bytes` bytes is worth (1: stay on the
     /// caller's runtime).
     pub(super) fn threads_for(&self, items: usize, bytes: u64) -> usize {
-        let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
-        if matches!(flavor, Ok(RuntimeFlavor::CurrentThread)) && !self.config.dedicated_runtime {
-            // Blocking this thread would stall every other task of its runtime.
-            return 1;
-        }
-        ((bytes / BYTES_PER_THREAD) as usize)
+        let threads = ((bytes / BYTES_PER_THREAD) as usize)
             .min(self.config.transfer_threads)
             .min(self.config.connections_per_owner)
             .min(items)
-            .max(1)
+            .max(1);
+        let flavor = || tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+        if threads > 1
+            && !self.config.dedicated_runtime
+            && matches!(flavor(), Ok(RuntimeFlavor::CurrentThread))
+        {
+            // Blocking this thread would stall every other task of its runtime.
+            return 1;
+        }
+        threads
     }
 
     /// Takes `n` connections to `target` at once (all permits in one step, so two batches never
