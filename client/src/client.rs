@@ -119,6 +119,23 @@ struct Loc {
     disk: bool,
 }
 
+/// A key's replicas in the order to try them.
+enum Order {
+    One([Loc; 1]),
+    Many(Vec<Loc>),
+}
+
+impl std::ops::Deref for Order {
+    type Target = [Loc];
+
+    fn deref(&self) -> &[Loc] {
+        match self {
+            Order::One(l) => l,
+            Order::Many(v) => v,
+        }
+    }
+}
+
 impl Client {
     /// Connects to the master (checking it answers within the RPC deadline). The client
     /// contributes no memory.
@@ -598,20 +615,25 @@ impl Client {
 
     /// Replicas in the order to try them: memory before disk, the preferred segment first
     /// within each; unparsable names dropped.
-    fn replica_order(&self, replicas: &[Location]) -> Vec<Loc> {
-        let mut order: Vec<Loc> = replicas
-            .iter()
-            .filter_map(|r| {
-                r.segment.clone().map(|seg| Loc {
-                    seg,
-                    offset: if r.disk { r.put_id } else { r.offset },
-                    disk: r.disk,
-                })
+    fn replica_order(&self, replicas: &[Location]) -> Order {
+        let mut locs = replicas.iter().filter_map(|r| {
+            r.segment.clone().map(|seg| Loc {
+                seg,
+                offset: if r.disk { r.put_id } else { r.offset },
+                disk: r.disk,
             })
-            .collect();
+        });
+        if replicas.len() == 1 {
+            // The usual case, with no allocation.
+            return match locs.next() {
+                Some(l) => Order::One([l]),
+                None => Order::Many(Vec::new()),
+            };
+        }
+        let mut order: Vec<Loc> = locs.collect();
         let preferred = self.preferred.as_ref();
         order.sort_by_key(|l| (l.disk, Some(&l.seg) != preferred));
-        order
+        Order::Many(order)
     }
 
     /// Reads one object from one replica, in memory or on disk.
@@ -648,8 +670,8 @@ impl Client {
             Code::ObjectNotFound.as_i32(),
             format!("{key} has no replica"),
         );
-        for loc in self.replica_order(replicas) {
-            match self.read_at(&loc, key, dst).await {
+        for loc in self.replica_order(replicas).iter() {
+            match self.read_at(loc, key, dst).await {
                 Ok(()) => {
                     self.tiers.add(loc.disk, 1, len as u64);
                     return Ok(len);
@@ -809,25 +831,28 @@ impl Client {
 struct ReadJob<'k, 'b> {
     i: usize,
     key: &'k ObjectKey,
-    replicas: Vec<Loc>,
+    replicas: Order,
     dst: Vec<&'b mut [u8]>,
     done: Option<Result<(), ClientError>>,
     /// Whether the attempt that counts read from disk.
     served_by: Option<bool>,
 }
 
-/// The leading `n` bytes of `parts`, as parts.
-fn clip(parts: Vec<&mut [u8]>, mut n: usize) -> Vec<&mut [u8]> {
-    let mut out = Vec::with_capacity(parts.len());
-    for p in parts {
+/// The leading `n` bytes of `parts`, as parts (in place: no allocation).
+fn clip(mut parts: Vec<&mut [u8]>, mut n: usize) -> Vec<&mut [u8]> {
+    let mut keep = 0;
+    for p in parts.iter_mut() {
         if n == 0 {
             break;
         }
         let take = p.len().min(n);
-        out.push(&mut p[..take]);
+        let whole = std::mem::take(p);
+        *p = &mut whole[..take];
         n -= take;
+        keep += 1;
     }
-    out
+    parts.truncate(keep);
+    parts
 }
 
 fn fill<T>(

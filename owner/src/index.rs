@@ -16,6 +16,18 @@ impl KeyIndex {
     /// Records that `[offset, offset + len)` now holds `key`, forgetting every range it overlaps.
     pub fn record(&self, offset: u64, len: u64, key: ObjectKey) {
         let mut ranges = self.ranges.lock();
+        // Usually the range was last written as one object starting at the same offset (the
+        // master reuses freed space as it was carved): the last range starting before the end
+        // then starts at `offset`, nothing else overlaps (earlier ranges end at or before it),
+        // and the entry is replaced where it lies, one lookup instead of three.
+        if let Some((&start, slot)) = ranges.range_mut(..offset + len).next_back() {
+            if start == offset {
+                let old = std::mem::replace(slot, (key, len));
+                drop(ranges);
+                drop(old);
+                return;
+            }
+        }
         Self::remove_overlapping(&mut ranges, offset, len);
         ranges.insert(offset, (key, len));
     }

@@ -196,8 +196,9 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     }
 }
 
-/// A batch of many small values (more answers than one `writev` of the owner carries), with a
-/// refused item among them: answers stay in order and every byte is right.
+/// A batch of many small values (more answers than one `writev` of the owner carries, some read
+/// into two parts), with refused items among them (first, last, two in a row): answers stay in
+/// order and every byte is right.
 async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     const N: usize = 1100;
     const LEN: usize = 1000;
@@ -214,26 +215,38 @@ async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
         .collect();
     let res = t.write_batch(seg, &writes).await;
     assert!(res.iter().all(|r| r.is_ok()), "{name}: {res:?}");
-    let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
-    let mut dsts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
-    let refused = 777;
-    let mut reads: Vec<ReadItem<'_, '_>> = dsts
-        .iter_mut()
-        .enumerate()
-        .map(|(i, d)| ReadItem {
-            key: &keys[if i == refused { 0 } else { i }],
-            offset: BASE + (i * LEN) as u64,
-            parts: d,
-        })
-        .collect();
-    let res = t.read_batch(seg, &mut reads).await;
-    drop(reads);
-    for (i, r) in res.iter().enumerate() {
-        if i == refused {
-            assert_eq!(r.as_ref().unwrap_err().code().as_i32(), -704, "{name}");
-        } else {
-            assert!(r.is_ok(), "{name} item {i}: {r:?}");
-            assert!(bufs[i] == values[i], "{name}: item {i} bytes differ");
+    for refused in [vec![777], vec![0, 500, 777, 778, N - 1]] {
+        let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+        let mut dsts: Vec<Vec<&mut [u8]>> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| match i % 3 {
+                0 => {
+                    let (x, y) = b.split_at_mut(300);
+                    vec![x, y]
+                }
+                _ => vec![&mut b[..]],
+            })
+            .collect();
+        let mut reads: Vec<ReadItem<'_, '_>> = dsts
+            .iter_mut()
+            .enumerate()
+            .map(|(i, d)| ReadItem {
+                key: &keys[if refused.contains(&i) { (i + 1) % N } else { i }],
+                offset: BASE + (i * LEN) as u64,
+                parts: d,
+            })
+            .collect();
+        let res = t.read_batch(seg, &mut reads).await;
+        drop(reads);
+        drop(dsts);
+        for (i, r) in res.iter().enumerate() {
+            if refused.contains(&i) {
+                assert_eq!(r.as_ref().unwrap_err().code().as_i32(), -704, "{name}");
+            } else {
+                assert!(r.is_ok(), "{name} item {i}: {r:?}");
+                assert!(bufs[i] == values[i], "{name}: item {i} bytes differ");
+            }
         }
     }
 }

@@ -2,13 +2,15 @@
 //! removal. Space of a range that a reader or a writer may still touch is never handed out again
 //! before that access is over: it waits in the pending-release list.
 
+use std::collections::BTreeMap;
+
 use mooncake_common::{ObjectKey, SegmentName};
 
 use super::{
     allocator::Allocation,
     placement::{self, Candidate},
     tiers::Tier,
-    MasterState, PendingRelease, SegmentId,
+    MasterState, PendingRelease, Segment, SegmentId,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -314,26 +316,15 @@ impl MasterState {
         }
         obj.lease_until = obj.lease_until.max(lease);
         obj.last_access = obj.last_access.max(now);
-        if obj.replicas.is_empty() {
-            obj.disk_hits = obj.disk_hits.saturating_add(1);
-            self.counters.disk_hits += 1;
-            self.maybe_promote(&owned()?, now);
+        if !obj.replicas.is_empty() {
+            // The usual case: one lookup of the key (the segments are a different field).
+            return Ok((obj.size, views_of(&self.segments, obj)));
         }
+        obj.disk_hits = obj.disk_hits.saturating_add(1);
+        self.counters.disk_hits += 1;
+        self.maybe_promote(&owned()?, now);
         let obj = &self.objects[key];
-        let (size, put_id) = (obj.size, obj.put_id);
-        let mut views: Vec<ReplicaView> = obj
-            .replicas
-            .iter()
-            .map(|r| self.view(r, size, put_id))
-            .collect();
-        views.extend(obj.disk.iter().map(|d| ReplicaView {
-            segment: self.segment_name(*d).clone(),
-            offset: 0,
-            size,
-            tier: Tier::Disk,
-            put_id,
-        }));
-        Ok((size, views))
+        Ok((obj.size, views_of(&self.segments, obj)))
     }
 
     /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
@@ -410,4 +401,26 @@ impl MasterState {
             });
         }
     }
+}
+
+/// Where `obj` can be read: its memory replicas, then its disk copies.
+fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<ReplicaView> {
+    let (size, put_id) = (obj.size, obj.put_id);
+    let name = |id: &SegmentId| segments[id].name.clone();
+    let mut views = Vec::with_capacity(obj.replicas.len() + obj.disk.len());
+    views.extend(obj.replicas.iter().map(|r| ReplicaView {
+        segment: name(&r.segment),
+        offset: r.allocation.offset(),
+        size,
+        tier: Tier::Memory,
+        put_id,
+    }));
+    views.extend(obj.disk.iter().map(|d| ReplicaView {
+        segment: name(d),
+        offset: 0,
+        size,
+        tier: Tier::Disk,
+        put_id,
+    }));
+    views
 }

@@ -23,6 +23,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 
+mod scatter;
 mod threads;
 
 #[derive(Debug, Clone)]
@@ -410,8 +411,17 @@ impl TcpTransport {
                 write_all_vectored(&mut conn.stream, &mut slices)
                     .await
                     .map_err(io_err)?;
-                let mut out = Vec::with_capacity(n);
-                for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate() {
+                // Small answers land by the dozen per receive, straight where they belong;
+                // from a refusal on (if any), one at a time through the buffer.
+                let small = lens.iter().all(|l| *l < (RECV_BUF / 2) as u64);
+                let landed = if small && conn.rpos == conn.rend {
+                    conn.receive_scattered(target, op, first, items).await?
+                } else {
+                    0
+                };
+                let mut out: Vec<Result<(), TransferError>> = Vec::with_capacity(n);
+                out.resize_with(landed, || Ok(()));
+                for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate().skip(landed) {
                     match conn.receive(target, op, first + i as u64, *len).await {
                         Ok(h) if h.length == *len => {
                             for part in it.parts.iter_mut() {
