@@ -10,7 +10,7 @@ use mooncake_common::{
     Code, ObjectKey,
 };
 use tokio::{
-    io::{AsyncReadExt, BufReader},
+    io::{AsyncBufReadExt, AsyncReadExt, BufReader},
     net::{TcpListener, TcpStream},
     sync::watch,
 };
@@ -47,6 +47,9 @@ pub async fn serve(
         }
     }
 }
+
+/// Size of a connection's read buffer; payloads at least this large bypass it.
+const READ_BUF: usize = 64 << 10;
 
 struct Connection {
     reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
@@ -93,7 +96,7 @@ impl Connection {
         let _ = stream.set_nodelay(true);
         let (r, w) = stream.into_split();
         Connection {
-            reader: BufReader::with_capacity(64 << 10, r),
+            reader: BufReader::with_capacity(READ_BUF, r),
             writer: w,
             replies: Replies::default(),
             pool,
@@ -107,20 +110,29 @@ impl Connection {
     async fn run(mut self, mut stop: watch::Receiver<bool>) -> io::Result<()> {
         let mut header = [0u8; wire::REQUEST_HEADER_LEN];
         loop {
-            // Waiting for the next frame is unbounded (idle connections are fine); once a frame
-            // starts, the rest of it must arrive within the frame timeout.
-            tokio::select! {
-                r = self.reader.read_u8() => match r {
-                    Ok(b) => header[0] = b,
-                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-                    Err(e) => return Err(e),
-                },
-                _ = stop.changed() => return Ok(()),
+            if self.reader.buffer().is_empty() {
+                // Waiting for the next frame is unbounded (idle connections are fine).
+                tokio::select! {
+                    r = self.reader.fill_buf() => match r {
+                        Ok([]) => return Ok(()),
+                        Ok(_) => {}
+                        Err(e) => return Err(e),
+                    },
+                    _ = stop.changed() => return Ok(()),
+                }
+            } else if stop.has_changed().unwrap_or(true) {
+                return Ok(());
             }
+            // Once a frame starts, the rest of it must arrive within the frame timeout. A frame
+            // already whole in the buffer (a pipelining client's batch) needs no timer.
             let timeout = self.frame_timeout;
-            match tokio::time::timeout(timeout, self.frame(&mut header)).await {
-                Ok(Ok(true)) => {}
-                Ok(Ok(false)) => return Ok(()),
+            let outcome = if self.frame_buffered() {
+                Ok(self.frame(&mut header).await)
+            } else {
+                tokio::time::timeout(timeout, self.frame(&mut header)).await
+            };
+            let keep = match outcome {
+                Ok(Ok(keep)) => keep,
                 Ok(Err(e)) => return Err(e),
                 Err(_) => {
                     return Err(io::Error::new(
@@ -128,19 +140,55 @@ impl Connection {
                         format!("peer did not finish a frame within {timeout:?}"),
                     ))
                 }
+            };
+            // A pipelining client has more requests buffered already: answer them all, then
+            // send once. With nothing buffered the peer is waiting for this answer.
+            if !keep || self.reader.buffer().is_empty() || self.replies.full() {
+                match tokio::time::timeout(timeout, self.replies.flush(&mut self.writer)).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("peer did not take its answers within {timeout:?}"),
+                        ))
+                    }
+                }
+            }
+            if !keep {
+                return Ok(());
             }
         }
     }
 
-    /// Handles one frame whose first byte is already in `header`. Returns false when the
-    /// connection must close (the stream cannot be trusted to be at a frame boundary).
+    /// Whether the next frame is already whole in the buffer (or is refused without waiting
+    /// for more). Disk reads wait on the SSD, so they always run under the frame timeout.
+    fn frame_buffered(&self) -> bool {
+        let b = self.reader.buffer();
+        let Some(hb) = b.first_chunk::<{ wire::REQUEST_HEADER_LEN }>() else {
+            return false;
+        };
+        let Ok(h) = RequestHeader::decode(hb) else {
+            return true;
+        };
+        let payload = match h.op {
+            Op::Write => h.length,
+            Op::ReadDisk => return false,
+            _ => 0,
+        };
+        let need = (wire::REQUEST_HEADER_LEN as u64)
+            .saturating_add(h.key_len as u64)
+            .saturating_add(payload);
+        (b.len() as u64) >= need
+    }
+
+    /// Handles one frame, queueing its answer. Returns false when the connection must close
+    /// (the stream cannot be trusted to be at a frame boundary).
     async fn frame(&mut self, header: &mut [u8; wire::REQUEST_HEADER_LEN]) -> io::Result<bool> {
-        self.reader.read_exact(&mut header[1..]).await?;
+        self.reader.read_exact(&mut header[..]).await?;
         let h = match RequestHeader::decode(header) {
             Ok(h) => h,
             Err(e) => {
-                self.reply_error(Op::Ping, 0, Code::InvalidParams, &e.to_string())
-                    .await?;
+                self.reply_error(Op::Ping, 0, Code::InvalidParams, &e.to_string());
                 return Ok(false);
             }
         };
@@ -159,8 +207,7 @@ impl Connection {
                         h.request_id,
                         Code::InvalidParams,
                         &format!("bad key: {e}"),
-                    )
-                    .await?;
+                    );
                     return Ok(true);
                 }
             },
@@ -183,15 +230,7 @@ impl Connection {
                     self.replies.push_bytes(&ok.encode());
                 }
             }
-            Err(r) => {
-                self.reply_error(h.op, h.request_id, r.code, &r.message)
-                    .await?
-            }
-        }
-        // A pipelining client has more requests buffered already: answer them all, then send
-        // once. With nothing buffered the peer is waiting for this answer.
-        if self.reader.buffer().is_empty() || self.replies.full() {
-            self.replies.flush(&mut self.writer).await?;
+            Err(r) => self.reply_error(h.op, h.request_id, r.code, &r.message),
         }
         Ok(true)
     }
@@ -226,7 +265,7 @@ impl Connection {
             len: h.length,
             finished: false,
         };
-        self.reader.read_exact(&mut guard).await?;
+        self.receive_into(&mut guard).await?;
         index.record(h.offset, h.length, key);
         unfinished.finished = true;
         Ok(Ok(()))
@@ -303,6 +342,28 @@ impl Connection {
         Ok(Ok(()))
     }
 
+    /// Fills `dst` (a range of the pool) from the stream: what is buffered with streaming stores,
+    /// and a large remainder straight from the socket (no stop in the buffer).
+    async fn receive_into(&mut self, mut dst: &mut [u8]) -> io::Result<()> {
+        while !dst.is_empty() {
+            let n = if self.reader.buffer().is_empty() && dst.len() >= READ_BUF {
+                // An empty buffer and a read at least its size: the reader bypasses the buffer.
+                self.reader.read(dst).await?
+            } else {
+                let buf = self.reader.fill_buf().await?;
+                let n = buf.len().min(dst.len());
+                crate::pool::copy_streaming(&mut dst[..n], &buf[..n]);
+                self.reader.consume(n);
+                n
+            };
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            dst = &mut std::mem::take(&mut dst)[n..];
+        }
+        Ok(())
+    }
+
     /// Reads and discards `len` payload bytes; false if that is more than a sane frame carries.
     async fn drain(&mut self, len: u64) -> io::Result<bool> {
         if len > self.pool.len() {
@@ -316,13 +377,8 @@ impl Connection {
         Ok(true)
     }
 
-    async fn reply_error(
-        &mut self,
-        op: Op,
-        request_id: u64,
-        code: Code,
-        message: &str,
-    ) -> io::Result<()> {
+    /// Queues a refusal (sent with the other answers).
+    fn reply_error(&mut self, op: Op, request_id: u64, code: Code, message: &str) {
         let mut msg = message.as_bytes();
         msg = &msg[..msg.len().min(wire::MAX_ERROR_MESSAGE as usize)];
         let h = ResponseHeader {
@@ -333,6 +389,5 @@ impl Connection {
         };
         self.replies.push_bytes(&h.encode());
         self.replies.push_bytes(msg);
-        self.replies.flush(&mut self.writer).await
     }
 }
