@@ -177,6 +177,7 @@ impl Client {
             config.rpc_timeout,
             config.connect_timeout,
             config.master_protocol,
+            config.master_spin,
         )?;
         master.list_segments().await?;
         Ok(Client {

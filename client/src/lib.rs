@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 mod lookup;
 pub mod master;
+mod spin;
 pub mod transport;
 
 pub use client::{

@@ -57,6 +57,7 @@ impl MasterRpc {
         timeout: Duration,
         connect_timeout: Duration,
         protocol: MasterProtocol,
+        spin: Duration,
     ) -> Result<Self, ClientError> {
         let bad = || {
             ClientError::Config(format!(
@@ -86,6 +87,7 @@ impl MasterRpc {
                 Backend::Framed(Arc::new(FramedPool {
                     addr: addr.to_string(),
                     connect_timeout,
+                    spin,
                     idle: Mutex::new(Vec::new()),
                     permits: Semaphore::new(8),
                 }))
@@ -270,6 +272,8 @@ impl MasterRpc {
 struct FramedPool {
     addr: String,
     connect_timeout: Duration,
+    /// How long to poll for an answer before parking (see `ClientConfig::master_spin`).
+    spin: Duration,
     idle: Mutex<Vec<FramedConn>>,
     permits: Semaphore,
 }
@@ -334,7 +338,17 @@ impl FramedPool {
         debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
         conn.stream.write_all(&frame).await.map_err(rpc_err)?;
         let mut h = [0u8; rpc_wire::HEADER_LEN];
-        conn.stream.read_exact(&mut h).await.map_err(rpc_err)?;
+        // The answer is usually microseconds away: poll for it before parking the thread.
+        let early = match crate::spin::read_now(&conn.stream, &mut h, self.spin) {
+            Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
+            Ok(Some(n)) => n,
+            Ok(None) => 0,
+            Err(e) => return Err(rpc_err(e)),
+        };
+        conn.stream
+            .read_exact(&mut h[early..])
+            .await
+            .map_err(rpc_err)?;
         let (len, status, got) = rpc_wire::decode_header(&h)
             .map_err(|e| ClientError::Rpc(format!("master {}: {e}", self.addr)))?;
         if got != id {
