@@ -204,6 +204,37 @@ impl MasterState {
 
     fn allocate_replicas(&mut self, size: u64, config: &ReplicateConfig) -> Vec<Replica> {
         let want = config.replica_num.max(1);
+        if want == 1 {
+            // The usual case, without building the placement order: the first preferred segment
+            // with room, or the only segment there is. Both are what the order starts with.
+            let only = (self.segments.len() == 1).then(|| *self.segments.keys().next().unwrap());
+            let preferred = &config.preferred_segments;
+            for k in 0..=preferred.len() {
+                let id = match preferred.get(k) {
+                    Some(name) => match self.segment_id(name) {
+                        Some(id) => id,
+                        None => continue,
+                    },
+                    None => match only {
+                        Some(id) => id,
+                        None => break,
+                    },
+                };
+                let seg = self.segments.get_mut(&id).expect("segment ids are live");
+                if seg.allocator.free_bytes() < size {
+                    continue;
+                }
+                if let Some(allocation) = seg.allocator.allocate(size) {
+                    return vec![Replica {
+                        segment: id,
+                        allocation,
+                    }];
+                }
+            }
+            if only.is_some() {
+                return Vec::new();
+            }
+        }
         let candidates: Vec<Candidate> = self
             .segments
             .iter()
