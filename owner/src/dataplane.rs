@@ -48,6 +48,20 @@ pub async fn serve(
     }
 }
 
+/// Runs `io` under `timeout`; running out is an error naming what the peer did not do.
+async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    io: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    tokio::time::timeout(timeout, io).await.unwrap_or_else(|_| {
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("peer did not {what} within {timeout:?}"),
+        ))
+    })
+}
+
 /// Size of a connection's read buffer; payloads at least this large bypass it.
 const READ_BUF: usize = 64 << 10;
 
@@ -108,7 +122,6 @@ impl Connection {
     }
 
     async fn run(mut self, mut stop: watch::Receiver<bool>) -> io::Result<()> {
-        let mut header = [0u8; wire::REQUEST_HEADER_LEN];
         loop {
             if self.reader.buffer().is_empty() {
                 // Waiting for the next frame is unbounded (idle connections are fine).
@@ -126,33 +139,20 @@ impl Connection {
             // Once a frame starts, the rest of it must arrive within the frame timeout. A frame
             // already whole in the buffer (a pipelining client's batch) needs no timer.
             let timeout = self.frame_timeout;
-            let outcome = if self.frame_buffered() {
-                Ok(self.frame(&mut header).await)
+            let keep = if self.frame_buffered() {
+                self.frame().await?
             } else {
-                tokio::time::timeout(timeout, self.frame(&mut header)).await
-            };
-            let keep = match outcome {
-                Ok(Ok(keep)) => keep,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("peer did not finish a frame within {timeout:?}"),
-                    ))
-                }
+                within(timeout, "finish a frame", self.frame()).await?
             };
             // A pipelining client has more requests buffered already: answer them all, then
             // send once. With nothing buffered the peer is waiting for this answer.
             if !keep || self.reader.buffer().is_empty() || self.replies.full() {
-                match tokio::time::timeout(timeout, self.replies.flush(&mut self.writer)).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("peer did not take its answers within {timeout:?}"),
-                        ))
-                    }
-                }
+                within(
+                    timeout,
+                    "take its answers",
+                    self.replies.flush(&mut self.writer),
+                )
+                .await?;
             }
             if !keep {
                 return Ok(());
@@ -183,9 +183,10 @@ impl Connection {
 
     /// Handles one frame, queueing its answer. Returns false when the connection must close
     /// (the stream cannot be trusted to be at a frame boundary).
-    async fn frame(&mut self, header: &mut [u8; wire::REQUEST_HEADER_LEN]) -> io::Result<bool> {
-        self.reader.read_exact(&mut header[..]).await?;
-        let h = match RequestHeader::decode(header) {
+    async fn frame(&mut self) -> io::Result<bool> {
+        let mut header = [0u8; wire::REQUEST_HEADER_LEN];
+        self.reader.read_exact(&mut header).await?;
+        let h = match RequestHeader::decode(&header) {
             Ok(h) => h,
             Err(e) => {
                 self.reply_error(Op::Ping, 0, Code::InvalidParams, &e.to_string());

@@ -178,7 +178,7 @@ impl MasterState {
         };
         let views = replicas
             .iter()
-            .map(|r| self.view(r, size, put_id))
+            .map(|r| memory_view(&self.segments, r, size, put_id))
             .collect();
         self.objects.insert(
             key.clone(),
@@ -207,32 +207,17 @@ impl MasterState {
         if want == 1 {
             // The usual case, without building the placement order: the first preferred segment
             // with room, or the only segment there is. Both are what the order starts with.
-            let only = (self.segments.len() == 1).then(|| *self.segments.keys().next().unwrap());
-            let preferred = &config.preferred_segments;
-            for k in 0..=preferred.len() {
-                let id = match preferred.get(k) {
-                    Some(name) => match self.segment_id(name) {
-                        Some(id) => id,
-                        None => continue,
-                    },
-                    None => match only {
-                        Some(id) => id,
-                        None => break,
-                    },
-                };
-                let seg = self.segments.get_mut(&id).expect("segment ids are live");
-                if seg.allocator.free_bytes() < size {
-                    continue;
-                }
-                if let Some(allocation) = seg.allocator.allocate(size) {
-                    return vec![Replica {
-                        segment: id,
-                        allocation,
-                    }];
+            for name in &config.preferred_segments {
+                if let Some(r) = self
+                    .segment_id(name)
+                    .and_then(|id| self.allocate_on(id, size))
+                {
+                    return vec![r];
                 }
             }
-            if only.is_some() {
-                return Vec::new();
+            if self.segments.len() == 1 {
+                let only = *self.segments.keys().next().expect("one segment");
+                return self.allocate_on(only, size).into_iter().collect();
             }
         }
         let candidates: Vec<Candidate> = self
@@ -255,28 +240,22 @@ impl MasterState {
             if out.len() == want {
                 break;
             }
-            let seg = self.segments.get_mut(&id).expect("candidate exists");
-            if seg.allocator.free_bytes() < size {
-                continue;
-            }
-            if let Some(allocation) = seg.allocator.allocate(size) {
-                out.push(Replica {
-                    segment: id,
-                    allocation,
-                });
-            }
+            out.extend(self.allocate_on(id, size));
         }
         out
     }
 
-    fn view(&self, r: &Replica, size: u64, put_id: u64) -> ReplicaView {
-        ReplicaView {
-            segment: self.segment_name(r.segment).clone(),
-            offset: r.allocation.offset(),
-            size,
-            tier: Tier::Memory,
-            put_id,
+    /// `size` bytes on segment `id`, if it has room.
+    fn allocate_on(&mut self, id: SegmentId, size: u64) -> Option<Replica> {
+        let seg = self.segments.get_mut(&id).expect("segment ids are live");
+        if seg.allocator.free_bytes() < size {
+            return None;
         }
+        let allocation = seg.allocator.allocate(size)?;
+        Some(Replica {
+            segment: id,
+            allocation,
+        })
     }
 
     /// Phase two: the bytes landed on every replica; the object becomes readable.
@@ -437,21 +416,34 @@ impl MasterState {
 /// Where `obj` can be read: its memory replicas, then its disk copies.
 fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<ReplicaView> {
     let (size, put_id) = (obj.size, obj.put_id);
-    let name = |id: &SegmentId| segments[id].name.clone();
     let mut views = Vec::with_capacity(obj.replicas.len() + obj.disk.len());
-    views.extend(obj.replicas.iter().map(|r| ReplicaView {
-        segment: name(&r.segment),
-        offset: r.allocation.offset(),
-        size,
-        tier: Tier::Memory,
-        put_id,
-    }));
+    views.extend(
+        obj.replicas
+            .iter()
+            .map(|r| memory_view(segments, r, size, put_id)),
+    );
     views.extend(obj.disk.iter().map(|d| ReplicaView {
-        segment: name(d),
+        segment: segments[d].name.clone(),
         offset: 0,
         size,
         tier: Tier::Disk,
         put_id,
     }));
     views
+}
+
+/// Where a memory replica of an object of `size` bytes lies.
+fn memory_view(
+    segments: &BTreeMap<SegmentId, Segment>,
+    r: &Replica,
+    size: u64,
+    put_id: u64,
+) -> ReplicaView {
+    ReplicaView {
+        segment: segments[&r.segment].name.clone(),
+        offset: r.allocation.offset(),
+        size,
+        tier: Tier::Memory,
+        put_id,
+    }
 }

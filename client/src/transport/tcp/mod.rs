@@ -345,20 +345,13 @@ impl TcpTransport {
                     target: target.clone(),
                     source,
                 };
-                let first = conn.next_id;
-                conn.next_id += n as u64;
-                let headers = request_headers(
-                    Op::Write,
-                    first,
-                    items.iter().map(|it| (it.key, it.offset, it.len())),
-                );
-                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 3);
-                for (h, it) in headers.iter().zip(items) {
-                    slices.push(IoSlice::new(h));
-                    slices.push(IoSlice::new(it.key.as_str().as_bytes()));
-                    slices.extend(it.parts.iter().map(|p| IoSlice::new(p)));
-                }
-                write_all_vectored(&mut conn.stream, &mut slices)
+                let first = conn
+                    .send_pipelined(
+                        Op::Write,
+                        items
+                            .iter()
+                            .map(|it| (it.key, it.offset, it.len(), it.parts)),
+                    )
                     .await
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
@@ -392,30 +385,24 @@ impl TcpTransport {
                     target: target.clone(),
                     source,
                 };
-                let first = conn.next_id;
-                conn.next_id += n as u64;
                 let lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
-                let headers = request_headers(
-                    op,
-                    first,
-                    items
-                        .iter()
-                        .zip(&lens)
-                        .map(|(it, len)| (it.key, it.offset, *len)),
-                );
-                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(n * 2);
-                for (h, it) in headers.iter().zip(items.iter()) {
-                    slices.push(IoSlice::new(h));
-                    slices.push(IoSlice::new(it.key.as_str().as_bytes()));
-                }
-                write_all_vectored(&mut conn.stream, &mut slices)
+                let no_payload: &[&[u8]] = &[];
+                let first = conn
+                    .send_pipelined(
+                        op,
+                        items
+                            .iter()
+                            .zip(&lens)
+                            .map(|(it, len)| (it.key, it.offset, *len, no_payload)),
+                    )
                     .await
                     .map_err(io_err)?;
                 // Small answers land by the dozen per receive, straight where they belong;
                 // from a refusal on (if any), one at a time through the buffer.
                 let small = lens.iter().all(|l| *l < (RECV_BUF / 2) as u64);
                 let landed = if small && conn.rpos == conn.rend {
-                    conn.receive_scattered(target, op, first, items).await?
+                    conn.receive_scattered(target, op, first, items, &lens)
+                        .await?
                 } else {
                     0
                 };
@@ -533,26 +520,40 @@ fn fail_all(n: usize, e: &TransferError) -> Vec<Result<(), TransferError>> {
     (0..n).map(|_| Err(e.duplicate())).collect()
 }
 
-/// Request headers for a pipelined chunk: ids `first..`, one per (key, offset, length).
-fn request_headers<'k>(
-    op: Op,
-    first: u64,
-    items: impl Iterator<Item = (&'k ObjectKey, u64, u64)>,
-) -> Vec<[u8; wire::REQUEST_HEADER_LEN]> {
-    items
-        .enumerate()
-        .map(|(i, (key, offset, length))| {
-            RequestHeader {
-                op,
-                key_len: key.as_str().len() as u16,
-                flags: 0,
-                request_id: first + i as u64,
-                offset,
-                length,
-            }
-            .encode()
-        })
-        .collect()
+impl Conn {
+    /// Sends one request per (key, offset, length, payload) back to back, in vectored writes;
+    /// returns the first request's id (the others follow in order).
+    async fn send_pipelined<'a>(
+        &mut self,
+        op: Op,
+        items: impl Iterator<Item = (&'a ObjectKey, u64, u64, &'a [&'a [u8]])> + Clone,
+    ) -> io::Result<u64> {
+        let first = self.next_id;
+        let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
+            .clone()
+            .enumerate()
+            .map(|(i, (key, offset, length, _))| {
+                RequestHeader {
+                    op,
+                    key_len: key.as_str().len() as u16,
+                    flags: 0,
+                    request_id: first + i as u64,
+                    offset,
+                    length,
+                }
+                .encode()
+            })
+            .collect();
+        self.next_id += headers.len() as u64;
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(headers.len() * 3);
+        for (h, (key, _, _, payload)) in headers.iter().zip(items) {
+            slices.push(IoSlice::new(h));
+            slices.push(IoSlice::new(key.as_str().as_bytes()));
+            slices.extend(payload.iter().map(|p| IoSlice::new(p)));
+        }
+        write_all_vectored(&mut self.stream, &mut slices).await?;
+        Ok(first)
+    }
 }
 
 /// Splits `n` items into `k` contiguous chunks of nearly equal size.

@@ -24,16 +24,17 @@ const READ_CAP: usize = RECV_BUF - H;
 const MAX_IOV: usize = 512;
 
 impl Conn {
-    /// Receives the answers to requests `first..` for `items`. Returns `k`: items `..k` arrived
-    /// whole and valid. Below `items.len()`, answer `k` is a refusal and the stream (through the
-    /// buffer) is positioned at its header, to be read the ordinary way. Answers that break the
-    /// protocol are an error, as in `receive`.
+    /// Receives the answers to requests `first..` for `items` (of `lens` bytes each). Returns
+    /// `k`: items `..k` arrived whole and valid. Below `items.len()`, answer `k` is a refusal
+    /// and the stream (through the buffer) is positioned at its header, to be read the ordinary
+    /// way. Answers that break the protocol are an error, as in `receive`.
     pub(super) async fn receive_scattered(
         &mut self,
         target: &SegmentName,
         op: Op,
         first: u64,
         items: &mut [ReadItem<'_, '_>],
+        lens: &[u64],
     ) -> Result<usize, TransferError> {
         let io_err = |source| TransferError::Io {
             target: target.clone(),
@@ -45,12 +46,10 @@ impl Conn {
         );
         let n = items.len();
         let mut hdrs = vec![[0u8; H]; n];
-        let mut lens = Vec::with_capacity(n);
         // Everything the answers fill, in stream order; `hdr_at[j]` is answer j's header.
         let mut targets: Vec<&mut [u8]> = Vec::with_capacity(n * 2);
         let mut hdr_at = Vec::with_capacity(n);
         for (h, it) in hdrs.iter_mut().zip(items.iter_mut()) {
-            lens.push(it.len());
             hdr_at.push(targets.len());
             targets.push(&mut h[..]);
             targets.extend(
