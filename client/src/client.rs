@@ -261,22 +261,17 @@ impl Client {
         if preferred.is_empty() {
             preferred.extend(self.preferred.iter().map(|s| s.to_string()));
         }
-        let req = pb::BatchPutStartRequest {
-            items: valid
-                .iter()
-                .map(|(i, k)| pb::PutStartItem {
-                    key: k.to_string(),
-                    size: parts_len(items[*i].1),
-                })
-                .collect(),
-            config: Some(pb::ReplicateConfig {
-                replica_num: config.replica_num as u32,
-                preferred_segments: preferred,
-                soft_pin: config.soft_pin,
-                hard_pin: config.hard_pin,
-            }),
+        let starts: Vec<(&str, u64)> = valid
+            .iter()
+            .map(|(i, k)| (k.as_str(), parts_len(items[*i].1)))
+            .collect();
+        let pb_config = pb::ReplicateConfig {
+            replica_num: config.replica_num as u32,
+            preferred_segments: preferred,
+            soft_pin: config.soft_pin,
+            hard_pin: config.hard_pin,
         };
-        let started = match self.master.put_start(req).await {
+        let started = match self.master.put_start(&starts, pb_config).await {
             Ok(r) if r.starts.len() == valid.len() => r,
             Ok(r) => {
                 let msg = format!(
@@ -333,10 +328,7 @@ impl Client {
 
         let (mut end, mut revoke) = (Vec::new(), Vec::new());
         for (slot, ((i, key), grant)) in valid.iter().zip(grants).enumerate() {
-            let put_ref = pb::PutRef {
-                key: key.to_string(),
-                put_id: grant.put_id,
-            };
+            let put_ref = (key.as_str(), grant.put_id);
             if grant.code == Code::ObjectAlreadyExists.as_i32() {
                 results[*i] = Some(Ok(PutOutcome::AlreadyExists));
             } else if grant.code != 0 {
@@ -349,15 +341,15 @@ impl Client {
             }
         }
         if !revoke.is_empty() {
-            if let Err(e) = self.master.put_revoke(revoke).await {
+            if let Err(e) = self.master.put_revoke(&revoke).await {
                 tracing::warn!(error = %e, "revoking failed puts failed; the master reclaims them after its release timeout");
             }
         }
         if end.is_empty() {
             return;
         }
-        let (idx, refs): (Vec<usize>, Vec<pb::PutRef>) = end.into_iter().unzip();
-        match self.master.put_end(refs).await {
+        let (idx, refs): (Vec<usize>, Vec<(&str, u64)>) = end.into_iter().unzip();
+        match self.master.put_end(&refs).await {
             Ok(codes) if codes.len() == idx.len() => {
                 for (i, code) in idx.into_iter().zip(codes) {
                     results[i] = Some(if code == 0 {

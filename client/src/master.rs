@@ -6,7 +6,7 @@
 use std::{future::Future, io, sync::Arc, time::Duration};
 
 use mooncake_common::{
-    pbreplicas,
+    pbkeys, pbreplicas,
     rpc_wire::{self, Method},
 };
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
@@ -136,12 +136,26 @@ impl MasterRpc {
         self.within(call).await
     }
 
-    /// Starts puts: space for each, or why not. On the framed RPC the answer is read without a
-    /// message struct.
-    pub async fn put_start(&self, req: pb::BatchPutStartRequest) -> Result<Starts, ClientError> {
+    /// Starts puts of (key, size): space for each, or why not. On the framed RPC the keys go
+    /// into the frame borrowed and the answer is read without a message struct.
+    pub async fn put_start(
+        &self,
+        items: &[(&str, u64)],
+        config: pb::ReplicateConfig,
+    ) -> Result<Starts, ClientError> {
         let pool = match &self.backend {
             Backend::Framed(pool) => pool,
             Backend::Grpc(_) => {
+                let req = pb::BatchPutStartRequest {
+                    items: items
+                        .iter()
+                        .map(|&(k, size)| pb::PutStartItem {
+                            key: k.to_string(),
+                            size,
+                        })
+                        .collect(),
+                    config: Some(config),
+                };
                 let resp: pb::BatchPutStartResponse = self
                     .unary(Method::BatchPutStart, req, |mut c, r| async move {
                         c.batch_put_start(r).await
@@ -150,8 +164,10 @@ impl MasterRpc {
                 return Ok(Starts::from_pb(resp));
             }
         };
-        let call = pool.call_raw(Method::BatchPutStart, req.encoded_len(), |buf| {
-            req.encode(buf).expect("a Vec grows as needed")
+        let len = pbkeys::keyed_len(1, items) + prost::encoding::message::encoded_len(2, &config);
+        let call = pool.call_raw(Method::BatchPutStart, len, |buf| {
+            pbkeys::encode_keyed(1, items, buf);
+            prost::encoding::message::encode(2, &config, buf);
         });
         let body = self.within(call).await?;
         let (starts, replicas) = pbreplicas::decode_put_start(&body).map_err(|e| {
@@ -163,23 +179,43 @@ impl MasterRpc {
         Ok(Starts::from_decoded(starts, replicas))
     }
 
-    pub async fn put_end(&self, items: Vec<pb::PutRef>) -> Result<Vec<i32>, ClientError> {
-        let req = pb::BatchPutEndRequest { items };
-        let r: pb::BatchPutEndResponse = self
-            .unary(Method::BatchPutEnd, req, |mut c, r| async move {
-                c.batch_put_end(r).await
-            })
-            .await?;
+    /// Ends the puts named by (key, put id); a code per put.
+    pub async fn put_end(&self, refs: &[(&str, u64)]) -> Result<Vec<i32>, ClientError> {
+        let Backend::Framed(pool) = &self.backend else {
+            let req = pb::BatchPutEndRequest {
+                items: put_refs(refs),
+            };
+            let r: pb::BatchPutEndResponse = self
+                .unary(Method::BatchPutEnd, req, |mut c, r| async move {
+                    c.batch_put_end(r).await
+                })
+                .await?;
+            return Ok(r.codes);
+        };
+        let call = pool.call_with(Method::BatchPutEnd, pbkeys::keyed_len(1, refs), |buf| {
+            pbkeys::encode_keyed(1, refs, buf)
+        });
+        let r: pb::BatchPutEndResponse = self.within(call).await?;
         Ok(r.codes)
     }
 
-    pub async fn put_revoke(&self, items: Vec<pb::PutRef>) -> Result<Vec<i32>, ClientError> {
-        let req = pb::BatchPutRevokeRequest { items };
-        let r: pb::BatchPutRevokeResponse = self
-            .unary(Method::BatchPutRevoke, req, |mut c, r| async move {
-                c.batch_put_revoke(r).await
-            })
-            .await?;
+    /// Revokes the puts named by (key, put id); a code per put.
+    pub async fn put_revoke(&self, refs: &[(&str, u64)]) -> Result<Vec<i32>, ClientError> {
+        let Backend::Framed(pool) = &self.backend else {
+            let req = pb::BatchPutRevokeRequest {
+                items: put_refs(refs),
+            };
+            let r: pb::BatchPutRevokeResponse = self
+                .unary(Method::BatchPutRevoke, req, |mut c, r| async move {
+                    c.batch_put_revoke(r).await
+                })
+                .await?;
+            return Ok(r.codes);
+        };
+        let call = pool.call_with(Method::BatchPutRevoke, pbkeys::keyed_len(1, refs), |buf| {
+            pbkeys::encode_keyed(1, refs, buf)
+        });
+        let r: pb::BatchPutRevokeResponse = self.within(call).await?;
         Ok(r.codes)
     }
 
@@ -200,9 +236,9 @@ impl MasterRpc {
                 return Ok(Lookup::from_pb(resp));
             }
         };
-        let len = mooncake_common::pbkeys::encoded_len(1, keys);
+        let len = pbkeys::encoded_len(1, keys);
         let call = pool.call_raw(Method::BatchGetReplicas, len, |buf| {
-            mooncake_common::pbkeys::encode_strings(1, keys, buf)
+            pbkeys::encode_strings(1, keys, buf)
         });
         let body = self.within(call).await?;
         let decoded = pbreplicas::decode(&body).map_err(|e| {
@@ -229,9 +265,9 @@ impl MasterRpc {
                 .exists(keys.iter().map(|k| k.to_string()).collect())
                 .await;
         };
-        let len = mooncake_common::pbkeys::encoded_len(1, keys);
+        let len = pbkeys::encoded_len(1, keys);
         let call = pool.call_with(Method::BatchExists, len, |buf| {
-            mooncake_common::pbkeys::encode_strings(1, keys, buf)
+            pbkeys::encode_strings(1, keys, buf)
         });
         self.within(call).await
     }
@@ -389,4 +425,13 @@ impl FramedPool {
             .map_err(|e| ClientError::Rpc(format!("master {}: {e}", self.addr)))?;
         Ok(FramedConn { stream, next_id: 1 })
     }
+}
+
+fn put_refs(refs: &[(&str, u64)]) -> Vec<pb::PutRef> {
+    refs.iter()
+        .map(|&(k, put_id)| pb::PutRef {
+            key: k.to_string(),
+            put_id,
+        })
+        .collect()
 }

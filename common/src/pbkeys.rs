@@ -53,6 +53,121 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
     Ok(out)
 }
 
+/// Appends field `field` as `repeated` messages of the shape `{ string key = 1; uint64 n = 2; }`
+/// (`PutStartItem` with its size, `PutRef` with its put id), from borrowed keys; zero fields
+/// are left out, as prost leaves them.
+pub fn encode_keyed(field: u32, items: &[(&str, u64)], out: &mut Vec<u8>) {
+    out.reserve(keyed_len(field, items));
+    let tag = u64::from(field << 3 | 2);
+    for &(k, n) in items {
+        put_varint(tag, out);
+        put_varint(keyed_item_len(k, n) as u64, out);
+        if !k.is_empty() {
+            out.push(1 << 3 | 2);
+            put_varint(k.len() as u64, out);
+            out.extend_from_slice(k.as_bytes());
+        }
+        if n != 0 {
+            out.push(2 << 3);
+            put_varint(n, out);
+        }
+    }
+}
+
+/// Bytes `encode_keyed` appends.
+pub fn keyed_len(field: u32, items: &[(&str, u64)]) -> usize {
+    let tag = varint_len(u64::from(field << 3 | 2));
+    items
+        .iter()
+        .map(|&(k, n)| {
+            let inner = keyed_item_len(k, n);
+            tag + varint_len(inner as u64) + inner
+        })
+        .sum()
+}
+
+fn keyed_item_len(k: &str, n: u64) -> usize {
+    let key = if k.is_empty() {
+        0
+    } else {
+        1 + varint_len(k.len() as u64) + k.len()
+    };
+    let num = if n == 0 { 0 } else { 1 + varint_len(n) };
+    key + num
+}
+
+/// Every item of field `field` (repeated `{ string key = 1; uint64 n = 2; }`) in the message
+/// `body`, in order, the keys as slices of `body`. Every other length-delimited field goes to
+/// `other` (field number, bytes); the rest is skipped. Malformed input is an error, never a
+/// panic.
+pub fn decode_keyed<'a>(
+    body: &'a [u8],
+    field: u32,
+    mut other: impl FnMut(u64, &'a [u8]) -> Result<(), String>,
+) -> Result<Vec<(&'a str, u64)>, String> {
+    let mut out = Vec::new();
+    walk(body, |f, v| match v {
+        Value::Bytes(b) if f == u64::from(field) => {
+            let (mut key, mut n) = ("", 0);
+            walk(b, |f, v| {
+                match (f, v) {
+                    (1, Value::Bytes(s)) => {
+                        key = std::str::from_utf8(s).map_err(|_| "key is not UTF-8".to_string())?
+                    }
+                    (2, Value::Int(x)) => n = x,
+                    _ => {}
+                }
+                Ok(())
+            })?;
+            out.push((key, n));
+            Ok(())
+        }
+        Value::Bytes(b) => other(f, b),
+        _ => Ok(()),
+    })?;
+    Ok(out)
+}
+
+pub(crate) enum Value<'a> {
+    Int(u64),
+    Bytes(&'a [u8]),
+    Other,
+}
+
+/// Calls `f` with every field of the message `body` in order.
+pub(crate) fn walk<'a>(
+    body: &'a [u8],
+    mut f: impl FnMut(u64, Value<'a>) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut at = 0usize;
+    while at < body.len() {
+        let key = get_varint(body, &mut at)?;
+        let (field, wire) = (key >> 3, key & 7);
+        let value = match wire {
+            0 => Value::Int(get_varint(body, &mut at)?),
+            1 => {
+                at = skip(body, at, 8)?;
+                Value::Other
+            }
+            5 => {
+                at = skip(body, at, 4)?;
+                Value::Other
+            }
+            2 => {
+                let len = get_varint(body, &mut at)?;
+                let len = usize::try_from(len).map_err(|_| "length overflows".to_string())?;
+                let end = skip(body, at, len)?;
+                let b = &body[at..end];
+                at = end;
+                Value::Bytes(b)
+            }
+            w => return Err(format!("unsupported wire type {w}")),
+        };
+        f(field, value)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn skip(body: &[u8], at: usize, n: usize) -> Result<usize, String> {
     at.checked_add(n)
         .filter(|end| *end <= body.len())
@@ -106,8 +221,42 @@ mod tests {
         }
 
         #[test]
+        fn keyed_items_match_prost_both_ways(
+            items in proptest::collection::vec(("[a-z0-9/é]{0,300}", prop_oneof![Just(0u64), any::<u64>()]), 0..50),
+            preferred in proptest::collection::vec("[a-z0-9.:]{0,20}", 0..3),
+            replica_num in 0u32..4,
+        ) {
+            let refs: Vec<(&str, u64)> = items.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+            let mut ours = Vec::new();
+            encode_keyed(1, &refs, &mut ours);
+            prop_assert_eq!(ours.len(), keyed_len(1, &refs));
+            let end = pb::BatchPutEndRequest {
+                items: items.iter().map(|(key, put_id)| pb::PutRef { key: key.clone(), put_id: *put_id }).collect(),
+            };
+            prop_assert_eq!(&ours, &end.encode_to_vec());
+            // A start request: the items, then its config handed over as another field.
+            let config = pb::ReplicateConfig { replica_num, preferred_segments: preferred, soft_pin: true, hard_pin: false };
+            let start = pb::BatchPutStartRequest {
+                items: items.iter().map(|(key, size)| pb::PutStartItem { key: key.clone(), size: *size }).collect(),
+                config: Some(config.clone()),
+            };
+            let mut seen = None;
+            let mut others = Vec::new();
+            let start = start.encode_to_vec();
+            let got = decode_keyed(&start, 1, |f, b| {
+                others.push(f);
+                seen = Some(pb::ReplicateConfig::decode(b).map_err(|e| e.to_string())?);
+                Ok(())
+            }).unwrap();
+            prop_assert_eq!(others, vec![2]);
+            prop_assert_eq!(got, refs);
+            prop_assert_eq!(seen, Some(config));
+        }
+
+        #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_strings(&bytes, 1);
+            let _ = decode_keyed(&bytes, 1, |_, _| Ok(()));
         }
     }
 
@@ -120,5 +269,13 @@ mod tests {
         );
         assert!(decode_strings(&[0x0b], 1).is_err(), "wire type 3");
         assert!(decode_strings(&[0x80; 11], 1).is_err(), "endless varint");
+        assert!(
+            decode_keyed(&[0x0a, 3, 0x0a, 1, 0xff], 1, |_, _| Ok(())).is_err(),
+            "key not UTF-8"
+        );
+        assert!(
+            decode_keyed(&[0x0a, 4, 0x0a, 5], 1, |_, _| Ok(())).is_err(),
+            "item overruns"
+        );
     }
 }

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::pbkeys::{get_varint, put_varint, skip, varint_len};
+use crate::pbkeys::{put_varint, varint_len, walk, Value};
 
 /// One replica's location, its segment borrowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -263,46 +263,6 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
         Ok(())
     })?;
     Ok(r)
-}
-
-enum Value<'a> {
-    Int(u64),
-    Bytes(&'a [u8]),
-    Other,
-}
-
-/// Calls `f` with every field of the message `body` in order.
-fn walk<'a>(
-    body: &'a [u8],
-    mut f: impl FnMut(u64, Value<'a>) -> Result<(), String>,
-) -> Result<(), String> {
-    let mut at = 0usize;
-    while at < body.len() {
-        let key = get_varint(body, &mut at)?;
-        let (field, wire) = (key >> 3, key & 7);
-        let value = match wire {
-            0 => Value::Int(get_varint(body, &mut at)?),
-            1 => {
-                at = skip(body, at, 8)?;
-                Value::Other
-            }
-            5 => {
-                at = skip(body, at, 4)?;
-                Value::Other
-            }
-            2 => {
-                let len = get_varint(body, &mut at)?;
-                let len = usize::try_from(len).map_err(|_| "length overflows".to_string())?;
-                let end = skip(body, at, len)?;
-                let b = &body[at..end];
-                at = end;
-                Value::Bytes(b)
-            }
-            w => return Err(format!("unsupported wire type {w}")),
-        };
-        f(field, value)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -4,7 +4,10 @@
 
 use std::{future::Future, io, sync::Arc, time::Duration};
 
-use mooncake_common::rpc_wire::{self, Method};
+use mooncake_common::{
+    pbkeys,
+    rpc_wire::{self, Method},
+};
 use mooncake_proto::master::{self as pb, master_server::Master};
 use prost::Message;
 use tokio::{
@@ -81,12 +84,7 @@ where
 {
     let req = match Req::decode(body) {
         Ok(r) => r,
-        Err(e) => {
-            return (
-                rpc_wire::STATUS_BAD_REQUEST,
-                format!("cannot decode the request: {e}").into_bytes(),
-            )
-        }
+        Err(e) => return bad_request(e),
     };
     match f(Request::new(req)).await {
         Ok(resp) => (rpc_wire::STATUS_OK, resp.into_inner().encode_to_vec()),
@@ -96,6 +94,13 @@ where
         ),
         Err(s) => (rpc_wire::STATUS_INTERNAL, s.message().as_bytes().to_vec()),
     }
+}
+
+fn bad_request(e: impl std::fmt::Display) -> (i32, Vec<u8>) {
+    (
+        rpc_wire::STATUS_BAD_REQUEST,
+        format!("cannot decode the request: {e}").into_bytes(),
+    )
 }
 
 async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
@@ -109,32 +114,54 @@ async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>)
         Method::Heartbeat => {
             call::<pb::HeartbeatRequest, _, _, _>(body, |r| svc.heartbeat(r)).await
         }
-        Method::BatchPutStart => match pb::BatchPutStartRequest::decode(body) {
-            Ok(req) => (rpc_wire::STATUS_OK, svc.put_start_encoded(req).await),
-            Err(e) => (
-                rpc_wire::STATUS_BAD_REQUEST,
-                format!("cannot decode the request: {e}").into_bytes(),
+        Method::BatchPutStart => {
+            // Items borrowed from the frame; the config (field 2) merged as protobuf merges
+            // repeated occurrences of a message field.
+            let mut config: Option<pb::ReplicateConfig> = None;
+            let items = pbkeys::decode_keyed(body, 1, |field, bytes| {
+                if field == 2 {
+                    config
+                        .get_or_insert_with(Default::default)
+                        .merge(bytes)
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            });
+            match items {
+                Ok(items) => (
+                    rpc_wire::STATUS_OK,
+                    svc.put_start_encoded(&items, config).await,
+                ),
+                Err(e) => bad_request(e),
+            }
+        }
+        Method::BatchPutEnd => match pbkeys::decode_keyed(body, 1, |_, _| Ok(())) {
+            Ok(refs) => (
+                rpc_wire::STATUS_OK,
+                pb::BatchPutEndResponse {
+                    codes: svc.put_end_refs(&refs),
+                }
+                .encode_to_vec(),
             ),
+            Err(e) => bad_request(e),
         },
-        Method::BatchPutEnd => {
-            call::<pb::BatchPutEndRequest, _, _, _>(body, |r| svc.batch_put_end(r)).await
-        }
-        Method::BatchPutRevoke => {
-            call::<pb::BatchPutRevokeRequest, _, _, _>(body, |r| svc.batch_put_revoke(r)).await
-        }
-        Method::BatchGetReplicas => match mooncake_common::pbkeys::decode_strings(body, 1) {
+        Method::BatchPutRevoke => match pbkeys::decode_keyed(body, 1, |_, _| Ok(())) {
+            Ok(refs) => (
+                rpc_wire::STATUS_OK,
+                pb::BatchPutRevokeResponse {
+                    codes: svc.put_revoke_refs(&refs),
+                }
+                .encode_to_vec(),
+            ),
+            Err(e) => bad_request(e),
+        },
+        Method::BatchGetReplicas => match pbkeys::decode_strings(body, 1) {
             Ok(keys) => (rpc_wire::STATUS_OK, svc.get_replicas_encoded(&keys)),
-            Err(e) => (
-                rpc_wire::STATUS_BAD_REQUEST,
-                format!("cannot decode the request: {e}").into_bytes(),
-            ),
+            Err(e) => bad_request(e),
         },
-        Method::BatchExists => match mooncake_common::pbkeys::decode_strings(body, 1) {
+        Method::BatchExists => match pbkeys::decode_strings(body, 1) {
             Ok(keys) => (rpc_wire::STATUS_OK, svc.exists_strs(&keys).encode_to_vec()),
-            Err(e) => (
-                rpc_wire::STATUS_BAD_REQUEST,
-                format!("cannot decode the request: {e}").into_bytes(),
-            ),
+            Err(e) => bad_request(e),
         },
         Method::BatchRemove => {
             call::<pb::BatchRemoveRequest, _, _, _>(body, |r| svc.batch_remove(r)).await

@@ -195,7 +195,9 @@ impl pb::master_server::Master for MasterService {
         &self,
         req: Request<pb::BatchPutStartRequest>,
     ) -> Reply<pb::BatchPutStartResponse> {
-        let results = self.put_start_items(req.into_inner()).await;
+        let r = req.into_inner();
+        let items: Vec<(&str, u64)> = r.items.iter().map(|i| (i.key.as_str(), i.size)).collect();
+        let results = self.put_start_items(&items, r.config).await;
         Ok(Response::new(pb::BatchPutStartResponse {
             results: results
                 .into_iter()
@@ -222,10 +224,10 @@ impl pb::master_server::Master for MasterService {
         req: Request<pb::BatchPutEndRequest>,
     ) -> Reply<pb::BatchPutEndResponse> {
         let items = req.into_inner().items;
-        let now = self.shared.clock.now();
-        let codes = self.per_key(&items, |s, k, id| s.put_end(k, id, now));
-        self.record(Op::PutEnd, &codes);
-        Ok(Response::new(pb::BatchPutEndResponse { codes }))
+        let refs: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+        Ok(Response::new(pb::BatchPutEndResponse {
+            codes: self.put_end_refs(&refs),
+        }))
     }
 
     async fn batch_put_revoke(
@@ -233,9 +235,10 @@ impl pb::master_server::Master for MasterService {
         req: Request<pb::BatchPutRevokeRequest>,
     ) -> Reply<pb::BatchPutRevokeResponse> {
         let items = req.into_inner().items;
-        let codes = self.per_key(&items, |s, k, id| s.put_revoke(k, id));
-        self.record(Op::PutRevoke, &codes);
-        Ok(Response::new(pb::BatchPutRevokeResponse { codes }))
+        let refs: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+        Ok(Response::new(pb::BatchPutRevokeResponse {
+            codes: self.put_revoke_refs(&refs),
+        }))
     }
 
     async fn batch_get_replicas(
@@ -360,52 +363,53 @@ impl MasterService {
     /// batch short of memory while offloads are on their way waits (briefly) for their room.
     pub async fn put_start_items(
         &self,
-        r: pb::BatchPutStartRequest,
+        items: &[(&str, u64)],
+        config: Option<pb::ReplicateConfig>,
     ) -> Vec<Result<PutGrant, MasterError>> {
-        let config = replicate_config(r.config);
+        let config = replicate_config(config);
         let mut results: Vec<Option<Result<PutGrant, MasterError>>> =
-            (0..r.items.len()).map(|_| None).collect();
+            (0..items.len()).map(|_| None).collect();
         let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
         loop {
             // Registered before looking, so progress made in between is not missed.
             let progress = self.shared.offload_progress.notified();
             tokio::pin!(progress);
             progress.as_mut().enable();
-            let waiting =
-                {
-                    let now = self.shared.clock.now();
-                    let mut state = self.shared.state.lock();
-                    for (item, slot) in r.items.iter().zip(results.iter_mut()) {
-                        if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
-                            continue;
-                        }
-                        *slot =
-                            Some(config.as_ref().map_err(Clone::clone).and_then(|c| {
-                                state.put_start(&key(&item.key)?, item.size, c, now)
-                            }));
-                    }
-                    // Out of memory while offloads are on their way to disk: their memory comes
-                    // back when they land, so start room for every item still short at once and
-                    // wait for it (briefly) instead of failing.
-                    let short: u64 = r
-                        .items
-                        .iter()
-                        .zip(&results)
-                        .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
-                        .map(|(i, _)| i.size)
-                        .sum();
-                    let freed_now = if short > 0 {
-                        state.make_room(now, short)
-                    } else {
-                        0
-                    };
-                    self.shared.wake_owners(&mut state);
-                    if short > 0 && freed_now > 0 {
-                        // Room came free at once (objects with disk copies left memory): try again.
+            let waiting = {
+                let now = self.shared.clock.now();
+                let mut state = self.shared.state.lock();
+                for (&(k, size), slot) in items.iter().zip(results.iter_mut()) {
+                    if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
                         continue;
                     }
-                    short > 0 && state.offloads_outstanding()
+                    *slot = Some(
+                        config
+                            .as_ref()
+                            .map_err(Clone::clone)
+                            .and_then(|c| state.put_start(&key(k)?, size, c, now)),
+                    );
+                }
+                // Out of memory while offloads are on their way to disk: their memory comes
+                // back when they land, so start room for every item still short at once and
+                // wait for it (briefly) instead of failing.
+                let short: u64 = items
+                    .iter()
+                    .zip(&results)
+                    .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
+                    .map(|(&(_, size), _)| size)
+                    .sum();
+                let freed_now = if short > 0 {
+                    state.make_room(now, short)
+                } else {
+                    0
                 };
+                self.shared.wake_owners(&mut state);
+                if short > 0 && freed_now > 0 {
+                    // Room came free at once (objects with disk copies left memory): try again.
+                    continue;
+                }
+                short > 0 && state.offloads_outstanding()
+            };
             if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
                 break;
             }
@@ -429,8 +433,12 @@ impl MasterService {
     }
 
     /// `batch_put_start` for the framed RPC: the answer encoded straight from the grants.
-    pub async fn put_start_encoded(&self, r: pb::BatchPutStartRequest) -> Vec<u8> {
-        let results = self.put_start_items(r).await;
+    pub async fn put_start_encoded(
+        &self,
+        items: &[(&str, u64)],
+        config: Option<pb::ReplicateConfig>,
+    ) -> Vec<u8> {
+        let results = self.put_start_items(items, config).await;
         let mut enc = pbreplicas::Encoder::with_capacity(results.len() * 48);
         for r in &results {
             match r {
@@ -506,15 +514,35 @@ impl MasterService {
         }
     }
 
+    /// Ends the puts named by (key, put id), under one lock; a code per put.
+    pub fn put_end_refs(&self, refs: &[(&str, u64)]) -> Vec<i32> {
+        let now = self.shared.clock.now();
+        let codes = self.per_key(refs, |s, k, id| s.put_end(k, id, now));
+        self.record(Op::PutEnd, &codes);
+        codes
+    }
+
+    /// Revokes the puts named by (key, put id), under one lock; a code per put.
+    pub fn put_revoke_refs(&self, refs: &[(&str, u64)]) -> Vec<i32> {
+        let codes = self.per_key(refs, |s, k, id| s.put_revoke(k, id));
+        self.record(Op::PutRevoke, &codes);
+        codes
+    }
+
     fn per_key(
         &self,
-        items: &[pb::PutRef],
-        f: impl Fn(&mut MasterState, &ObjectKey, u64) -> Result<(), MasterError>,
+        refs: &[(&str, u64)],
+        f: impl Fn(&mut MasterState, &str, u64) -> Result<(), MasterError>,
     ) -> Vec<i32> {
         let mut state = self.shared.state.lock();
-        let codes = items
+        let codes = refs
             .iter()
-            .map(|i| code_of(&key(&i.key).and_then(|k| f(&mut state, &k, i.put_id))))
+            .map(|&(k, id)| {
+                let r = ObjectKey::validate(k)
+                    .map_err(MasterError::from)
+                    .and_then(|()| f(&mut state, k, id));
+                code_of(&r)
+            })
             .collect();
         self.shared.wake_owners(&mut state);
         codes

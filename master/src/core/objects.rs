@@ -259,16 +259,12 @@ impl MasterState {
     }
 
     /// Phase two: the bytes landed on every replica; the object becomes readable.
-    pub fn put_end(
-        &mut self,
-        key: &ObjectKey,
-        put_id: u64,
-        now: Millis,
-    ) -> Result<(), MasterError> {
+    pub fn put_end(&mut self, key: &str, put_id: u64, now: Millis) -> Result<(), MasterError> {
         let obj = self.current_put(key, put_id)?;
         obj.phase = Phase::Complete;
         if self.policy.eager_offload {
-            self.eager_offload(key, now);
+            let key = self.stored_key(key);
+            self.eager_offload(&key, now);
         }
         Ok(())
     }
@@ -276,10 +272,10 @@ impl MasterState {
     /// The writer gave up: the space is free at once. A write of the revoked put that still
     /// lands later cannot be mistaken for another key's bytes, because owners check on every
     /// read that the range was last written under the key being read.
-    pub fn put_revoke(&mut self, key: &ObjectKey, put_id: u64) -> Result<(), MasterError> {
+    pub fn put_revoke(&mut self, key: &str, put_id: u64) -> Result<(), MasterError> {
         let obj = self.current_put(key, put_id)?;
         if obj.phase == Phase::Complete {
-            return Err(MasterError::Exists(key.clone()));
+            return Err(MasterError::Exists(self.stored_key(key)));
         }
         let obj = self.objects.remove(key).expect("checked above");
         self.free_replicas(obj.replicas);
@@ -288,16 +284,25 @@ impl MasterState {
 
     fn current_put(
         &mut self,
-        key: &ObjectKey,
+        key: &str,
         put_id: u64,
     ) -> Result<&mut super::objects::Object, MasterError> {
         match self.objects.get_mut(key) {
             Some(obj) if obj.put_id == put_id => Ok(obj),
             _ => Err(MasterError::StalePut {
-                key: key.clone(),
+                key: ObjectKey::new(key)?,
                 put_id,
             }),
         }
+    }
+
+    /// The map's own key for a stored object (a shared string, no copy).
+    fn stored_key(&self, key: &str) -> ObjectKey {
+        let (k, _) = self
+            .objects
+            .get_key_value(key)
+            .expect("the object is stored");
+        k.clone()
     }
 
     /// Looks up a readable object and leases it to the caller for the lease TTL.

@@ -56,7 +56,7 @@ fn put(
     now: u64,
 ) -> Result<PutGrant, MasterError> {
     let g = s.put_start(&k(key), size, c, Millis(now))?;
-    s.put_end(&k(key), g.put_id, Millis(0))?;
+    s.put_end(key, g.put_id, Millis(0))?;
     s.check_invariants().unwrap();
     Ok(g)
 }
@@ -77,7 +77,7 @@ fn two_phase_put_then_get() {
         s.put_start(&k("a"), 1000, &cfg(1), Millis(1)),
         Err(MasterError::PutInFlight(k("a")))
     );
-    s.put_end(&k("a"), g.put_id, Millis(0)).unwrap();
+    s.put_end("a", g.put_id, Millis(0)).unwrap();
     let (size, reps) = s.get_replicas(&k("a"), Millis(2)).unwrap();
     assert_eq!((size, reps), (1000, g.replicas.clone()));
     assert_eq!(
@@ -259,10 +259,10 @@ fn abandoned_put_is_taken_over_then_released() {
         "the old writer's range is quarantined"
     );
     assert!(matches!(
-        s.put_end(&k("a"), old.put_id, Millis(0)),
+        s.put_end("a", old.put_id, Millis(0)),
         Err(MasterError::StalePut { .. })
     ));
-    s.put_end(&k("a"), new.put_id, Millis(0)).unwrap();
+    s.put_end("a", new.put_id, Millis(0)).unwrap();
     s.tick(Millis(release - 1));
     assert_eq!(s.allocated(), 2 * MIB);
     s.tick(Millis(release));
@@ -282,10 +282,10 @@ fn abandoned_put_is_taken_over_then_released() {
 fn revoke_frees_and_only_the_current_put_can_end() {
     let mut s = state_with(&[4 * MIB]);
     let g = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
-    assert!(s.put_revoke(&k("a"), g.put_id + 1).is_err());
-    s.put_revoke(&k("a"), g.put_id).unwrap();
+    assert!(s.put_revoke("a", g.put_id + 1).is_err());
+    s.put_revoke("a", g.put_id).unwrap();
     assert_eq!(s.allocated(), 0);
-    assert!(s.put_end(&k("a"), g.put_id, Millis(0)).is_err());
+    assert!(s.put_end("a", g.put_id, Millis(0)).is_err());
     s.check_invariants().unwrap();
 }
 
@@ -400,8 +400,8 @@ proptest! {
                         puts.insert(key, g.put_id);
                     }
                 }
-                Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&k(&format!("k{key}")), *id, Millis(now)); } }
-                Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&k(&format!("k{key}")), *id); } }
+                Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&format!("k{key}"), *id, Millis(now)); } }
+                Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&format!("k{key}"), *id); } }
                 Step::Get(key) => {
                     if let Ok((size, reps)) = s.get_replicas(&k(&format!("k{key}")), Millis(now)) {
                         prop_assert!(!reps.is_empty());

@@ -38,7 +38,7 @@ fn tiered(mem: u64, policy: Policy) -> (MasterState, SegmentId) {
 
 fn put(s: &mut MasterState, key: &str, size: u64, now: u64) -> Result<u64, MasterError> {
     let g = s.put_start(&k(key), size, &ReplicateConfig::default(), Millis(now))?;
-    s.put_end(&k(key), g.put_id, Millis(now))?;
+    s.put_end(key, g.put_id, Millis(now))?;
     s.check_invariants().unwrap();
     Ok(g.put_id)
 }
