@@ -181,42 +181,59 @@ impl MasterRpc {
 
     /// Ends the puts named by (key, put id); a code per put.
     pub async fn put_end(&self, refs: &[(&str, u64)]) -> Result<Vec<i32>, ClientError> {
-        let Backend::Framed(pool) = &self.backend else {
-            let req = pb::BatchPutEndRequest {
-                items: put_refs(refs),
-            };
-            let r: pb::BatchPutEndResponse = self
-                .unary(Method::BatchPutEnd, req, |mut c, r| async move {
-                    c.batch_put_end(r).await
-                })
-                .await?;
-            return Ok(r.codes);
-        };
-        let call = pool.call_with(Method::BatchPutEnd, pbkeys::keyed_len(1, refs), |buf| {
-            pbkeys::encode_keyed(1, refs, buf)
-        });
-        let r: pb::BatchPutEndResponse = self.within(call).await?;
+        let r: pb::BatchPutEndResponse = self
+            .by_refs(
+                Method::BatchPutEnd,
+                refs,
+                |items| pb::BatchPutEndRequest { items },
+                |mut c, r| async move { c.batch_put_end(r).await },
+            )
+            .await?;
         Ok(r.codes)
     }
 
     /// Revokes the puts named by (key, put id); a code per put.
     pub async fn put_revoke(&self, refs: &[(&str, u64)]) -> Result<Vec<i32>, ClientError> {
+        let r: pb::BatchPutRevokeResponse = self
+            .by_refs(
+                Method::BatchPutRevoke,
+                refs,
+                |items| pb::BatchPutRevokeRequest { items },
+                |mut c, r| async move { c.batch_put_revoke(r).await },
+            )
+            .await?;
+        Ok(r.codes)
+    }
+
+    /// A call whose request is a list of (key, put id): on the framed RPC the keys go into the
+    /// frame borrowed; on gRPC, `request` builds the message.
+    async fn by_refs<Req, Resp, F, Fut>(
+        &self,
+        method: Method,
+        refs: &[(&str, u64)],
+        request: impl FnOnce(Vec<pb::PutRef>) -> Req,
+        grpc: F,
+    ) -> Result<Resp, ClientError>
+    where
+        Req: Message,
+        Resp: Message + Default,
+        F: FnOnce(MasterClient<Channel>, Req) -> Fut,
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
+    {
         let Backend::Framed(pool) = &self.backend else {
-            let req = pb::BatchPutRevokeRequest {
-                items: put_refs(refs),
-            };
-            let r: pb::BatchPutRevokeResponse = self
-                .unary(Method::BatchPutRevoke, req, |mut c, r| async move {
-                    c.batch_put_revoke(r).await
+            let items = refs
+                .iter()
+                .map(|&(k, put_id)| pb::PutRef {
+                    key: k.to_string(),
+                    put_id,
                 })
-                .await?;
-            return Ok(r.codes);
+                .collect();
+            return self.unary(method, request(items), grpc).await;
         };
-        let call = pool.call_with(Method::BatchPutRevoke, pbkeys::keyed_len(1, refs), |buf| {
+        let call = pool.call_with(method, pbkeys::keyed_len(1, refs), |buf| {
             pbkeys::encode_keyed(1, refs, buf)
         });
-        let r: pb::BatchPutRevokeResponse = self.within(call).await?;
-        Ok(r.codes)
+        self.within(call).await
     }
 
     /// Where each key's replicas are (leasing the hits). On the framed RPC the keys go into
@@ -425,13 +442,4 @@ impl FramedPool {
             .map_err(|e| ClientError::Rpc(format!("master {}: {e}", self.addr)))?;
         Ok(FramedConn { stream, next_id: 1 })
     }
-}
-
-fn put_refs(refs: &[(&str, u64)]) -> Vec<pb::PutRef> {
-    refs.iter()
-        .map(|&(k, put_id)| pb::PutRef {
-            key: k.to_string(),
-            put_id,
-        })
-        .collect()
 }

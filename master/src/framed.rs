@@ -103,6 +103,15 @@ fn bad_request(e: impl std::fmt::Display) -> (i32, Vec<u8>) {
     )
 }
 
+/// A request that is a list of (key, put id) (`repeated PutRef items = 1`), keys borrowed from
+/// the frame, answered by `answer`.
+fn by_refs(body: &[u8], answer: impl FnOnce(&[(&str, u64)]) -> Vec<u8>) -> (i32, Vec<u8>) {
+    match pbkeys::decode_keyed(body, 1, |_, _| Ok(())) {
+        Ok(refs) => (rpc_wire::STATUS_OK, answer(&refs)),
+        Err(e) => bad_request(e),
+    }
+}
+
 async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
     match m {
         Method::MountSegment => {
@@ -135,26 +144,18 @@ async fn dispatch(svc: &MasterService, m: Method, body: &[u8]) -> (i32, Vec<u8>)
                 Err(e) => bad_request(e),
             }
         }
-        Method::BatchPutEnd => match pbkeys::decode_keyed(body, 1, |_, _| Ok(())) {
-            Ok(refs) => (
-                rpc_wire::STATUS_OK,
-                pb::BatchPutEndResponse {
-                    codes: svc.put_end_refs(&refs),
-                }
-                .encode_to_vec(),
-            ),
-            Err(e) => bad_request(e),
-        },
-        Method::BatchPutRevoke => match pbkeys::decode_keyed(body, 1, |_, _| Ok(())) {
-            Ok(refs) => (
-                rpc_wire::STATUS_OK,
-                pb::BatchPutRevokeResponse {
-                    codes: svc.put_revoke_refs(&refs),
-                }
-                .encode_to_vec(),
-            ),
-            Err(e) => bad_request(e),
-        },
+        Method::BatchPutEnd => by_refs(body, |refs| {
+            pb::BatchPutEndResponse {
+                codes: svc.put_end_refs(refs),
+            }
+            .encode_to_vec()
+        }),
+        Method::BatchPutRevoke => by_refs(body, |refs| {
+            pb::BatchPutRevokeResponse {
+                codes: svc.put_revoke_refs(refs),
+            }
+            .encode_to_vec()
+        }),
         Method::BatchGetReplicas => match pbkeys::decode_strings(body, 1) {
             Ok(keys) => (rpc_wire::STATUS_OK, svc.get_replicas_encoded(&keys)),
             Err(e) => bad_request(e),
