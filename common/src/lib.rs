@@ -1,13 +1,15 @@
 //! Vocabulary shared by every role: validated ids, the Mooncake-compatible numeric codes, config
 //! primitives (human sizes and durations), and the data plane's wire format and transport trait.
 //! Nothing here performs I/O on its own or knows about a particular role.
-#![forbid(unsafe_code)]
+// `unsafe` only in `memcopy` (streaming stores); nowhere else.
+#![deny(unsafe_code)]
 
 pub mod code;
 pub mod config;
 pub mod disk_stats;
 pub mod ids;
 pub mod local;
+pub mod memcopy;
 pub mod pbkeys;
 pub mod pbreplicas;
 pub mod rpc_wire;

@@ -353,7 +353,7 @@ impl Connection {
             } else {
                 let buf = self.reader.fill_buf().await?;
                 let n = buf.len().min(dst.len());
-                crate::pool::copy_streaming(&mut dst[..n], &buf[..n]);
+                mooncake_common::memcopy::copy_streaming(&mut dst[..n], &buf[..n]);
                 self.reader.consume(n);
                 n
             };

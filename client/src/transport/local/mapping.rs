@@ -9,6 +9,13 @@ use std::{
 };
 
 use memmap2::{MmapOptions, MmapRaw};
+use mooncake_common::memcopy::copy_streaming;
+
+/// Values read out at least this large are copied with streaming stores: a buffer of many of them
+/// outgrows the cache anyway and is handed on (to a device, a file or a socket) rather than read
+/// at once, so reading each destination line in first only costs. Smaller ones go through the
+/// cache, where a caller reading them next finds them.
+const STREAM_OUT_MIN: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
 #[error("range [{offset}, +{len}) is outside the mapped pool of {size} bytes")]
@@ -72,10 +79,12 @@ impl SharedPool {
         for p in parts {
             // SAFETY: [at, at + p.len()) lies inside the mapping (checked above); the owner has
             // locked the range exclusively for this client, so no reader or writer it serves
-            // overlaps it, and `p` is caller memory that cannot overlap a mapping we created.
-            unsafe {
-                std::ptr::copy_nonoverlapping(p.as_ptr(), self.map.as_mut_ptr().add(at), p.len())
-            };
+            // overlaps it (nor does another copy of this batch: its ranges are disjoint), and `p`
+            // is caller memory that cannot overlap a mapping we created.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(at), p.len()) };
+            // Read back much later, by then out of cache: streaming stores (see `memcopy`).
+            copy_streaming(dst, p);
             at += p.len();
         }
         Ok(())
@@ -90,9 +99,12 @@ impl SharedPool {
         for p in parts.iter_mut() {
             // SAFETY: as in `copy_in`; the read lock keeps writers of this owner out of the range
             // while we copy, and `p` is caller memory disjoint from the mapping.
-            unsafe {
-                std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), p.as_mut_ptr(), p.len())
-            };
+            let src = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), p.len()) };
+            if p.len() >= STREAM_OUT_MIN {
+                copy_streaming(p, src);
+            } else {
+                p.copy_from_slice(src);
+            }
             at += p.len();
         }
         Ok(())
