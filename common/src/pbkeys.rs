@@ -57,7 +57,6 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
 /// (`PutStartItem` with its size, `PutRef` with its put id), from borrowed keys; zero fields
 /// are left out, as prost leaves them.
 pub fn encode_keyed(field: u32, items: &[(&str, u64)], out: &mut Vec<u8>) {
-    out.reserve(keyed_len(field, items));
     let tag = u64::from(field << 3 | 2);
     for &(k, n) in items {
         put_varint(tag, out);

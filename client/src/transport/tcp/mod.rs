@@ -228,6 +228,7 @@ impl Conn {
         Ok(())
     }
 
+    /// Sends one request; returns its id.
     async fn send(
         &mut self,
         op: Op,
@@ -236,23 +237,8 @@ impl Conn {
         length: u64,
         payload: &[&[u8]],
     ) -> io::Result<u64> {
-        let request_id = self.next_id;
-        self.next_id += 1;
-        let header = RequestHeader {
-            op,
-            key_len: key.as_str().len() as u16,
-            flags: 0,
-            request_id,
-            offset,
-            length,
-        }
-        .encode();
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 + payload.len());
-        slices.push(IoSlice::new(&header));
-        slices.push(IoSlice::new(key.as_str().as_bytes()));
-        slices.extend(payload.iter().map(|p| IoSlice::new(p)));
-        write_all_vectored(&mut self.stream, &mut slices).await?;
-        Ok(request_id)
+        self.send_pipelined(op, std::iter::once((key, offset, length, payload)))
+            .await
     }
 
     /// Reads a response header (that of a payload of `expect` bytes); on a refusal, also its
