@@ -10,9 +10,9 @@ use crate::{
     config::OwnerConfig,
     dataplane,
     index::KeyIndex,
-    master_link::{LinkError, MasterLink},
+    master_link::{ssd_tasks::Worker, LinkError, MasterLink},
     pool::MemoryPool,
-    ssd::{worker::Worker, SsdError, SsdStore},
+    ssd::{SsdError, SsdStore},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +143,7 @@ impl RunningOwner {
         }
         let mut worker = None;
         if let Some(store) = &ssd {
-            crate::ssd::worker::register_all(&link, store).await;
+            link.register_ssd_records(store).await;
             let w = Arc::new(Worker {
                 link: link.clone(),
                 store: store.clone(),

@@ -1,6 +1,7 @@
-//! The disk engine seam: the `DiskEngine` trait, the choice of engine (`EngineKind`), opening an
+//! The disk engine seam: the `DiskEngine` trait, the name of each engine (`EngineKind`), opening an
 //! O_DIRECT file of a fixed size, and the checks both engines share. Engines own how I/O is
-//! submitted; they never interpret the bytes or decide offsets.
+//! submitted; they never interpret the bytes or decide offsets. This module knows no engine;
+//! starting one of a given kind is `engines`'.
 
 use std::{
     fmt, fs,
@@ -9,13 +10,12 @@ use std::{
     os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
     path::Path,
     str::FromStr,
-    sync::Arc,
 };
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
-use super::{pread::PreadEngine, uring::UringEngine, AlignedBuf, ALIGN};
+use super::buf::{AlignedBuf, ALIGN};
 
 /// Moves aligned buffers to and from one file. Futures own their buffer until they finish and give
 /// it back with the result, also on error; they never block the calling tokio worker.
@@ -151,30 +151,6 @@ fn fallocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
-    }
-}
-
-/// Starts the engine of `kind` on `file` with up to `queue_depth` operations in the kernel at once
-/// (io_uring; pread runs on tokio's blocking pool and ignores it).
-pub fn open_engine(
-    kind: EngineKind,
-    file: File,
-    queue_depth: u32,
-) -> io::Result<Arc<dyn DiskEngine>> {
-    match kind {
-        EngineKind::Pread => Ok(Arc::new(PreadEngine::new(file))),
-        EngineKind::Uring => Ok(Arc::new(UringEngine::start(
-            UringEngine::ring(queue_depth)?,
-            file,
-            queue_depth,
-        )?)),
-        EngineKind::Auto => match UringEngine::ring(queue_depth) {
-            Ok(ring) => Ok(Arc::new(UringEngine::start(ring, file, queue_depth)?)),
-            Err(e) => {
-                tracing::warn!(error = %e, "io_uring is unavailable; the ssd tier falls back to pread");
-                Ok(Arc::new(PreadEngine::new(file)))
-            }
-        },
     }
 }
 

@@ -1,10 +1,13 @@
-//! The owner's SSD tier: block-aligned buffers and the disk engines that move them to and from a
-//! file opened with O_DIRECT. This module owns how bytes reach the disk (the `DiskEngine` seam and
-//! its io_uring and pread implementations); it does not decide where objects live on the disk.
+//! The owner's SSD tier, storage only: block-aligned buffers, the disk engines that move them to
+//! and from a file opened with O_DIRECT (the `DiskEngine` seam, its io_uring and pread
+//! implementations, and the factory that picks one), the on-disk record formats, and the ring-log
+//! store that decides where objects live on the disk. It never talks to the master: the control
+//! loop that takes work from the master is `crate::master_link::ssd_tasks`.
 
 #[allow(unsafe_code)]
 mod buf;
 pub mod engine;
+mod engines;
 mod pread;
 #[allow(unsafe_code)]
 mod uring;
@@ -15,7 +18,8 @@ mod engine_tests;
 mod test_dir;
 
 pub use buf::{AlignedBuf, ALIGN};
-pub use engine::{open_direct, open_engine, DiskEngine, EngineKind};
+pub use engine::{open_direct, DiskEngine, EngineKind};
+pub use engines::open_engine;
 
 mod bufpool;
 pub mod record;
@@ -25,4 +29,3 @@ pub mod store;
 mod store_tests;
 
 pub use store::{DiskValue, Lost, Recovered, SsdError, SsdStore, Victim};
-pub mod worker;

@@ -7,8 +7,8 @@ use std::{fs::File, io, os::unix::fs::FileExt, sync::Arc};
 use futures::future::BoxFuture;
 
 use super::{
-    engine::{check_aligned, continue_short_read, eof, write_zero},
-    AlignedBuf, DiskEngine, EngineKind,
+    buf::AlignedBuf,
+    engine::{check_aligned, continue_short_read, eof, write_zero, DiskEngine, EngineKind},
 };
 
 pub(super) struct PreadEngine {

@@ -24,8 +24,8 @@ use io_uring::{opcode, squeue, types, IoUring, Probe};
 use tokio::sync::oneshot;
 
 use super::{
-    engine::{check_aligned, continue_short_read, eof, write_zero},
-    AlignedBuf, DiskEngine, EngineKind,
+    buf::AlignedBuf,
+    engine::{check_aligned, continue_short_read, eof, write_zero, DiskEngine, EngineKind},
 };
 
 /// The most one read or write SQE asks for (Linux caps a transfer at this, and it is aligned).

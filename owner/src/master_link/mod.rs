@@ -1,5 +1,10 @@
 //! The owner's link to the master: mount at start-up (retrying until a deadline), heartbeat, mount
-//! again when the master has forgotten this owner, unmount at shutdown. Every call has a deadline.
+//! again when the master has forgotten this owner, unmount at shutdown, the SSD tier's RPCs, and
+//! registering the records found on disk after a (re)mount. Every call has a deadline.
+//! The loop that long-polls the master for SSD work and carries it out is `ssd_tasks`; this
+//! module and that one talk to the master, the `ssd` module below them never does.
+
+pub mod ssd_tasks;
 
 use std::time::{Duration, Instant};
 
@@ -213,6 +218,46 @@ impl MasterLink {
             .await
     }
 
+    /// Registers every record on disk at the master (after a mount); records the master refuses
+    /// (the key exists with other bytes) are dropped, the others take the version it assigns.
+    pub async fn register_ssd_records(&self, store: &SsdStore) {
+        let records = store.records();
+        let mut registered = 0usize;
+        let mut refused = 0usize;
+        for chunk in records.chunks(1024) {
+            let items = chunk
+                .iter()
+                .map(|r| pb::DiskObject {
+                    key: r.key.to_string(),
+                    size: r.value_len,
+                    put_id: r.put_id,
+                })
+                .collect();
+            let resp = match self.register_disk(items).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "registering ssd records failed; they stay unreadable until the next mount");
+                    return;
+                }
+            };
+            for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
+                if code == 0 {
+                    if put_id != r.put_id {
+                        tracing::warn!(key = %r.key, "master registered a record under another version");
+                    }
+                    registered += 1;
+                } else {
+                    // The key exists with other bytes, or this version was removed: drop it.
+                    store.delete(&r.key, r.put_id, None).await;
+                    refused += 1;
+                }
+            }
+        }
+        if !records.is_empty() {
+            tracing::info!(registered, refused, "ssd records registered at the master");
+        }
+    }
+
     /// Heartbeats every `interval` until `stop`; remounts when the master asks for it.
     pub async fn heartbeat_loop(self, interval: Duration, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(interval);
@@ -229,7 +274,7 @@ impl MasterLink {
                     match self.mount().await {
                         Ok(()) => {
                             if let Some(ssd) = &self.ssd {
-                                crate::ssd::worker::register_all(&self, ssd).await;
+                                self.register_ssd_records(ssd).await;
                             }
                         }
                         Err(e) => tracing::warn!(error = %e, "remount failed; will retry"),

@@ -1,7 +1,8 @@
 //! The owner's side of the SSD tier's control loop: long-polls the master for work, offloads
 //! memory ranges to disk, drops records, promotes records back into memory, and reports each
 //! outcome. The master is told before any record is overwritten, and a record is only reported
-//! once its bytes are on disk. Also registers the records found on disk after a (re)mount.
+//! once its bytes are on disk. Registering the records found on disk after a (re)mount is the
+//! link's (`MasterLink::register_ssd_records`); the disk itself is `crate::ssd`'s.
 
 use std::{sync::Arc, time::Duration};
 
@@ -9,8 +10,12 @@ use mooncake_common::{Code, ObjectKey};
 use mooncake_proto::master as pb;
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use super::{SsdError, SsdStore};
-use crate::{index::KeyIndex, master_link::MasterLink, pool::MemoryPool};
+use super::MasterLink;
+use crate::{
+    index::KeyIndex,
+    pool::MemoryPool,
+    ssd::{SsdError, SsdStore},
+};
 
 /// How long one poll may wait at the master for work.
 const POLL_WAIT: Duration = Duration::from_secs(2);
@@ -232,45 +237,5 @@ impl Worker {
         guard.copy_from_slice(&value);
         self.index.record(t.offset, t.size, key.clone());
         Ok(())
-    }
-}
-
-/// Registers every record on disk at the master (after a mount); records the master refuses
-/// (the key exists with other bytes) are dropped, the others take the version it assigns.
-pub async fn register_all(link: &MasterLink, store: &SsdStore) {
-    let records = store.records();
-    let mut registered = 0usize;
-    let mut refused = 0usize;
-    for chunk in records.chunks(1024) {
-        let items = chunk
-            .iter()
-            .map(|r| pb::DiskObject {
-                key: r.key.to_string(),
-                size: r.value_len,
-                put_id: r.put_id,
-            })
-            .collect();
-        let resp = match link.register_disk(items).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(error = %e, "registering ssd records failed; they stay unreadable until the next mount");
-                return;
-            }
-        };
-        for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
-            if code == 0 {
-                if put_id != r.put_id {
-                    tracing::warn!(key = %r.key, "master registered a record under another version");
-                }
-                registered += 1;
-            } else {
-                // The key exists with other bytes, or this version was removed: drop it.
-                store.delete(&r.key, r.put_id, None).await;
-                refused += 1;
-            }
-        }
-    }
-    if !records.is_empty() {
-        tracing::info!(registered, refused, "ssd records registered at the master");
     }
 }
