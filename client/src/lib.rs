@@ -7,15 +7,19 @@
 pub mod client;
 pub mod config;
 pub mod error;
-mod lookup;
+mod get;
+mod group;
 pub mod master;
+mod put;
 mod spin;
 pub mod transport;
 
-pub use client::{
-    get_code, put_code, Client, ObjectDesc, PutOutcome, ReplicaDesc, ReplicateConfig, Tier,
-};
+pub use client::{Client, ObjectDesc};
 pub use config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV};
 pub use error::ClientError;
 pub use master::MasterProtocol;
 pub use mooncake_common::Code;
+pub use mooncake_common::{
+    master_api::SegmentUsage, MasterApi, ReplicaLocation, ReplicateConfig, SegmentName, Tier,
+};
+pub use put::PutOutcome;

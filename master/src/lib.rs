@@ -6,12 +6,11 @@ pub mod clock;
 pub mod config;
 pub mod core;
 pub mod error;
-pub mod framed;
 pub mod http;
 pub mod metrics;
 pub mod server;
 pub mod service;
-mod tiers;
+pub mod wire;
 
 pub use config::MasterConfig;
 pub use error::MasterError;

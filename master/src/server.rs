@@ -15,12 +15,14 @@ use crate::{
     config::MasterConfig,
     core::MasterState,
     service::{MasterService, Shared},
+    wire::{grpc::GrpcMaster, in_process::InProcessMaster},
 };
 
 /// A master running on the current tokio runtime.
 pub struct RunningMaster {
     pub rpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
+    service: Arc<MasterService>,
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
@@ -47,7 +49,8 @@ impl RunningMaster {
         let mut tasks = Vec::new();
 
         let service = Arc::new(MasterService::new(shared.clone()));
-        let svc = MasterServer::from_arc(service.clone())
+        let grpc = GrpcMaster(service.clone());
+        let svc = MasterServer::new(grpc.clone())
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20);
         // One port, two protocols: framed-RPC connections are served here, the rest go to tonic.
@@ -55,7 +58,7 @@ impl RunningMaster {
         tasks.push(tokio::spawn(split_connections(
             rpc,
             grpc_tx,
-            service,
+            grpc,
             stopped.clone(),
         )));
         let incoming = futures::stream::unfold(grpc_rx, |mut rx| async move {
@@ -106,6 +109,7 @@ impl RunningMaster {
         Ok(RunningMaster {
             rpc_addr,
             http_addr,
+            service,
             shared,
             stop,
             tasks,
@@ -118,6 +122,12 @@ impl RunningMaster {
         let mut state = self.shared.state.lock();
         state.tick(now);
         self.shared.wake_owners(&mut state);
+    }
+
+    /// A `MasterApi` that calls this master's service directly (no socket), for clients in
+    /// the same process.
+    pub fn in_process(&self) -> InProcessMaster {
+        InProcessMaster(self.service.clone())
     }
 
     /// Read access to the state, for tests and tools in the same process.
@@ -145,7 +155,7 @@ impl RunningMaster {
 async fn split_connections(
     listener: TcpListener,
     grpc: tokio::sync::mpsc::Sender<TcpStream>,
-    service: Arc<MasterService>,
+    service: GrpcMaster,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -168,10 +178,7 @@ async fn split_connections(
             let peek = async {
                 loop {
                     let n = stream.peek(&mut first).await?;
-                    if n == 0
-                        || n >= 4
-                        || !mooncake_common::rpc_wire::MAGIC.starts_with(&first[..n])
-                    {
+                    if n == 0 || n >= 4 || !mooncake_proto::framed::MAGIC.starts_with(&first[..n]) {
                         return Ok::<_, std::io::Error>(n);
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
@@ -179,8 +186,8 @@ async fn split_connections(
             };
             let peeked = tokio::time::timeout(std::time::Duration::from_secs(10), peek).await;
             match peeked {
-                Ok(Ok(n)) if crate::framed::is_framed(&first[..n]) => {
-                    if let Err(e) = crate::framed::serve(
+                Ok(Ok(n)) if crate::wire::framed::is_framed(&first[..n]) => {
+                    if let Err(e) = crate::wire::framed::serve(
                         stream,
                         service,
                         std::time::Duration::from_secs(30),

@@ -1,7 +1,7 @@
 //! `ReplicateConfig` as Python sees it (Mooncake's field names), and the arguments of `setup` in
 //! both of Mooncake's forms: seven positional arguments, or one dict.
 
-use mooncake_client::ReplicateConfig as ClientReplicateConfig;
+use mooncake_client::{ReplicateConfig as ClientReplicateConfig, SegmentName};
 use pyo3::{
     exceptions::{PyTypeError, PyValueError},
     prelude::*,
@@ -52,23 +52,19 @@ impl ReplicateConfig {
 
 impl ReplicateConfig {
     /// The client's form: `preferred_segment` goes first, then `preferred_segments`.
-    pub fn to_client(&self) -> ClientReplicateConfig {
-        let mut preferred = Vec::new();
-        if !self.preferred_segment.is_empty() {
-            preferred.push(self.preferred_segment.clone());
-        }
-        preferred.extend(
-            self.preferred_segments
-                .iter()
-                .filter(|s| !s.is_empty())
-                .cloned(),
-        );
-        ClientReplicateConfig {
-            replica_num: self.replica_num.max(1),
-            preferred_segments: preferred,
+    /// An error names a segment that does not parse, or too many replicas.
+    pub fn to_client(&self) -> Result<ClientReplicateConfig, String> {
+        let preferred_segments = std::iter::once(&self.preferred_segment)
+            .chain(&self.preferred_segments)
+            .filter(|s| !s.is_empty())
+            .map(|s| SegmentName::parse(s).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?;
+        Ok(ClientReplicateConfig {
+            replica_num: ClientReplicateConfig::replica_count(self.replica_num as u64)?,
+            preferred_segments,
             soft_pin: self.with_soft_pin,
             hard_pin: self.with_hard_pin,
-        }
+        })
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use mooncake_client::{get_code, put_code, ClientError, ReplicateConfig as ClientConfig, Tier};
+use mooncake_client::{ClientError, ReplicateConfig as ClientConfig, Tier};
 use mooncake_common::Code;
 use parking_lot::RwLock;
 use pyo3::{
@@ -30,8 +30,33 @@ pub struct NativeStore {
     registry: Registry,
 }
 
-fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> ClientConfig {
-    config.map(|c| c.to_client()).unwrap_or_default()
+/// The client's form of a put's config; None (logged) when it names a segment that does not
+/// parse, which the put answers with INVALID_PARAMS.
+fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> Option<ClientConfig> {
+    match config.map(|c| c.to_client()) {
+        None => Some(ClientConfig::default()),
+        Some(Ok(c)) => Some(c),
+        Some(Err(e)) => {
+            tracing::error!(error = %e, "invalid ReplicateConfig");
+            None
+        }
+    }
+}
+
+/// Mooncake's convention for a put result: 0 for stored or already there, else the code.
+fn put_code(r: &Result<mooncake_client::PutOutcome, ClientError>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.code().as_i32(),
+    }
+}
+
+/// Mooncake's convention for a get result: bytes read, else the code.
+fn get_code(r: &Result<usize, ClientError>) -> i64 {
+    match r {
+        Ok(n) => *n as i64,
+        Err(e) => e.code().as_i32() as i64,
+    }
 }
 
 fn log_unregistered(what: &str, ptr: usize, size: usize) {
@@ -191,7 +216,9 @@ impl NativeStore {
     ) -> PyResult<i32> {
         let view = PyBytesView::readable(value)?;
         let parts = [view.as_slice()];
-        let cfg = replicate(config);
+        let Some(cfg) = replicate(config) else {
+            return Ok(INVALID);
+        };
         Ok(self.with_session(py, INVALID, |s| {
             put_code(
                 &s.rt
@@ -215,7 +242,9 @@ impl NativeStore {
             .map(|p| PyBytesView::readable(&p))
             .collect::<PyResult<Vec<_>>>()?;
         let slices: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
-        let cfg = replicate(config);
+        let Some(cfg) = replicate(config) else {
+            return Ok(INVALID);
+        };
         Ok(self.with_session(py, INVALID, |s| {
             put_code(
                 &s.rt
@@ -248,7 +277,9 @@ impl NativeStore {
             .map(|k| k.as_str())
             .zip(parts.iter().map(|p| &p[..]))
             .collect();
-        let cfg = replicate(config);
+        let Some(cfg) = replicate(config) else {
+            return Ok(INVALID);
+        };
         Ok(self.with_session(py, INVALID, |s| {
             let res = s.rt.block_on(s.client.batch_put_parts(&items, &cfg));
             res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
@@ -546,7 +577,9 @@ impl NativeStore {
         counts: &[usize],
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
-        let cfg = replicate(config);
+        let Some(cfg) = replicate(config) else {
+            return vec![INVALID; keys.len()];
+        };
         let pinned = self.registry.pin();
         let mut out = vec![INVALID; keys.len()];
         let mut idx = Vec::with_capacity(keys.len());

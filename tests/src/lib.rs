@@ -361,3 +361,15 @@ pub async fn eventually(timeout: Duration, mut f: impl AsyncFnMut() -> bool) -> 
     }
     false
 }
+
+/// A put's outcome as a number, the way the Python binding answers it: 0 for stored or already
+/// there, else the code.
+pub fn put_code(r: &Result<mooncake_client::PutOutcome, mooncake_client::ClientError>) -> i32 {
+    r.as_ref().map_or_else(|e| e.code().as_i32(), |_| 0)
+}
+
+/// A get's outcome as a number, the way the Python binding answers it: bytes read, else the code.
+pub fn get_code(r: &Result<usize, mooncake_client::ClientError>) -> i64 {
+    r.as_ref()
+        .map_or_else(|e| i64::from(e.code().as_i32()), |n| *n as i64)
+}

@@ -2,7 +2,7 @@
 //! malformed framed connection does not disturb it.
 
 use mooncake_client::{Client, MasterProtocol, ReplicateConfig};
-use mooncake_common::rpc_wire;
+use mooncake_proto::framed as rpc_wire;
 use mooncake_tests::{payload, transport, Cluster};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -4,8 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use mooncake_client::{get_code, Client, ClientConfig, ReplicateConfig};
+use mooncake_client::{Client, ClientConfig, ReplicateConfig};
 use mooncake_common::SegmentName;
+use mooncake_tests::get_code;
 use mooncake_tests::{eventually, payload, spawn_master, spawn_owner, transport};
 
 fn client_config(master: &str) -> ClientConfig {
@@ -115,7 +116,7 @@ async fn a_killed_owner_disappears_after_the_ttl_and_puts_go_to_the_survivor() {
     );
     let segs = on_b.list_segments().await.unwrap();
     assert_eq!(segs.len(), 1);
-    assert_eq!(segs[0].0.as_str(), seg_b);
+    assert_eq!(segs[0].name.as_str(), seg_b);
     let mut buf = vec![0u8; SIZE];
     assert_eq!(on_b.get(&keys_b[3], &mut buf).await.unwrap(), SIZE);
     assert!(buf == payload(&keys_b[3], SIZE));

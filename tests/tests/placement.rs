@@ -115,7 +115,7 @@ async fn preferred_segment_is_honoured_and_falls_back_when_full_or_unknown() {
 
     // An unknown preferred segment in the per-put config falls back too.
     let unknown = ReplicateConfig {
-        preferred_segments: vec!["10.255.0.1:9".into()],
+        preferred_segments: vec![mooncake_common::SegmentName::parse("10.255.0.1:9").unwrap()],
         ..Default::default()
     };
     client

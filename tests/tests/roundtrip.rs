@@ -1,7 +1,8 @@
 //! Values from 1 byte to 16 MiB round-trip byte for byte through a master and two owners on
 //! loopback; batches mix hits, misses and bad items; codes follow Mooncake's conventions.
 
-use mooncake_client::{get_code, put_code, PutOutcome, ReplicateConfig};
+use mooncake_client::{PutOutcome, ReplicateConfig};
+use mooncake_tests::{get_code, put_code};
 use mooncake_tests::{payload, Cluster};
 
 const MIB: u64 = 1 << 20;

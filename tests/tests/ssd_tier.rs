@@ -8,10 +8,11 @@ use std::{
     time::Duration,
 };
 
-use mooncake_client::{get_code, Client, ClientConfig, ReplicateConfig};
+use mooncake_client::{Client, ClientConfig, ReplicateConfig};
 use mooncake_common::{ByteSize, ObjectKey};
 use mooncake_master::{MasterConfig, RunningMaster};
 use mooncake_owner::RunningOwner;
+use mooncake_tests::get_code;
 use mooncake_tests::{
     master_config, owner_config, payload, spawn_master, spawn_owner, transport, TempDir,
 };

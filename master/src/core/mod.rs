@@ -21,10 +21,10 @@ use rand::{rngs::StdRng, RngCore, SeedableRng};
 
 use crate::clock::Millis;
 use allocator::{Allocation, OffsetAllocator};
-pub use objects::{PutGrant, ReplicaView, ReplicateConfig};
+pub use objects::PutGrant;
 pub use placement::AllocationStrategy;
 pub use segments::HeartbeatReply;
-pub use tiers::{DiskStats, OwnerTask, TaskKind, Tier, WhenDiskBehind};
+pub use tiers::{DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
 
 /// A mounted segment's identity for this master's lifetime. A remount gets a new id, so a
 /// replica can never point at a different incarnation of a segment with the same name.

@@ -4,41 +4,20 @@
 
 use std::collections::BTreeMap;
 
-use mooncake_common::{ObjectKey, SegmentName};
+use mooncake_common::{ObjectKey, ReplicaLocation, ReplicateConfig, Tier};
 
 use super::{
     allocator::Allocation,
     placement::{self, Candidate},
-    tiers::Tier,
     MasterState, PendingRelease, Segment, SegmentId,
 };
 use crate::{clock::Millis, error::MasterError};
-
-/// Per-put replication settings, already validated and resolved to names.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ReplicateConfig {
-    pub replica_num: usize,
-    pub preferred_segments: Vec<SegmentName>,
-    pub soft_pin: bool,
-    pub hard_pin: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaView {
-    pub segment: SegmentName,
-    /// Offset in the segment's memory; 0 for a disk replica.
-    pub offset: u64,
-    pub size: u64,
-    pub tier: Tier,
-    /// The object's version; an owner serving a disk replica checks its record against it.
-    pub put_id: u64,
-}
 
 /// Where the writer of a fresh put must write, and the id it must end or revoke the put with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutGrant {
     pub put_id: u64,
-    pub replicas: Vec<ReplicaView>,
+    pub replicas: Vec<ReplicaLocation>,
 }
 
 pub(super) struct Replica {
@@ -310,7 +289,7 @@ impl MasterState {
         &mut self,
         key: &ObjectKey,
         now: Millis,
-    ) -> Result<(u64, Vec<ReplicaView>), MasterError> {
+    ) -> Result<(u64, Vec<ReplicaLocation>), MasterError> {
         self.get_replicas_str(key.as_str(), now)
     }
 
@@ -320,7 +299,7 @@ impl MasterState {
         &mut self,
         key: &str,
         now: Millis,
-    ) -> Result<(u64, Vec<ReplicaView>), MasterError> {
+    ) -> Result<(u64, Vec<ReplicaLocation>), MasterError> {
         let lease = now.plus(self.policy.lease_ttl);
         let owned = || ObjectKey::new(key).map_err(MasterError::from);
         let Some(obj) = self.objects.get_mut(key) else {
@@ -419,7 +398,7 @@ impl MasterState {
 }
 
 /// Where `obj` can be read: its memory replicas, then its disk copies.
-fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<ReplicaView> {
+fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<ReplicaLocation> {
     let (size, put_id) = (obj.size, obj.put_id);
     let mut views = Vec::with_capacity(obj.replicas.len() + obj.disk.len());
     views.extend(
@@ -427,7 +406,7 @@ fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<Replic
             .iter()
             .map(|r| memory_view(segments, r, size, put_id)),
     );
-    views.extend(obj.disk.iter().map(|d| ReplicaView {
+    views.extend(obj.disk.iter().map(|d| ReplicaLocation {
         segment: segments[d].name.clone(),
         offset: 0,
         size,
@@ -443,8 +422,8 @@ fn memory_view(
     r: &Replica,
     size: u64,
     put_id: u64,
-) -> ReplicaView {
-    ReplicaView {
+) -> ReplicaLocation {
+    ReplicaLocation {
         segment: segments[&r.segment].name.clone(),
         offset: r.allocation.offset(),
         size,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use mooncake_common::{ClientId, Code, ObjectKey, SegmentName};
+use mooncake_common::{ClientId, Code, ObjectKey, ReplicateConfig, SegmentName};
 use proptest::prelude::*;
 
 use super::*;

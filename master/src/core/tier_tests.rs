@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use mooncake_common::{ClientId, ObjectKey, SegmentName};
+use mooncake_common::{ClientId, ObjectKey, ReplicateConfig, SegmentName, Tier};
 
 use super::*;
 use crate::{clock::Millis, error::MasterError};

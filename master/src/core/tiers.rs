@@ -20,13 +20,6 @@ const MAX_TOMBSTONES: usize = 1 << 20;
 const MAX_EAGER_BACKLOG: usize = 1 << 20;
 use crate::{clock::Millis, error::MasterError};
 
-/// Which tier a replica lives in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    Memory,
-    Disk,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TaskKind {
     /// Copy the memory range `offset..offset+size` (holding the key) to the SSD tier.

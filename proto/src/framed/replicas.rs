@@ -1,12 +1,18 @@
 //! `BatchGetReplicasResponse` and `BatchPutStartResponse` written and read without message
-//! structs and a `String` per replica: the master encodes straight from its state, the client reads replica locations as
-//! slices of the answer. A get of 64 small values otherwise spends more on these allocations than
+//! structs and a `String` per replica: the master encodes straight from its state, the client
+//! reads replica locations as slices of the answer. A get of 64 small values otherwise spends more on these allocations than
 //! on the lookups. The bytes are exactly prost's for the generated types (zero fields omitted,
 //! negative codes as ten-byte varints), so either side may use those instead.
 
 use std::ops::Range;
 
-use crate::pbkeys::{put_varint, varint_len, walk, Value};
+use super::{
+    fields::{
+        get_replicas_response as response, get_replicas_result as result, put_start_response,
+        put_start_result as started, replica_location as loc,
+    },
+    pb::{put_varint, tag, varint_len, walk, Value, LEN, VARINT},
+};
 
 /// One replica's location, its segment borrowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,24 +46,35 @@ pub struct Encoder {
     out: Vec<u8>,
 }
 
-const LEN: u64 = 2;
-
-fn tag(field: u64, wire: u64) -> u64 {
-    field << 3 | wire
-}
-
-fn put_u64(field: u64, v: u64, out: &mut Vec<u8>) {
+fn put_u64(field: u32, v: u64, out: &mut Vec<u8>) {
     if v != 0 {
-        put_varint(tag(field, 0), out);
+        put_varint(tag(field, VARINT), out);
         put_varint(v, out);
     }
 }
 
-fn u64_len(field: u64, v: u64) -> usize {
+fn u64_len(field: u32, v: u64) -> usize {
     if v == 0 {
         0
     } else {
-        varint_len(tag(field, 0)) + varint_len(v)
+        varint_len(tag(field, VARINT)) + varint_len(v)
+    }
+}
+
+/// Bytes of a non-empty string field (empty ones are left out, as prost leaves them).
+fn str_len(field: u32, s: &str) -> usize {
+    if s.is_empty() {
+        0
+    } else {
+        varint_len(tag(field, LEN)) + varint_len(s.len() as u64) + s.len()
+    }
+}
+
+fn put_str(field: u32, s: &str, out: &mut Vec<u8>) {
+    if !s.is_empty() {
+        put_varint(tag(field, LEN), out);
+        put_varint(s.len() as u64, out);
+        out.extend_from_slice(s.as_bytes());
     }
 }
 
@@ -67,40 +84,33 @@ fn i32_wire(v: i32) -> u64 {
 }
 
 fn replica_len(r: &ReplicaRef<'_>) -> usize {
-    let seg = if r.segment.is_empty() {
-        0
-    } else {
-        1 + varint_len(r.segment.len() as u64) + r.segment.len()
-    };
-    seg + u64_len(2, r.offset)
-        + u64_len(3, r.size)
-        + u64_len(4, i32_wire(r.tier))
-        + u64_len(5, r.put_id)
+    str_len(loc::SEGMENT, r.segment)
+        + u64_len(loc::OFFSET, r.offset)
+        + u64_len(loc::SIZE, r.size)
+        + u64_len(loc::TIER, i32_wire(r.tier))
+        + u64_len(loc::PUT_ID, r.put_id)
 }
 
-/// Bytes `put_replica` writes for every replica of `replicas`.
-fn replicas_len<'r>(replicas: impl Iterator<Item = ReplicaRef<'r>>) -> usize {
+/// Bytes `put_replica` writes for every replica of `replicas` as field `field`.
+fn replicas_len<'r>(field: u32, replicas: impl Iterator<Item = ReplicaRef<'r>>) -> usize {
+    let tag_len = varint_len(tag(field, LEN));
     replicas
         .map(|r| {
             let n = replica_len(&r);
-            1 + varint_len(n as u64) + n
+            tag_len + varint_len(n as u64) + n
         })
         .sum()
 }
 
 /// A `ReplicaLocation` as field `field` of the enclosing message.
-fn put_replica(field: u64, r: &ReplicaRef<'_>, out: &mut Vec<u8>) {
+fn put_replica(field: u32, r: &ReplicaRef<'_>, out: &mut Vec<u8>) {
     put_varint(tag(field, LEN), out);
     put_varint(replica_len(r) as u64, out);
-    if !r.segment.is_empty() {
-        put_varint(tag(1, LEN), out);
-        put_varint(r.segment.len() as u64, out);
-        out.extend_from_slice(r.segment.as_bytes());
-    }
-    put_u64(2, r.offset, out);
-    put_u64(3, r.size, out);
-    put_u64(4, i32_wire(r.tier), out);
-    put_u64(5, r.put_id, out);
+    put_str(loc::SEGMENT, r.segment, out);
+    put_u64(loc::OFFSET, r.offset, out);
+    put_u64(loc::SIZE, r.size, out);
+    put_u64(loc::TIER, i32_wire(r.tier), out);
+    put_u64(loc::PUT_ID, r.put_id, out);
 }
 
 impl Encoder {
@@ -117,15 +127,15 @@ impl Encoder {
         I::IntoIter: Clone,
     {
         let replicas = replicas.into_iter();
-        let lens = replicas_len(replicas.clone());
-        let body = u64_len(1, i32_wire(code)) + u64_len(2, size) + lens;
+        let lens = replicas_len(result::REPLICAS, replicas.clone());
+        let body = u64_len(result::CODE, i32_wire(code)) + u64_len(result::SIZE, size) + lens;
         let out = &mut self.out;
-        put_varint(tag(1, LEN), out);
+        put_varint(tag(response::RESULTS, LEN), out);
         put_varint(body as u64, out);
-        put_u64(1, i32_wire(code), out);
-        put_u64(2, size, out);
+        put_u64(result::CODE, i32_wire(code), out);
+        put_u64(result::SIZE, size, out);
         for r in replicas {
-            put_replica(3, &r, out);
+            put_replica(result::REPLICAS, &r, out);
         }
     }
 
@@ -136,30 +146,29 @@ impl Encoder {
         I::IntoIter: Clone,
     {
         let replicas = replicas.into_iter();
-        let lens = replicas_len(replicas.clone());
-        let msg = if message.is_empty() {
-            0
-        } else {
-            1 + varint_len(message.len() as u64) + message.len()
-        };
-        let body = u64_len(1, i32_wire(code)) + msg + u64_len(3, put_id) + lens;
+        let body = u64_len(started::CODE, i32_wire(code))
+            + str_len(started::MESSAGE, message)
+            + u64_len(started::PUT_ID, put_id)
+            + replicas_len(started::REPLICAS, replicas.clone());
         let out = &mut self.out;
-        put_varint(tag(1, LEN), out);
+        put_varint(tag(put_start_response::RESULTS, LEN), out);
         put_varint(body as u64, out);
-        put_u64(1, i32_wire(code), out);
-        if !message.is_empty() {
-            put_varint(tag(2, LEN), out);
-            put_varint(message.len() as u64, out);
-            out.extend_from_slice(message.as_bytes());
-        }
-        put_u64(3, put_id, out);
+        put_u64(started::CODE, i32_wire(code), out);
+        put_str(started::MESSAGE, message, out);
+        put_u64(started::PUT_ID, put_id, out);
         for r in replicas {
-            put_replica(4, &r, out);
+            put_replica(started::REPLICAS, &r, out);
         }
     }
 
+    /// The encoded `BatchGetReplicasResponse`, with the lease every hit got.
     pub fn finish(mut self, lease_ttl_ms: u64) -> Vec<u8> {
-        put_u64(2, lease_ttl_ms, &mut self.out);
+        put_u64(response::LEASE_TTL_MS, lease_ttl_ms, &mut self.out);
+        self.out
+    }
+
+    /// The encoded `BatchPutStartResponse`.
+    pub fn finish_put_start(self) -> Vec<u8> {
         self.out
     }
 }
@@ -169,7 +178,7 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
     let mut d = Decoded::default();
     walk(body, |field, value| {
         match (field, value) {
-            (1, Value::Bytes(b)) => {
+            (response::RESULTS, Value::Bytes(b)) => {
                 let start = d.replicas.len();
                 let mut found = Found {
                     code: 0,
@@ -178,9 +187,9 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
                 };
                 walk(b, |f, v| {
                     match (f, v) {
-                        (1, Value::Int(c)) => found.code = c as i32,
-                        (2, Value::Int(s)) => found.size = s,
-                        (3, Value::Bytes(r)) => d.replicas.push(replica(r)?),
+                        (result::CODE, Value::Int(c)) => found.code = c as i32,
+                        (result::SIZE, Value::Int(s)) => found.size = s,
+                        (result::REPLICAS, Value::Bytes(r)) => d.replicas.push(replica(r)?),
                         _ => {}
                     }
                     Ok(())
@@ -188,7 +197,7 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
                 found.replicas = start..d.replicas.len();
                 d.results.push(found);
             }
-            (2, Value::Int(ttl)) => d.lease_ttl_ms = ttl,
+            (response::LEASE_TTL_MS, Value::Int(ttl)) => d.lease_ttl_ms = ttl,
             _ => {}
         }
         Ok(())
@@ -211,7 +220,7 @@ pub struct Started<'a> {
 pub fn decode_put_start(body: &[u8]) -> Result<(Vec<Started<'_>>, Vec<ReplicaRef<'_>>), String> {
     let (mut starts, mut replicas) = (Vec::new(), Vec::new());
     walk(body, |field, value| {
-        if let (1, Value::Bytes(b)) = (field, value) {
+        if let (put_start_response::RESULTS, Value::Bytes(b)) = (field, value) {
             let start = replicas.len();
             let mut st = Started {
                 code: 0,
@@ -221,13 +230,13 @@ pub fn decode_put_start(body: &[u8]) -> Result<(Vec<Started<'_>>, Vec<ReplicaRef
             };
             walk(b, |f, v| {
                 match (f, v) {
-                    (1, Value::Int(c)) => st.code = c as i32,
-                    (2, Value::Bytes(m)) => {
+                    (started::CODE, Value::Int(c)) => st.code = c as i32,
+                    (started::MESSAGE, Value::Bytes(m)) => {
                         st.message = std::str::from_utf8(m)
                             .map_err(|_| "message is not UTF-8".to_string())?
                     }
-                    (3, Value::Int(id)) => st.put_id = id,
-                    (4, Value::Bytes(r)) => replicas.push(replica(r)?),
+                    (started::PUT_ID, Value::Int(id)) => st.put_id = id,
+                    (started::REPLICAS, Value::Bytes(r)) => replicas.push(replica(r)?),
                     _ => {}
                 }
                 Ok(())
@@ -250,14 +259,14 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
     };
     walk(body, |f, v| {
         match (f, v) {
-            (1, Value::Bytes(s)) => {
+            (loc::SEGMENT, Value::Bytes(s)) => {
                 r.segment =
                     std::str::from_utf8(s).map_err(|_| "segment is not UTF-8".to_string())?
             }
-            (2, Value::Int(x)) => r.offset = x,
-            (3, Value::Int(x)) => r.size = x,
-            (4, Value::Int(x)) => r.tier = x as i32,
-            (5, Value::Int(x)) => r.put_id = x,
+            (loc::OFFSET, Value::Int(x)) => r.offset = x,
+            (loc::SIZE, Value::Int(x)) => r.size = x,
+            (loc::TIER, Value::Int(x)) => r.tier = x as i32,
+            (loc::PUT_ID, Value::Int(x)) => r.put_id = x,
             _ => {}
         }
         Ok(())
@@ -268,7 +277,7 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mooncake_proto::master as pb;
+    use crate::master as pb;
     use proptest::prelude::*;
     use prost::Message;
 
@@ -361,7 +370,7 @@ mod tests {
                     put_id: l.put_id,
                 }));
             }
-            let ours = enc.finish(0);
+            let ours = enc.finish_put_start();
             prop_assert_eq!(&ours, &theirs.encode_to_vec());
             let (got, reps) = decode_put_start(&ours).unwrap();
             prop_assert_eq!(got.len(), results.len());

@@ -1,13 +1,19 @@
 //! The master's framed RPC: the same protobuf messages as its gRPC service, carried over a plain
 //! TCP connection without HTTP/2 (no flow-control windows, no per-call stream setup), on the
 //! same port. A connection starts with an 8-byte hello; then each request frame gets one
-//! response frame with the same id.
+//! response frame with the same id. The hot calls' messages are written and read by the
+//! borrowed codecs in `keys` and `replicas`, byte for byte what prost writes and reads.
 //!
 //! ```text
 //! hello    : b"MCRP" | u32 version                     (both directions)
 //! request  : u32 body length | u32 method | u64 id | body (protobuf request)
 //! response : u32 body length | i32 status | u64 id | body (protobuf response, or an error text)
 //! ```
+
+pub mod fields;
+pub mod keys;
+mod pb;
+pub mod replicas;
 
 pub const MAGIC: [u8; 4] = *b"MCRP";
 pub const VERSION: u32 = 1;

@@ -1,24 +1,29 @@
-//! Keys lists in protobuf messages without a `String` per key: encoding a `repeated string` field
+//! Key lists in protobuf messages without a `String` per key: encoding a `repeated string` field
 //! from borrowed `&str`s, and reading one back as slices of the message's bytes. The hot batch
 //! calls (exists over 10k keys) pay per-key allocation otherwise on both sides. The bytes are
 //! exactly what prost writes and reads for `repeated string` (field, wire type 2, length, UTF-8),
 //! so the other side may use the generated types.
 
+use super::{
+    fields::keyed,
+    pb::{get_varint, put_varint, skip, tag, varint_len, walk, Value, LEN, VARINT},
+};
+
 /// Appends field `field` as `repeated string` holding `keys` to `out`.
 pub fn encode_strings(field: u32, keys: &[&str], out: &mut Vec<u8>) {
-    let tag = u64::from(field << 3 | 2);
+    let field_tag = tag(field, LEN);
     for k in keys {
-        put_varint(tag, out);
+        put_varint(field_tag, out);
         put_varint(k.len() as u64, out);
         out.extend_from_slice(k.as_bytes());
     }
 }
 
 /// Bytes `encode_strings` appends.
-pub fn encoded_len(field: u32, keys: &[&str]) -> usize {
-    let tag = varint_len(u64::from(field << 3 | 2));
+pub fn strings_len(field: u32, keys: &[&str]) -> usize {
+    let tag_len = varint_len(tag(field, LEN));
     keys.iter()
-        .map(|k| tag + varint_len(k.len() as u64) + k.len())
+        .map(|k| tag_len + varint_len(k.len() as u64) + k.len())
         .sum()
 }
 
@@ -57,17 +62,17 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
 /// (`PutStartItem` with its size, `PutRef` with its put id), from borrowed keys; zero fields
 /// are left out, as prost leaves them.
 pub fn encode_keyed(field: u32, items: &[(&str, u64)], out: &mut Vec<u8>) {
-    let tag = u64::from(field << 3 | 2);
+    let field_tag = tag(field, LEN);
     for &(k, n) in items {
-        put_varint(tag, out);
+        put_varint(field_tag, out);
         put_varint(keyed_item_len(k, n) as u64, out);
         if !k.is_empty() {
-            out.push(1 << 3 | 2);
+            put_varint(tag(keyed::KEY, LEN), out);
             put_varint(k.len() as u64, out);
             out.extend_from_slice(k.as_bytes());
         }
         if n != 0 {
-            out.push(2 << 3);
+            put_varint(tag(keyed::NUMBER, VARINT), out);
             put_varint(n, out);
         }
     }
@@ -75,12 +80,12 @@ pub fn encode_keyed(field: u32, items: &[(&str, u64)], out: &mut Vec<u8>) {
 
 /// Bytes `encode_keyed` appends.
 pub fn keyed_len(field: u32, items: &[(&str, u64)]) -> usize {
-    let tag = varint_len(u64::from(field << 3 | 2));
+    let tag_len = varint_len(tag(field, LEN));
     items
         .iter()
         .map(|&(k, n)| {
             let inner = keyed_item_len(k, n);
-            tag + varint_len(inner as u64) + inner
+            tag_len + varint_len(inner as u64) + inner
         })
         .sum()
 }
@@ -89,31 +94,35 @@ fn keyed_item_len(k: &str, n: u64) -> usize {
     let key = if k.is_empty() {
         0
     } else {
-        1 + varint_len(k.len() as u64) + k.len()
+        varint_len(tag(keyed::KEY, LEN)) + varint_len(k.len() as u64) + k.len()
     };
-    let num = if n == 0 { 0 } else { 1 + varint_len(n) };
+    let num = if n == 0 {
+        0
+    } else {
+        varint_len(tag(keyed::NUMBER, VARINT)) + varint_len(n)
+    };
     key + num
 }
 
-/// Every item of field `field` (repeated `{ string key = 1; uint64 n = 2; }`) in the message
+/// Every item of field `field` (repeated `{ string key = 1; uint64 number = 2; }`) in the message
 /// `body`, in order, the keys as slices of `body`. Every other length-delimited field goes to
 /// `other` (field number, bytes); the rest is skipped. Malformed input is an error, never a
 /// panic.
 pub fn decode_keyed<'a>(
     body: &'a [u8],
     field: u32,
-    mut other: impl FnMut(u64, &'a [u8]) -> Result<(), String>,
+    mut other: impl FnMut(u32, &'a [u8]) -> Result<(), String>,
 ) -> Result<Vec<(&'a str, u64)>, String> {
     let mut out = Vec::new();
     walk(body, |f, v| match v {
-        Value::Bytes(b) if f == u64::from(field) => {
+        Value::Bytes(b) if f == field => {
             let (mut key, mut n) = ("", 0);
             walk(b, |f, v| {
                 match (f, v) {
-                    (1, Value::Bytes(s)) => {
+                    (keyed::KEY, Value::Bytes(s)) => {
                         key = std::str::from_utf8(s).map_err(|_| "key is not UTF-8".to_string())?
                     }
-                    (2, Value::Int(x)) => n = x,
+                    (keyed::NUMBER, Value::Int(x)) => n = x,
                     _ => {}
                 }
                 Ok(())
@@ -127,81 +136,10 @@ pub fn decode_keyed<'a>(
     Ok(out)
 }
 
-pub(crate) enum Value<'a> {
-    Int(u64),
-    Bytes(&'a [u8]),
-    Other,
-}
-
-/// Calls `f` with every field of the message `body` in order.
-pub(crate) fn walk<'a>(
-    body: &'a [u8],
-    mut f: impl FnMut(u64, Value<'a>) -> Result<(), String>,
-) -> Result<(), String> {
-    let mut at = 0usize;
-    while at < body.len() {
-        let key = get_varint(body, &mut at)?;
-        let (field, wire) = (key >> 3, key & 7);
-        let value = match wire {
-            0 => Value::Int(get_varint(body, &mut at)?),
-            1 => {
-                at = skip(body, at, 8)?;
-                Value::Other
-            }
-            5 => {
-                at = skip(body, at, 4)?;
-                Value::Other
-            }
-            2 => {
-                let len = get_varint(body, &mut at)?;
-                let len = usize::try_from(len).map_err(|_| "length overflows".to_string())?;
-                let end = skip(body, at, len)?;
-                let b = &body[at..end];
-                at = end;
-                Value::Bytes(b)
-            }
-            w => return Err(format!("unsupported wire type {w}")),
-        };
-        f(field, value)?;
-    }
-    Ok(())
-}
-
-pub(crate) fn skip(body: &[u8], at: usize, n: usize) -> Result<usize, String> {
-    at.checked_add(n)
-        .filter(|end| *end <= body.len())
-        .ok_or_else(|| "message truncated".to_string())
-}
-
-pub(crate) fn put_varint(mut v: u64, out: &mut Vec<u8>) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-pub(crate) fn varint_len(v: u64) -> usize {
-    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
-}
-
-pub(crate) fn get_varint(body: &[u8], at: &mut usize) -> Result<u64, String> {
-    let mut v = 0u64;
-    for shift in (0..64).step_by(7) {
-        let b = *body.get(*at).ok_or("message truncated")?;
-        *at += 1;
-        v |= u64::from(b & 0x7f) << shift;
-        if b & 0x80 == 0 {
-            return Ok(v);
-        }
-    }
-    Err("varint too long".into())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mooncake_proto::master as pb;
+    use crate::master as pb;
     use proptest::prelude::*;
     use prost::Message;
 
@@ -211,7 +149,7 @@ mod tests {
             let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
             let mut ours = Vec::new();
             encode_strings(1, &refs, &mut ours);
-            prop_assert_eq!(ours.len(), encoded_len(1, &refs));
+            prop_assert_eq!(ours.len(), strings_len(1, &refs));
             let theirs = pb::BatchExistsRequest { keys: keys.clone() }.encode_to_vec();
             prop_assert_eq!(&ours, &theirs);
             // Reading skips other fields (here the bool of a remove request).

@@ -1,0 +1,158 @@
+//! Master answers read into the domain's `Lookup` and `Grants`: from the framed RPC's borrowed
+//! codec (no `String` per replica) or from gRPC's messages. Segment names are parsed once per
+//! distinct name; a name that does not parse makes the whole answer unreadable (the master only
+//! ever hands out names it parsed, so that is a broken peer, and a put must not silently skip a
+//! granted replica).
+
+use std::time::Duration;
+
+use mooncake_common::{
+    master_api::{Found, Grant, Grants, Lookup, Runs},
+    replica::SegmentNames,
+    ApiError, Code, ReplicaLocation, Tier,
+};
+use mooncake_proto::{framed::replicas, master as pb};
+
+fn tier(number: i32) -> Tier {
+    if number == pb::ReplicaTier::Disk as i32 {
+        Tier::Disk
+    } else {
+        Tier::Memory
+    }
+}
+
+fn location(
+    r: &replicas::ReplicaRef<'_>,
+    names: &mut SegmentNames,
+) -> Result<ReplicaLocation, ApiError> {
+    Ok(ReplicaLocation {
+        segment: names
+            .get(r.segment)
+            .map_err(|e| ApiError::rpc(format!("master sent a bad segment name: {e}")))?,
+        offset: r.offset,
+        size: r.size,
+        tier: tier(r.tier),
+        put_id: r.put_id,
+    })
+}
+
+fn borrowed(l: &pb::ReplicaLocation) -> replicas::ReplicaRef<'_> {
+    replicas::ReplicaRef {
+        segment: &l.segment,
+        offset: l.offset,
+        size: l.size,
+        tier: l.tier,
+        put_id: l.put_id,
+    }
+}
+
+/// Appends one key's lookup result.
+fn push_found<'r>(
+    objects: &mut Runs<Found, Code>,
+    code: i32,
+    size: u64,
+    reps: impl Iterator<Item = replicas::ReplicaRef<'r>>,
+    names: &mut SegmentNames,
+) -> Result<(), ApiError> {
+    match Code::from_i32(code) {
+        Code::Ok => objects.try_push_ok(reps.map(|r| location(&r, names)), |replicas| Found {
+            size,
+            replicas,
+        })?,
+        c => objects.push_err(c),
+    }
+    Ok(())
+}
+
+/// Appends one put's start.
+fn push_grant<'r>(
+    grants: &mut Grants,
+    code: i32,
+    message: &str,
+    put_id: u64,
+    reps: impl Iterator<Item = replicas::ReplicaRef<'r>>,
+    names: &mut SegmentNames,
+) -> Result<(), ApiError> {
+    match Code::from_i32(code) {
+        Code::Ok => grants.try_push_ok(reps.map(|r| location(&r, names)), |replicas| Grant {
+            put_id,
+            replicas,
+        })?,
+        c => grants.push_err(ApiError::new(c, message)),
+    }
+    Ok(())
+}
+
+pub fn lookup_from_frame(body: &[u8]) -> Result<Lookup, ApiError> {
+    let d = replicas::decode(body)
+        .map_err(|e| ApiError::rpc(format!("master sent an undecodable answer: {e}")))?;
+    let mut names = SegmentNames::default();
+    let mut objects = Runs::with_capacity(d.results.len());
+    for f in &d.results {
+        let reps = d.replicas.get(f.replicas.clone()).unwrap_or(&[]);
+        push_found(
+            &mut objects,
+            f.code,
+            f.size,
+            reps.iter().copied(),
+            &mut names,
+        )?;
+    }
+    Ok(Lookup {
+        objects,
+        lease_ttl: Duration::from_millis(d.lease_ttl_ms),
+    })
+}
+
+pub fn lookup_from_pb(resp: pb::BatchGetReplicasResponse) -> Result<Lookup, ApiError> {
+    let mut names = SegmentNames::default();
+    let mut objects = Runs::with_capacity(resp.results.len());
+    for r in &resp.results {
+        push_found(
+            &mut objects,
+            r.code,
+            r.size,
+            r.replicas.iter().map(borrowed),
+            &mut names,
+        )?;
+    }
+    Ok(Lookup {
+        objects,
+        lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+    })
+}
+
+pub fn grants_from_frame(body: &[u8]) -> Result<Grants, ApiError> {
+    let (starts, reps) = replicas::decode_put_start(body)
+        .map_err(|e| ApiError::rpc(format!("master sent an undecodable answer: {e}")))?;
+    let mut names = SegmentNames::default();
+    let mut grants = Grants::with_capacity(starts.len());
+    for s in &starts {
+        let run = reps.get(s.replicas.clone()).unwrap_or(&[]);
+        push_grant(
+            &mut grants,
+            s.code,
+            s.message,
+            s.put_id,
+            run.iter().copied(),
+            &mut names,
+        )?;
+    }
+    Ok(grants)
+}
+
+pub fn grants_from_pb(resp: pb::BatchPutStartResponse) -> Result<Grants, ApiError> {
+    let mut names = SegmentNames::default();
+    let mut grants = Grants::with_capacity(resp.results.len());
+    for r in &resp.results {
+        push_grant(
+            &mut grants,
+            r.code,
+            &r.message,
+            r.put_id,
+            r.replicas.iter().map(borrowed),
+            &mut names,
+        )?;
+    }
+    Ok(grants)
+}

@@ -1,0 +1,316 @@
+//! The framed-RPC adapter: `MasterApi` over plain length-prefixed frames on the master's RPC
+//! port, from a small pool of connections (one request in flight on each). The hot calls write
+//! their keys into the frame borrowed and read the answer without message structs.
+
+use std::{io, time::Duration};
+
+use mooncake_common::{
+    master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    ApiError, Code, ReplicateConfig, SegmentName,
+};
+use mooncake_proto::{
+    framed::{self as rpc_wire, fields, keys, Method},
+    master as pb,
+};
+use parking_lot::Mutex;
+use prost::Message;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    sync::Semaphore,
+};
+
+use super::{answers, check_len, exists_codes, expect_len, unit_codes, within};
+
+/// A `MasterApi` speaking the framed RPC.
+pub struct FramedMaster {
+    pool: FramedPool,
+    timeout: Duration,
+}
+
+impl FramedMaster {
+    /// A master at `addr` ("host:port"); connections are made on first use.
+    pub fn new(addr: &str, timeout: Duration, connect_timeout: Duration, spin: Duration) -> Self {
+        FramedMaster {
+            pool: FramedPool {
+                addr: addr.to_string(),
+                connect_timeout,
+                spin,
+                idle: Mutex::new(Vec::new()),
+                permits: Semaphore::new(8),
+            },
+            timeout,
+        }
+    }
+
+    /// One exchange under the RPC deadline; `encode` appends the `len`-byte request body.
+    async fn raw(
+        &self,
+        method: Method,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<Vec<u8>, ApiError> {
+        within(self.timeout, self.pool.call_raw(method, len, encode)).await
+    }
+
+    /// An exchange of generated messages.
+    async fn call<Resp: Message + Default>(
+        &self,
+        method: Method,
+        req: &impl Message,
+    ) -> Result<Resp, ApiError> {
+        let body = self
+            .raw(method, req.encoded_len(), |buf| {
+                req.encode(buf).expect("a Vec grows as needed")
+            })
+            .await?;
+        Resp::decode(&body[..]).map_err(|e| self.undecodable(e))
+    }
+
+    fn undecodable(&self, e: impl std::fmt::Display) -> ApiError {
+        ApiError::rpc(format!(
+            "master {} sent an undecodable answer: {e}",
+            self.pool.addr
+        ))
+    }
+
+    /// A call whose request is a list of (key, put id) and whose answer a code per item.
+    async fn by_refs(
+        &self,
+        method: Method,
+        puts: &[(&str, u64)],
+    ) -> Result<Vec<Result<(), Code>>, ApiError> {
+        let body = self
+            .raw(method, keys::keyed_len(fields::PUT_REFS, puts), |buf| {
+                keys::encode_keyed(fields::PUT_REFS, puts, buf)
+            })
+            .await?;
+        // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
+        let resp = pb::BatchPutEndResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
+        Ok(unit_codes(expect_len("put", resp.codes, puts.len())?))
+    }
+}
+
+/// The wire form of a put's config.
+pub(super) fn config_pb(c: &ReplicateConfig) -> pb::ReplicateConfig {
+    pb::ReplicateConfig {
+        replica_num: c.replica_num as u32,
+        preferred_segments: c.preferred_segments.iter().map(|s| s.to_string()).collect(),
+        soft_pin: c.soft_pin,
+        hard_pin: c.hard_pin,
+    }
+}
+
+/// Segment usage as received, names validated.
+pub(super) fn segments_from_pb(
+    segments: Vec<pb::SegmentInfo>,
+) -> Result<Vec<SegmentUsage>, ApiError> {
+    segments
+        .into_iter()
+        .map(|s| {
+            Ok(SegmentUsage {
+                name: SegmentName::parse(&s.name)
+                    .map_err(|e| ApiError::rpc(format!("master sent a bad segment name: {e}")))?,
+                capacity: s.capacity,
+                allocated: s.allocated,
+            })
+        })
+        .collect()
+}
+
+impl MasterApi for FramedMaster {
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants> {
+        use fields::put_start_request::{CONFIG, ITEMS};
+        Box::pin(async move {
+            let config = config_pb(config);
+            let len = keys::keyed_len(ITEMS, items)
+                + prost::encoding::message::encoded_len(CONFIG, &config);
+            let body = self
+                .raw(Method::BatchPutStart, len, |buf| {
+                    keys::encode_keyed(ITEMS, items, buf);
+                    prost::encoding::message::encode(CONFIG, &config, buf);
+                })
+                .await?;
+            let grants = answers::grants_from_frame(&body)?;
+            check_len("put start", grants.results.len(), items.len())?;
+            Ok(grants)
+        })
+    }
+
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(self.by_refs(Method::BatchPutEnd, puts))
+    }
+
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(self.by_refs(Method::BatchPutRevoke, puts))
+    }
+
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+        Box::pin(async move {
+            let body = self
+                .raw(
+                    Method::BatchGetReplicas,
+                    keys::strings_len(fields::KEYS, keys),
+                    |buf| keys::encode_strings(fields::KEYS, keys, buf),
+                )
+                .await?;
+            let lookup = answers::lookup_from_frame(&body)?;
+            check_len("lookup", lookup.results().len(), keys.len())?;
+            Ok(lookup)
+        })
+    }
+
+    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+        Box::pin(async move {
+            let body = self
+                .raw(
+                    Method::BatchExists,
+                    keys::strings_len(fields::KEYS, keys),
+                    |buf| keys::encode_strings(fields::KEYS, keys, buf),
+                )
+                .await?;
+            let resp =
+                pb::BatchExistsResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
+            Ok(exists_codes(expect_len("exists", resp.codes, keys.len())?))
+        })
+    }
+
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchRemoveRequest {
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+                force,
+            };
+            let resp: pb::BatchRemoveResponse = self.call(Method::BatchRemove, &req).await?;
+            Ok(unit_codes(expect_len("remove", resp.codes, keys.len())?))
+        })
+    }
+
+    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+        Box::pin(async move {
+            let resp: pb::RemoveAllResponse = self
+                .call(Method::RemoveAll, &pb::RemoveAllRequest { force })
+                .await?;
+            Ok(resp.removed)
+        })
+    }
+
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+        Box::pin(async move {
+            let resp: pb::ListSegmentsResponse = self
+                .call(Method::ListSegments, &pb::ListSegmentsRequest {})
+                .await?;
+            segments_from_pb(resp.segments)
+        })
+    }
+}
+
+/// Pooled framed-RPC connections to the master; one request in flight per connection. A
+/// connection that saw any error is dropped (the caller's deadline bounds everything).
+struct FramedPool {
+    addr: String,
+    connect_timeout: Duration,
+    /// How long to poll for an answer before parking (see `ClientConfig::master_spin`).
+    spin: Duration,
+    idle: Mutex<Vec<FramedConn>>,
+    permits: Semaphore,
+}
+
+struct FramedConn {
+    stream: TcpStream,
+    next_id: u64,
+}
+
+impl FramedPool {
+    /// One exchange whose request body (`len` bytes) `encode` appends to the frame buffer;
+    /// the answer's bytes undecoded.
+    async fn call_raw(
+        &self,
+        method: Method,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<Vec<u8>, ApiError> {
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .expect("semaphore never closed");
+        let pooled = self.idle.lock().pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => self.connect().await?,
+        };
+        let rpc_err =
+            |e: io::Error| ApiError::rpc(format!("master {} connection failed: {e}", self.addr));
+        let id = conn.next_id;
+        conn.next_id += 1;
+        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);
+        frame.extend_from_slice(&rpc_wire::encode_header(len, method as u32, id));
+        encode(&mut frame);
+        debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
+        conn.stream.write_all(&frame).await.map_err(rpc_err)?;
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        // The answer is usually microseconds away: poll for it before parking the thread.
+        let early = match crate::spin::read_now(&conn.stream, &mut h, self.spin) {
+            Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
+            Ok(Some(n)) => n,
+            Ok(None) => 0,
+            Err(e) => return Err(rpc_err(e)),
+        };
+        conn.stream
+            .read_exact(&mut h[early..])
+            .await
+            .map_err(rpc_err)?;
+        let (len, status, got) = rpc_wire::decode_header(&h)
+            .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
+        if got != id {
+            return Err(ApiError::rpc(format!(
+                "master {} answered request {got}, expected {id}",
+                self.addr
+            )));
+        }
+        let mut out = vec![0u8; len];
+        conn.stream.read_exact(&mut out).await.map_err(rpc_err)?;
+        let status = status as i32;
+        if status != rpc_wire::STATUS_OK {
+            self.idle.lock().push(conn);
+            let text = String::from_utf8_lossy(&out);
+            return Err(if status == rpc_wire::STATUS_BAD_REQUEST {
+                ApiError::new(Code::InvalidParams, text.into_owned())
+            } else {
+                ApiError::rpc(format!("master {}: {text}", self.addr))
+            });
+        }
+        self.idle.lock().push(conn);
+        Ok(out)
+    }
+
+    async fn connect(&self) -> Result<FramedConn, ApiError> {
+        let fail =
+            |e: io::Error| ApiError::rpc(format!("cannot connect to master {}: {e}", self.addr));
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    Code::RpcTimeout,
+                    format!(
+                        "cannot connect to master {} within {:?}",
+                        self.addr, self.connect_timeout
+                    ),
+                )
+            })?
+            .map_err(fail)?;
+        stream.set_nodelay(true).map_err(fail)?;
+        let mut stream = stream;
+        stream.write_all(&rpc_wire::hello()).await.map_err(fail)?;
+        let mut hello = [0u8; rpc_wire::HELLO_LEN];
+        stream.read_exact(&mut hello).await.map_err(fail)?;
+        rpc_wire::check_hello(&hello)
+            .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
+        Ok(FramedConn { stream, next_id: 1 })
+    }
+}

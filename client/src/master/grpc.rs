@@ -1,0 +1,192 @@
+//! The gRPC adapter: `MasterApi` over the master's tonic service, for masters behind
+//! gRPC-aware proxies. Requests are built as generated messages; answers are read into the same
+//! domain types as the framed RPC's.
+
+use std::{future::Future, time::Duration};
+
+use mooncake_common::{
+    master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    ApiError, Code, ReplicateConfig,
+};
+use mooncake_proto::master::{self as pb, master_client::MasterClient};
+use tonic::{
+    transport::{Channel, Endpoint},
+    Response, Status,
+};
+
+use super::{
+    answers, check_len, exists_codes, expect_len,
+    framed::{config_pb, segments_from_pb},
+    unit_codes, within,
+};
+
+/// A `MasterApi` speaking gRPC.
+pub struct GrpcMaster {
+    client: MasterClient<Channel>,
+    timeout: Duration,
+}
+
+impl GrpcMaster {
+    /// A master at `addr` ("host:port"); the channel connects on first use. None: the address
+    /// does not make a URI.
+    pub fn new(addr: &str, timeout: Duration, connect_timeout: Duration) -> Option<Self> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .ok()?
+            .connect_timeout(connect_timeout)
+            .timeout(timeout)
+            .tcp_nodelay(true);
+        Some(GrpcMaster {
+            client: MasterClient::new(endpoint.connect_lazy())
+                .max_decoding_message_size(256 << 20)
+                .max_encoding_message_size(256 << 20),
+            timeout,
+        })
+    }
+
+    /// One call under the RPC deadline, tonic's status turned into the call's error.
+    async fn unary<Resp, Fut>(
+        &self,
+        call: impl FnOnce(MasterClient<Channel>) -> Fut,
+    ) -> Result<Resp, ApiError>
+    where
+        Fut: Future<Output = Result<Response<Resp>, Status>>,
+    {
+        let timeout = self.timeout;
+        within(timeout, async {
+            match call(self.client.clone()).await {
+                Ok(r) => Ok(r.into_inner()),
+                Err(s) => Err(status_error(&s, timeout)),
+            }
+        })
+        .await
+    }
+}
+
+fn status_error(s: &Status, timeout: Duration) -> ApiError {
+    match s.code() {
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => ApiError::new(
+            Code::RpcTimeout,
+            format!("master call timed out after {timeout:?}"),
+        ),
+        tonic::Code::InvalidArgument => ApiError::new(Code::InvalidParams, s.message()),
+        c => ApiError::rpc(format!("{c}: {}", s.message())),
+    }
+}
+
+fn put_refs(puts: &[(&str, u64)]) -> Vec<pb::PutRef> {
+    puts.iter()
+        .map(|&(k, put_id)| pb::PutRef {
+            key: k.to_string(),
+            put_id,
+        })
+        .collect()
+}
+
+fn owned(keys: &[&str]) -> Vec<String> {
+    keys.iter().map(|k| k.to_string()).collect()
+}
+
+impl MasterApi for GrpcMaster {
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants> {
+        Box::pin(async move {
+            let req = pb::BatchPutStartRequest {
+                items: items
+                    .iter()
+                    .map(|&(k, size)| pb::PutStartItem {
+                        key: k.to_string(),
+                        size,
+                    })
+                    .collect(),
+                config: Some(config_pb(config)),
+            };
+            let resp = self
+                .unary(|mut c| async move { c.batch_put_start(req).await })
+                .await?;
+            let grants = answers::grants_from_pb(resp)?;
+            check_len("put start", grants.results.len(), items.len())?;
+            Ok(grants)
+        })
+    }
+
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchPutEndRequest {
+                items: put_refs(puts),
+            };
+            let resp = self
+                .unary(|mut c| async move { c.batch_put_end(req).await })
+                .await?;
+            Ok(unit_codes(expect_len("put end", resp.codes, puts.len())?))
+        })
+    }
+
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchPutRevokeRequest {
+                items: put_refs(puts),
+            };
+            let resp = self
+                .unary(|mut c| async move { c.batch_put_revoke(req).await })
+                .await?;
+            Ok(unit_codes(expect_len("revoke", resp.codes, puts.len())?))
+        })
+    }
+
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+        Box::pin(async move {
+            let req = pb::BatchGetReplicasRequest { keys: owned(keys) };
+            let resp = self
+                .unary(|mut c| async move { c.batch_get_replicas(req).await })
+                .await?;
+            let lookup = answers::lookup_from_pb(resp)?;
+            check_len("lookup", lookup.results().len(), keys.len())?;
+            Ok(lookup)
+        })
+    }
+
+    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchExistsRequest { keys: owned(keys) };
+            let resp = self
+                .unary(|mut c| async move { c.batch_exists(req).await })
+                .await?;
+            Ok(exists_codes(expect_len("exists", resp.codes, keys.len())?))
+        })
+    }
+
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchRemoveRequest {
+                keys: owned(keys),
+                force,
+            };
+            let resp = self
+                .unary(|mut c| async move { c.batch_remove(req).await })
+                .await?;
+            Ok(unit_codes(expect_len("remove", resp.codes, keys.len())?))
+        })
+    }
+
+    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+        Box::pin(async move {
+            let req = pb::RemoveAllRequest { force };
+            let resp = self
+                .unary(|mut c| async move { c.remove_all(req).await })
+                .await?;
+            Ok(resp.removed)
+        })
+    }
+
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+        Box::pin(async move {
+            let resp = self
+                .unary(|mut c| async move { c.list_segments(pb::ListSegmentsRequest {}).await })
+                .await?;
+            segments_from_pb(resp.segments)
+        })
+    }
+}

@@ -1,0 +1,110 @@
+//! The client's side of the master seam: which `MasterApi` a client uses, built from its
+//! config. Two wire adapters carry the same calls: the framed RPC (default; plain
+//! length-prefixed frames on the master's RPC port) and gRPC. Both answer in the domain types of
+//! `mooncake_common::master_api`, under the RPC deadline, with transport failures turned into
+//! RPC_FAIL / RPC_TIMEOUT. The in-process implementation lives with the master.
+
+mod answers;
+mod framed;
+mod grpc;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use mooncake_common::{ApiError, Code, MasterApi};
+use serde::{Deserialize, Serialize};
+
+pub use framed::FramedMaster;
+pub use grpc::GrpcMaster;
+
+use crate::{config::ClientConfig, error::ClientError};
+
+/// How the client talks to the master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MasterProtocol {
+    /// Length-prefixed protobuf frames over plain TCP: the lowest latency.
+    #[default]
+    Framed,
+    /// gRPC (HTTP/2), for masters behind gRPC-aware proxies.
+    Grpc,
+}
+
+/// The `MasterApi` the config asks for (no connection is made yet).
+pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError> {
+    let addr = config.master.as_str();
+    let bad = || {
+        ClientError::Config(format!(
+            "invalid master address {addr:?}: expected HOST:PORT"
+        ))
+    };
+    if addr
+        .rsplit_once(':')
+        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        return Err(bad());
+    }
+    Ok(match config.master_protocol {
+        MasterProtocol::Framed => Arc::new(FramedMaster::new(
+            addr,
+            config.rpc_timeout,
+            config.connect_timeout,
+            config.master_spin,
+        )),
+        MasterProtocol::Grpc => Arc::new(
+            GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout).ok_or_else(bad)?,
+        ),
+    })
+}
+
+/// `call` under the RPC deadline.
+async fn within<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::new(
+                Code::RpcTimeout,
+                format!("master call timed out after {timeout:?}"),
+            ))
+        })
+}
+
+/// A batch answer must hold one result per item.
+fn check_len(what: &str, got: usize, want: usize) -> Result<(), ApiError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ApiError::rpc(format!(
+            "master answered {got} {what} results for {want} items"
+        )))
+    }
+}
+
+fn expect_len<T>(what: &str, got: Vec<T>, want: usize) -> Result<Vec<T>, ApiError> {
+    check_len(what, got.len(), want).map(|()| got)
+}
+
+/// Per-item codes as the wire carries them (0 ok, else the error).
+fn unit_codes(codes: Vec<i32>) -> Vec<Result<(), Code>> {
+    codes
+        .into_iter()
+        .map(|c| match Code::from_i32(c) {
+            Code::Ok => Ok(()),
+            c => Err(c),
+        })
+        .collect()
+}
+
+/// `BatchExistsResponse` codes: 1 exists, 0 missing, negative an error.
+fn exists_codes(codes: Vec<i32>) -> Vec<Result<bool, Code>> {
+    codes
+        .into_iter()
+        .map(|c| match c {
+            1 => Ok(true),
+            0 => Ok(false),
+            c => Err(Code::from_i32(c)),
+        })
+        .collect()
+}

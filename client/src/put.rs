@@ -1,0 +1,185 @@
+//! Batch put: validate locally, one put start for the batch, every replica written at once (one
+//! transport batch per owner), then one put end for what was written and one revoke for what
+//! was not.
+
+use futures::future::join_all;
+use mooncake_common::{
+    transport::{parts_len, WriteItem},
+    Code, ObjectKey, ReplicateConfig, SegmentName,
+};
+
+use crate::{client::Client, error::ClientError, group::Groups};
+
+/// A successful put.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    Stored,
+    /// The key was already there (or being written by another put): objects are write-once.
+    AlreadyExists,
+}
+
+type PutResult = Result<PutOutcome, ClientError>;
+
+impl Client {
+    pub async fn put(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> PutResult {
+        self.batch_put(&[(key, value)], config)
+            .await
+            .pop()
+            .expect("one result per item")
+    }
+
+    /// Puts every (key, value); one result per item, in order.
+    pub async fn batch_put(
+        &self,
+        items: &[(&str, &[u8])],
+        config: &ReplicateConfig,
+    ) -> Vec<PutResult> {
+        let parts: Vec<[&[u8]; 1]> = items.iter().map(|(_, v)| [*v]).collect();
+        let items: Vec<(&str, &[&[u8]])> = items
+            .iter()
+            .zip(&parts)
+            .map(|((k, _), p)| (*k, &p[..]))
+            .collect();
+        self.batch_put_parts(&items, config).await
+    }
+
+    /// Puts objects each given as the concatenation of several buffers (e.g. K and V), sent
+    /// without first being copied together; one result per item, in order.
+    pub async fn batch_put_parts(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        config: &ReplicateConfig,
+    ) -> Vec<PutResult> {
+        let mut results: Vec<Option<PutResult>> = (0..items.len()).map(|_| None).collect();
+        // Validate locally; only valid items go to the master.
+        let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(items.len());
+        for (i, (key, parts)) in items.iter().enumerate() {
+            match ObjectKey::new(key) {
+                Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
+                Ok(_) if parts.iter().all(|p| p.is_empty()) => {
+                    results[i] = Some(Err(ClientError::Invalid(format!(
+                        "value of {key} is empty"
+                    ))))
+                }
+                Ok(k) => valid.push((i, k)),
+            }
+        }
+        if !valid.is_empty() {
+            self.put_valid(items, &valid, config, &mut results).await;
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every item answered"))
+            .collect()
+    }
+
+    async fn put_valid(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        valid: &[(usize, ObjectKey)],
+        config: &ReplicateConfig,
+        results: &mut [Option<PutResult>],
+    ) {
+        let preferred_default;
+        let config = match &self.preferred {
+            Some(p) if config.preferred_segments.is_empty() => {
+                preferred_default = ReplicateConfig {
+                    preferred_segments: vec![p.clone()],
+                    ..config.clone()
+                };
+                &preferred_default
+            }
+            _ => config,
+        };
+        let starts: Vec<(&str, u64)> = valid
+            .iter()
+            .map(|(i, k)| (k.as_str(), parts_len(items[*i].1)))
+            .collect();
+        let grants = match self.master.put_start(&starts, config).await {
+            Ok(g) => g,
+            Err(e) => return fill(results, valid, &e.into()),
+        };
+
+        // Every replica write, one batch per owner, all owners at once.
+        let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
+        let mut groups: Groups<SegmentName, WriteItem<'_>> = Groups::new();
+        for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
+            let Ok(grant) = grant else { continue };
+            for rep in grants.run(&grant.replicas) {
+                groups.push(
+                    rep.segment.clone(),
+                    slot,
+                    WriteItem {
+                        key,
+                        offset: rep.offset,
+                        parts: items[*i].1,
+                    },
+                );
+            }
+        }
+        let batches = groups
+            .iter_mut()
+            .map(|g| async move { (&g.slots, self.transport.write_batch(&g.to, &g.items).await) });
+        for (slots, res) in join_all(batches).await {
+            for (slot, r) in slots.iter().zip(res) {
+                if let Err(e) = r {
+                    tracing::debug!(key = %valid[*slot].1, error = %e, "replica write failed; revoking the put");
+                    write_errors[*slot].get_or_insert(e.into());
+                }
+            }
+        }
+
+        let (mut end, mut revoke) = (Vec::new(), Vec::new());
+        for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
+            match grant {
+                Err(e) if e.code == Code::ObjectAlreadyExists => {
+                    results[*i] = Some(Ok(PutOutcome::AlreadyExists))
+                }
+                Err(e) => results[*i] = Some(Err(ClientError::master(e.code, e.message.clone()))),
+                Ok(g) => match write_errors[slot].take() {
+                    Some(e) => {
+                        results[*i] = Some(Err(e));
+                        revoke.push((key.as_str(), g.put_id));
+                    }
+                    None => end.push((*i, (key.as_str(), g.put_id))),
+                },
+            }
+        }
+        if !revoke.is_empty() {
+            if let Err(e) = self.master.put_revoke(&revoke).await {
+                tracing::warn!(error = %e, "revoking failed puts failed; the master reclaims them after its release timeout");
+            }
+        }
+        if end.is_empty() {
+            return;
+        }
+        let (idx, puts): (Vec<usize>, Vec<(&str, u64)>) = end.into_iter().unzip();
+        match self.master.put_end(&puts).await {
+            Ok(codes) => {
+                for (i, code) in idx.into_iter().zip(codes) {
+                    results[i] = Some(match code {
+                        Ok(()) => Ok(PutOutcome::Stored),
+                        Err(c) => Err(ClientError::master(c, "put end refused")),
+                    });
+                }
+            }
+            Err(e) => {
+                let e = ClientError::from(e);
+                for i in idx {
+                    results[i] = Some(Err(e.for_each_key()));
+                }
+            }
+        }
+    }
+}
+
+/// Every valid item of a batch failed with `e`.
+pub(crate) fn fill<T>(
+    results: &mut [Option<Result<T, ClientError>>],
+    valid: &[(usize, ObjectKey)],
+    e: &ClientError,
+) {
+    for (i, _) in valid {
+        results[*i] = Some(Err(e.for_each_key()));
+    }
+}

@@ -1,0 +1,167 @@
+//! What a client asks of the master, in domain types: the `MasterApi` trait and its answers. The
+//! framed and gRPC implementations live in the client (they are wire adapters); the in-process
+//! one lives in the master (it calls the service directly). The trait sits here, below both
+//! roles, because roles never import each other. Every implementation passes the same
+//! conformance suite (`tests/tests/master_conformance.rs`).
+
+use std::{future::Future, ops::Range, pin::Pin, time::Duration};
+
+use crate::{replica::ReplicaLocation, Code, ReplicateConfig, SegmentName};
+
+/// A failed call, or a key the master refused: the code callers branch on and a text for people.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    pub code: Code,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The master could not be reached or answered something unreadable.
+    pub fn rpc(message: impl Into<String>) -> Self {
+        ApiError::new(Code::RpcFail, message)
+    }
+}
+
+/// A master call in flight.
+pub type Call<'a, T> = Pin<Box<dyn Future<Output = Result<T, ApiError>> + Send + 'a>>;
+
+/// The master's client-facing API. Every batch method answers one result per input item, in
+/// order; the outer `Result` is the call itself (unreachable master, deadline, malformed batch).
+pub trait MasterApi: Send + Sync {
+    /// Starts puts of (key, size): space on `config.replica_num` segments each, or why not
+    /// (OBJECT_ALREADY_EXISTS for a committed key or another writer's put in flight).
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants>;
+
+    /// Commits the puts named by (key, put id) once every replica is written.
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>>;
+
+    /// Gives up the puts named by (key, put id): their space is freed, the keys stay absent.
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>>;
+
+    /// Where each key's replicas are; every hit is leased for `Lookup::lease_ttl`.
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup>;
+
+    /// Whether each key exists (hits are leased, like a lookup).
+    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>>;
+
+    /// Removes each key; leased ones only with `force`.
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;
+
+    /// Removes every object (leased ones only with `force`); answers how many.
+    fn remove_all(&self, force: bool) -> Call<'_, u64>;
+
+    /// The mounted segments and their usage.
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>>;
+}
+
+/// A mounted segment's capacity and allocated bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentUsage {
+    pub name: SegmentName,
+    pub capacity: u64,
+    pub allocated: u64,
+}
+
+/// Per-key results that each own a run of replica locations, kept in one vector for the batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Runs<T, E> {
+    pub results: Vec<Result<T, E>>,
+    replicas: Vec<ReplicaLocation>,
+}
+
+impl<T, E> Runs<T, E> {
+    pub fn with_capacity(keys: usize) -> Self {
+        Runs {
+            results: Vec::with_capacity(keys),
+            replicas: Vec::with_capacity(keys),
+        }
+    }
+
+    /// Appends a key's success built by `make` from the run of `replicas` it owns.
+    pub fn push_ok(
+        &mut self,
+        replicas: impl IntoIterator<Item = ReplicaLocation>,
+        make: impl FnOnce(Range<usize>) -> T,
+    ) {
+        let start = self.replicas.len();
+        self.replicas.extend(replicas);
+        self.results.push(Ok(make(start..self.replicas.len())));
+    }
+
+    /// `push_ok` from replicas that may fail to convert; on the first failure nothing is
+    /// appended and that error is returned.
+    pub fn try_push_ok<X>(
+        &mut self,
+        replicas: impl IntoIterator<Item = Result<ReplicaLocation, X>>,
+        make: impl FnOnce(Range<usize>) -> T,
+    ) -> Result<(), X> {
+        let start = self.replicas.len();
+        for r in replicas {
+            match r {
+                Ok(r) => self.replicas.push(r),
+                Err(e) => {
+                    self.replicas.truncate(start);
+                    return Err(e);
+                }
+            }
+        }
+        self.results.push(Ok(make(start..self.replicas.len())));
+        Ok(())
+    }
+
+    pub fn push_err(&mut self, e: E) {
+        self.results.push(Err(e));
+    }
+
+    /// The replicas of the run `range` (a `Found`'s or a `Grant`'s).
+    pub fn run(&self, range: &Range<usize>) -> &[ReplicaLocation] {
+        self.replicas.get(range.clone()).unwrap_or(&[])
+    }
+}
+
+/// A batch lookup's answer: per key its size and replicas, or why not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    pub objects: Runs<Found, Code>,
+    /// Every hit is leased for this long from the moment the master answered.
+    pub lease_ttl: Duration,
+}
+
+/// A key that was found: its size, and its replicas in `Lookup::replicas`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub size: u64,
+    pub replicas: Range<usize>,
+}
+
+impl Lookup {
+    pub fn replicas(&self, found: &Found) -> &[ReplicaLocation] {
+        self.objects.run(&found.replicas)
+    }
+
+    pub fn results(&self) -> &[Result<Found, Code>] {
+        &self.objects.results
+    }
+}
+
+/// A batch put start's answer: per key a grant, or why not.
+pub type Grants = Runs<Grant, ApiError>;
+
+/// Space granted to a put: write every replica, then end (or revoke) the put with `put_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub put_id: u64,
+    pub replicas: Range<usize>,
+}

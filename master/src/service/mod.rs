@@ -1,0 +1,284 @@
+//! The master's one service, in domain terms: keys as `&str`, validated config and ids in,
+//! `Result<_, MasterError>` per key out. It locks the state once per batch, calls the core and
+//! counts the batch in the metrics; it makes no decision of its own. Wire adapters (`crate::wire`:
+//! gRPC, the framed RPC, in-process) translate to and from it. The lock is a plain mutex never
+//! held across an `.await`: every core call is short and synchronous.
+
+mod owners;
+
+use std::{sync::Arc, time::Duration};
+
+use mooncake_common::{replica::MAX_REPLICAS, Code, ObjectKey, ReplicaLocation, ReplicateConfig};
+use parking_lot::Mutex;
+
+pub use owners::{Polled, TaskReport};
+
+use crate::{
+    clock::Clock,
+    core::{MasterState, PutGrant, SegmentStat},
+    error::MasterError,
+    metrics::{Metrics, Op},
+};
+
+/// State shared by the service, the HTTP endpoint and the upkeep loop.
+pub struct Shared {
+    pub state: Mutex<MasterState>,
+    pub clock: Arc<dyn Clock>,
+    pub metrics: Metrics,
+    /// Wakes owners long-polling for SSD-tier work.
+    pub owner_work: tokio::sync::Notify,
+    /// Wakes puts waiting for offloads to free memory.
+    pub offload_progress: tokio::sync::Notify,
+}
+
+impl Shared {
+    pub fn new(state: MasterState, clock: Arc<dyn Clock>) -> Shared {
+        Shared {
+            state: Mutex::new(state),
+            clock,
+            metrics: Metrics::default(),
+            owner_work: tokio::sync::Notify::new(),
+            offload_progress: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Wakes polling owners if the last call under this lock queued work for them.
+    pub fn wake_owners(&self, state: &mut MasterState) {
+        if state.take_wakeup() {
+            self.owner_work.notify_waiters();
+        }
+    }
+}
+
+/// How long a put that found no space waits for offloads under way to free memory.
+const OFFLOAD_WAIT: Duration = Duration::from_secs(1);
+
+pub struct MasterService {
+    shared: Arc<Shared>,
+}
+
+fn short_of_memory(r: &Result<PutGrant, MasterError>) -> bool {
+    r.as_ref()
+        .is_err_and(|e| e.code() == Code::NoAvailableHandle)
+}
+
+fn validated(k: &str) -> Result<&str, MasterError> {
+    ObjectKey::validate(k)?;
+    Ok(k)
+}
+
+impl MasterService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        MasterService { shared }
+    }
+
+    /// Starts every put of (key, size): space on `config.replica_num` segments each, or the
+    /// reason why not. A batch short of memory while offloads are on their way waits (briefly)
+    /// for their room.
+    pub async fn put_start(
+        &self,
+        items: &[(&str, u64)],
+        config: &ReplicateConfig,
+    ) -> Vec<Result<PutGrant, MasterError>> {
+        if config.replica_num > MAX_REPLICAS {
+            let e = MasterError::Invalid(format!(
+                "replica_num {} is above the limit of {MAX_REPLICAS}",
+                config.replica_num
+            ));
+            return self.refuse_put_start(items.len(), &e);
+        }
+        let mut results: Vec<Option<Result<PutGrant, MasterError>>> =
+            (0..items.len()).map(|_| None).collect();
+        let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
+        loop {
+            // Registered before looking, so progress made in between is not missed.
+            let progress = self.shared.offload_progress.notified();
+            tokio::pin!(progress);
+            progress.as_mut().enable();
+            let waiting = {
+                let now = self.shared.clock.now();
+                let mut state = self.shared.state.lock();
+                for (&(k, size), slot) in items.iter().zip(results.iter_mut()) {
+                    if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
+                        continue;
+                    }
+                    *slot = Some(
+                        ObjectKey::new(k)
+                            .map_err(MasterError::from)
+                            .and_then(|k| state.put_start(&k, size, config, now)),
+                    );
+                }
+                // Out of memory while offloads are on their way to disk: their memory comes
+                // back when they land, so start room for every item still short at once and
+                // wait for it (briefly) instead of failing.
+                let short: u64 = items
+                    .iter()
+                    .zip(&results)
+                    .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
+                    .map(|(&(_, size), _)| size)
+                    .sum();
+                let freed_now = if short > 0 {
+                    state.make_room(now, short)
+                } else {
+                    0
+                };
+                self.shared.wake_owners(&mut state);
+                if short > 0 && freed_now > 0 {
+                    // Room came free at once (objects with disk copies left memory): try again.
+                    continue;
+                }
+                short > 0 && state.offloads_outstanding()
+            };
+            if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
+                break;
+            }
+        }
+        let results: Vec<Result<PutGrant, MasterError>> = results
+            .into_iter()
+            .map(|x| x.expect("every item tried"))
+            .collect();
+        self.count_put_starts(&results);
+        results
+    }
+
+    /// A put start whose request could not be used (its config is invalid): every item gets
+    /// `e`, and the batch is counted as failed.
+    pub fn refuse_put_start(
+        &self,
+        n: usize,
+        e: &MasterError,
+    ) -> Vec<Result<PutGrant, MasterError>> {
+        let results: Vec<_> = (0..n).map(|_| Err(e.clone())).collect();
+        self.count_put_starts(&results);
+        results
+    }
+
+    fn count_put_starts(&self, results: &[Result<PutGrant, MasterError>]) {
+        // An existing key is the normal write-once outcome, not a failure.
+        let failed = results
+            .iter()
+            .filter(|x| {
+                x.as_ref()
+                    .is_err_and(|e| e.code() != Code::ObjectAlreadyExists)
+            })
+            .count();
+        self.shared
+            .metrics
+            .record(Op::PutStart, results.len(), failed);
+    }
+
+    /// Ends the puts named by (key, put id), under one lock.
+    pub fn put_end(&self, puts: &[(&str, u64)]) -> Vec<Result<(), MasterError>> {
+        let now = self.shared.clock.now();
+        self.per_key(Op::PutEnd, puts, |s, k, id| s.put_end(k, id, now))
+    }
+
+    /// Revokes the puts named by (key, put id), under one lock.
+    pub fn put_revoke(&self, puts: &[(&str, u64)]) -> Vec<Result<(), MasterError>> {
+        self.per_key(Op::PutRevoke, puts, |s, k, id| s.put_revoke(k, id))
+    }
+
+    fn per_key(
+        &self,
+        op: Op,
+        puts: &[(&str, u64)],
+        f: impl Fn(&mut MasterState, &str, u64) -> Result<(), MasterError>,
+    ) -> Vec<Result<(), MasterError>> {
+        let results: Vec<_> = {
+            let mut state = self.shared.state.lock();
+            let results = puts
+                .iter()
+                .map(|&(k, id)| validated(k).and_then(|k| f(&mut state, k, id)))
+                .collect();
+            self.shared.wake_owners(&mut state);
+            results
+        };
+        self.record(op, &results);
+        results
+    }
+
+    /// Looks up (and leases) every key under one lock and hands each answer to `answer` in
+    /// order (so an adapter encodes straight from it); returns the lease every hit got.
+    pub fn get_replicas(
+        &self,
+        keys: &[&str],
+        mut answer: impl FnMut(Result<(u64, Vec<ReplicaLocation>), MasterError>),
+    ) -> Duration {
+        let now = self.shared.clock.now();
+        let mut failed = 0;
+        let lease_ttl = {
+            let mut state = self.shared.state.lock();
+            for k in keys {
+                let found = validated(k).and_then(|k| state.get_replicas_str(k, now));
+                failed += usize::from(found.is_err());
+                answer(found);
+            }
+            self.shared.wake_owners(&mut state);
+            state.policy().lease_ttl
+        };
+        self.shared
+            .metrics
+            .record(Op::GetReplicaList, keys.len(), failed);
+        lease_ttl
+    }
+
+    /// Whether each key exists (leasing the hits), under one lock; and the lease they got.
+    pub fn exists(&self, keys: &[&str]) -> (Vec<Result<bool, MasterError>>, Duration) {
+        let now = self.shared.clock.now();
+        let (results, lease_ttl) = {
+            let mut state = self.shared.state.lock();
+            let results: Vec<_> = keys
+                .iter()
+                .map(|k| validated(k).map(|k| state.exists(k, now)))
+                .collect();
+            (results, state.policy().lease_ttl)
+        };
+        self.record(Op::ExistKey, &results);
+        (results, lease_ttl)
+    }
+
+    /// Removes every key (leased ones only with `force`), under one lock.
+    pub fn remove(&self, keys: &[&str], force: bool) -> Vec<Result<(), MasterError>> {
+        let now = self.shared.clock.now();
+        let results: Vec<_> = {
+            let mut state = self.shared.state.lock();
+            let results = keys
+                .iter()
+                .map(|k| {
+                    ObjectKey::new(k)
+                        .map_err(MasterError::from)
+                        .and_then(|k| state.remove(&k, force, now))
+                })
+                .collect();
+            self.shared.wake_owners(&mut state);
+            results
+        };
+        self.record(Op::Remove, &results);
+        results
+    }
+
+    /// Removes every object (leased ones only with `force`); returns how many.
+    pub fn remove_all(&self, force: bool) -> u64 {
+        let now = self.shared.clock.now();
+        let removed = {
+            let mut state = self.shared.state.lock();
+            let removed = state.remove_all(force, now);
+            self.shared.wake_owners(&mut state);
+            removed
+        };
+        self.shared.metrics.record(Op::RemoveAll, 1, 0);
+        removed
+    }
+
+    /// The mounted segments and their usage.
+    pub fn list_segments(&self) -> Vec<SegmentStat> {
+        let segments = self.shared.state.lock().segment_stats();
+        self.shared.metrics.record(Op::ListSegments, 1, 0);
+        segments
+    }
+
+    fn record<T>(&self, op: Op, results: &[Result<T, MasterError>]) {
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        self.shared.metrics.record(op, results.len(), failed);
+    }
+}

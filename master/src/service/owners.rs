@@ -1,0 +1,193 @@
+//! The owners' side of the service: mounting segments, heartbeats, and the SSD tier's work
+//! queue (a long poll for tasks, reports of their outcome, disk records about to disappear, and
+//! records found on disk after a restart). The poll waits on a notification, never while
+//! holding the lock.
+
+use std::time::Duration;
+
+use mooncake_common::{ClientId, DiskStats, ObjectKey, SegmentName};
+
+use super::MasterService;
+use crate::{
+    core::{HeartbeatReply, OwnerTask, SegmentId, TaskKind},
+    error::MasterError,
+    metrics::Op,
+};
+
+/// The longest an owner's poll is held open.
+const MAX_POLL_WAIT: Duration = Duration::from_secs(5);
+/// The most tasks one poll hands out.
+const MAX_POLL_TASKS: usize = 1024;
+
+/// What a poll found: tasks, or that the owner must mount again.
+#[derive(Debug, Default)]
+pub struct Polled {
+    pub tasks: Vec<OwnerTask>,
+    /// The master does not know the segment (it restarted, or the owner expired).
+    pub remount: bool,
+}
+
+/// One task's outcome as an owner reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskReport<'a> {
+    pub kind: TaskKind,
+    pub key: &'a str,
+    pub put_id: u64,
+    pub done: bool,
+}
+
+impl MasterService {
+    pub fn mount_segment(
+        &self,
+        owner: ClientId,
+        segment: SegmentName,
+        size: u64,
+        disk_capacity: u64,
+    ) -> Result<(), MasterError> {
+        let now = self.shared.clock.now();
+        let res = self
+            .shared
+            .state
+            .lock()
+            .mount_segment(owner, segment, size, disk_capacity, now);
+        self.shared
+            .metrics
+            .record(Op::MountSegment, 1, res.is_err() as usize);
+        res
+    }
+
+    pub fn unmount_segment(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+    ) -> Result<(), MasterError> {
+        let res = self.shared.state.lock().unmount_segment(owner, segment);
+        self.shared
+            .metrics
+            .record(Op::UnmountSegment, 1, res.is_err() as usize);
+        res
+    }
+
+    /// Records that `owner` is alive (and its SSD tier's state, if it has one).
+    pub fn heartbeat(&self, owner: ClientId, disk: Option<DiskStats>) -> HeartbeatReply {
+        let now = self.shared.clock.now();
+        let reply = {
+            let mut state = self.shared.state.lock();
+            let reply = state.heartbeat(owner, now);
+            if let Some(d) = disk {
+                state.set_disk_stats(owner, d);
+            }
+            reply
+        };
+        self.shared.metrics.record(Op::Heartbeat, 1, 0);
+        reply
+    }
+
+    /// The segment, checked to belong to `owner` and to have an SSD tier.
+    fn disk_segment(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+    ) -> Result<SegmentId, MasterError> {
+        self.shared.state.lock().disk_segment(owner, segment)
+    }
+
+    /// Waits up to `wait` (at most 5 s) for SSD-tier work for the segment and takes up to `max`
+    /// tasks (at most 1024).
+    pub async fn poll_tasks(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+        max: usize,
+        wait: Duration,
+    ) -> Polled {
+        let max = max.clamp(1, MAX_POLL_TASKS);
+        let deadline = tokio::time::Instant::now() + wait.min(MAX_POLL_WAIT);
+        loop {
+            let work = self.shared.owner_work.notified();
+            tokio::pin!(work);
+            work.as_mut().enable();
+            let Ok(id) = self.disk_segment(owner, segment) else {
+                return Polled {
+                    tasks: Vec::new(),
+                    remount: true,
+                };
+            };
+            let tasks = self.shared.state.lock().take_tasks(id, max);
+            if !tasks.is_empty() || tokio::time::timeout_at(deadline, work).await.is_err() {
+                return Polled {
+                    tasks,
+                    remount: false,
+                };
+            }
+        }
+    }
+
+    /// Takes the outcomes of tasks; per report, whether the master still wants what was done
+    /// (an error: the owner drops what it wrote). The outer error: the segment is not the
+    /// owner's, or has no SSD tier.
+    pub fn report_tasks(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+        reports: &[TaskReport<'_>],
+    ) -> Result<Vec<Result<(), MasterError>>, MasterError> {
+        let id = self.disk_segment(owner, segment)?;
+        let now = self.shared.clock.now();
+        let results = {
+            let mut state = self.shared.state.lock();
+            let results = reports
+                .iter()
+                .map(|t| {
+                    ObjectKey::new(t.key)
+                        .map_err(MasterError::from)
+                        .and_then(|k| state.report_task(id, t.kind, &k, t.put_id, t.done, now))
+                })
+                .collect();
+            self.shared.wake_owners(&mut state);
+            results
+        };
+        self.shared.offload_progress.notify_waiters();
+        Ok(results)
+    }
+
+    /// Disk records of (key, version) the owner is about to lose.
+    pub fn disk_dropped(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+        records: &[(&str, u64)],
+    ) -> Result<(), MasterError> {
+        let id = self.disk_segment(owner, segment)?;
+        let now = self.shared.clock.now();
+        let mut state = self.shared.state.lock();
+        for &(key, put_id) in records {
+            if let Ok(k) = ObjectKey::new(key) {
+                state.disk_dropped(id, &k, put_id, now);
+            }
+        }
+        self.shared.wake_owners(&mut state);
+        Ok(())
+    }
+
+    /// Records of (key, size, version) found on disk after a restart; per record its version as
+    /// registered, or why not (OBJECT_ALREADY_EXISTS: the owner drops its stale record).
+    pub fn register_disk(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+        records: &[(&str, u64, u64)],
+    ) -> Result<Vec<Result<u64, MasterError>>, MasterError> {
+        let id = self.disk_segment(owner, segment)?;
+        let now = self.shared.clock.now();
+        let mut state = self.shared.state.lock();
+        Ok(records
+            .iter()
+            .map(|&(key, size, put_id)| {
+                ObjectKey::new(key)
+                    .map_err(MasterError::from)
+                    .and_then(|k| state.register_disk(id, &k, size, put_id, now))
+            })
+            .collect())
+    }
+}

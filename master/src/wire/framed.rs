@@ -1,0 +1,214 @@
+//! The framed RPC adapter on the master's RPC port (see `mooncake_proto::framed`): the same
+//! calls as gRPC, from plain length-prefixed frames. The hot batch calls read their keys
+//! borrowed from the frame and encode the answer straight from the service's results; the cold
+//! ones decode the message and go through the gRPC adapter's handlers. Connections are told
+//! apart from gRPC ones by their first bytes, so one port serves both.
+
+use std::{future::Future, io, time::Duration};
+
+use mooncake_proto::{
+    framed::{self as rpc_wire, fields, keys, replicas::Encoder, Method},
+    master::{self as pb, master_server::Master},
+};
+use prost::Message;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter},
+    net::TcpStream,
+    sync::watch,
+};
+use tonic::{Request, Response, Status};
+
+use super::{
+    code, code_and_message,
+    grpc::{self, GrpcMaster},
+    replica_ref, replicate_config,
+};
+use crate::service::MasterService;
+
+/// Whether a connection whose first bytes are `peeked` speaks the framed RPC.
+pub fn is_framed(peeked: &[u8]) -> bool {
+    peeked.starts_with(&rpc_wire::MAGIC)
+}
+
+/// Serves one framed connection until the peer closes it or `stop` turns true. Requests are
+/// answered in order; a frame that started must arrive within `frame_timeout`.
+pub async fn serve(
+    stream: TcpStream,
+    svc: GrpcMaster,
+    frame_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) -> io::Result<()> {
+    let _ = stream.set_nodelay(true);
+    let (r, w) = stream.into_split();
+    let mut r = BufReader::with_capacity(64 << 10, r);
+    let mut w = BufWriter::with_capacity(64 << 10, w);
+    let mut hello = [0u8; rpc_wire::HELLO_LEN];
+    tokio::time::timeout(frame_timeout, r.read_exact(&mut hello)).await??;
+    rpc_wire::check_hello(&hello).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    w.write_all(&rpc_wire::hello()).await?;
+    w.flush().await?;
+    let mut body = Vec::new();
+    loop {
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        tokio::select! {
+            r = r.read_exact(&mut h[..1]) => { if r.is_err() { return Ok(()); } }
+            _ = stop.changed() => return Ok(()),
+        }
+        let frame = async {
+            r.read_exact(&mut h[1..]).await?;
+            let (len, method, id) = rpc_wire::decode_header(&h)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            body.resize(len, 0);
+            r.read_exact(&mut body).await?;
+            Ok::<_, io::Error>((method, id))
+        };
+        let (method, id) = tokio::time::timeout(frame_timeout, frame)
+            .await
+            .map_err(|_| {
+                io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame")
+            })??;
+        let (status, out) = match Method::from_u32(method) {
+            Some(m) => dispatch(&svc, m, &body).await,
+            None => (
+                rpc_wire::STATUS_BAD_REQUEST,
+                format!("unknown method {method}").into_bytes(),
+            ),
+        };
+        w.write_all(&rpc_wire::encode_header(out.len(), status as u32, id))
+            .await?;
+        w.write_all(&out).await?;
+        w.flush().await?;
+    }
+}
+
+async fn call<Req, Resp, F, Fut>(body: &[u8], f: F) -> (i32, Vec<u8>)
+where
+    Req: Message + Default,
+    Resp: Message,
+    F: FnOnce(Request<Req>) -> Fut,
+    Fut: Future<Output = Result<Response<Resp>, Status>>,
+{
+    let req = match Req::decode(body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(e),
+    };
+    match f(Request::new(req)).await {
+        Ok(resp) => (rpc_wire::STATUS_OK, resp.into_inner().encode_to_vec()),
+        Err(s) if s.code() == tonic::Code::InvalidArgument => (
+            rpc_wire::STATUS_BAD_REQUEST,
+            s.message().as_bytes().to_vec(),
+        ),
+        Err(s) => (rpc_wire::STATUS_INTERNAL, s.message().as_bytes().to_vec()),
+    }
+}
+
+fn bad_request(e: impl std::fmt::Display) -> (i32, Vec<u8>) {
+    (
+        rpc_wire::STATUS_BAD_REQUEST,
+        format!("cannot decode the request: {e}").into_bytes(),
+    )
+}
+
+/// A request that is a list of (key, put id) (`repeated PutRef items`), keys borrowed from the
+/// frame, answered with a code per item.
+fn by_refs(
+    body: &[u8],
+    answer: impl FnOnce(&[(&str, u64)]) -> Vec<Result<(), crate::error::MasterError>>,
+) -> (i32, Vec<u8>) {
+    match keys::decode_keyed(body, fields::PUT_REFS, |_, _| Ok(())) {
+        Ok(refs) => {
+            // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
+            let codes = answer(&refs).iter().map(code).collect();
+            (
+                rpc_wire::STATUS_OK,
+                pb::BatchPutEndResponse { codes }.encode_to_vec(),
+            )
+        }
+        Err(e) => bad_request(e),
+    }
+}
+
+/// `BatchPutStart`: items borrowed from the frame, the config merged as protobuf merges
+/// repeated occurrences of a message field, the answer encoded straight from the grants.
+async fn put_start(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
+    let mut config: Option<pb::ReplicateConfig> = None;
+    let items = keys::decode_keyed(body, fields::put_start_request::ITEMS, |field, bytes| {
+        if field == fields::put_start_request::CONFIG {
+            config
+                .get_or_insert_with(Default::default)
+                .merge(bytes)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    let items = match items {
+        Ok(items) => items,
+        Err(e) => return bad_request(e),
+    };
+    let results = match replicate_config(config) {
+        Ok(config) => svc.put_start(&items, &config).await,
+        Err(e) => svc.refuse_put_start(items.len(), &e),
+    };
+    let mut enc = Encoder::with_capacity(results.len() * 48);
+    for r in &results {
+        let (code, message) = code_and_message(r);
+        match r {
+            Ok(g) => enc.put_start_result(code, "", g.put_id, g.replicas.iter().map(replica_ref)),
+            Err(_) => enc.put_start_result(code, &message, 0, std::iter::empty()),
+        }
+    }
+    (rpc_wire::STATUS_OK, enc.finish_put_start())
+}
+
+/// `BatchGetReplicas`: keys borrowed from the frame, the answer encoded straight from the
+/// state (no message structs, no `String` per replica).
+fn get_replicas(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
+    let keys = match keys::decode_strings(body, fields::KEYS) {
+        Ok(keys) => keys,
+        Err(e) => return bad_request(e),
+    };
+    let mut enc = Encoder::with_capacity(keys.len() * 48);
+    let lease_ttl = svc.get_replicas(&keys, |found| {
+        let code = code(&found);
+        match found {
+            Ok((size, replicas)) => enc.result(code, size, replicas.iter().map(replica_ref)),
+            Err(_) => enc.result(code, 0, std::iter::empty()),
+        }
+    });
+    (rpc_wire::STATUS_OK, enc.finish(grpc::millis(lease_ttl)))
+}
+
+async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
+    let svc = &*grpc.0;
+    match m {
+        Method::MountSegment => {
+            call::<pb::MountSegmentRequest, _, _, _>(body, |r| grpc.mount_segment(r)).await
+        }
+        Method::UnmountSegment => {
+            call::<pb::UnmountSegmentRequest, _, _, _>(body, |r| grpc.unmount_segment(r)).await
+        }
+        Method::Heartbeat => {
+            call::<pb::HeartbeatRequest, _, _, _>(body, |r| grpc.heartbeat(r)).await
+        }
+        Method::BatchPutStart => put_start(svc, body).await,
+        Method::BatchPutEnd => by_refs(body, |refs| svc.put_end(refs)),
+        Method::BatchPutRevoke => by_refs(body, |refs| svc.put_revoke(refs)),
+        Method::BatchGetReplicas => get_replicas(svc, body),
+        Method::BatchExists => match keys::decode_strings(body, fields::KEYS) {
+            Ok(keys) => (
+                rpc_wire::STATUS_OK,
+                grpc::exists(svc, &keys).encode_to_vec(),
+            ),
+            Err(e) => bad_request(e),
+        },
+        Method::BatchRemove => {
+            call::<pb::BatchRemoveRequest, _, _, _>(body, |r| grpc.batch_remove(r)).await
+        }
+        Method::RemoveAll => {
+            call::<pb::RemoveAllRequest, _, _, _>(body, |r| grpc.remove_all(r)).await
+        }
+        Method::ListSegments => {
+            call::<pb::ListSegmentsRequest, _, _, _>(body, |r| grpc.list_segments(r)).await
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! The gRPC adapter: the tonic service over `MasterService`. Each handler decodes and validates
+//! the request (a malformed id or name is INVALID_ARGUMENT), calls one service method, and
+//! encodes its answer; the framed RPC reuses these handlers for its cold calls.
+
+use std::{sync::Arc, time::Duration};
+
+use mooncake_proto::master as pb;
+use tonic::{Request, Response, Status};
+
+use super::{client_id, code, code_and_message, replica_pb, replicate_config, segment, BadRequest};
+use crate::{
+    core::{HeartbeatReply, OwnerTask, TaskKind},
+    service::{MasterService, TaskReport},
+};
+
+pub type Reply<T> = Result<Response<T>, Status>;
+
+impl From<BadRequest> for Status {
+    fn from(e: BadRequest) -> Status {
+        Status::invalid_argument(e.0)
+    }
+}
+
+/// The tonic service: a handle on the one `MasterService`.
+#[derive(Clone)]
+pub struct GrpcMaster(pub Arc<MasterService>);
+
+fn kind_to_pb(k: TaskKind) -> pb::TaskKind {
+    match k {
+        TaskKind::Offload => pb::TaskKind::Offload,
+        TaskKind::Drop => pb::TaskKind::Drop,
+        TaskKind::Promote => pb::TaskKind::Promote,
+    }
+}
+
+fn kind_from_pb(k: i32) -> Result<TaskKind, Status> {
+    match pb::TaskKind::try_from(k) {
+        Ok(pb::TaskKind::Offload) => Ok(TaskKind::Offload),
+        Ok(pb::TaskKind::Drop) => Ok(TaskKind::Drop),
+        Ok(pb::TaskKind::Promote) => Ok(TaskKind::Promote),
+        Err(_) => Err(Status::invalid_argument(format!("unknown task kind {k}"))),
+    }
+}
+
+fn task_to_pb(t: OwnerTask) -> pb::OwnerTask {
+    pb::OwnerTask {
+        kind: kind_to_pb(t.kind) as i32,
+        key: t.key.to_string(),
+        put_id: t.put_id,
+        offset: t.offset,
+        size: t.size,
+    }
+}
+
+/// A segment the owner may not use for SSD work.
+fn not_usable(e: crate::error::MasterError) -> Status {
+    Status::failed_precondition(e.to_string())
+}
+
+#[tonic::async_trait]
+impl pb::master_server::Master for GrpcMaster {
+    async fn mount_segment(
+        &self,
+        req: Request<pb::MountSegmentRequest>,
+    ) -> Reply<pb::MountSegmentResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let (code, message) =
+            code_and_message(&self.0.mount_segment(owner, name, r.size, r.disk_capacity));
+        Ok(Response::new(pb::MountSegmentResponse { code, message }))
+    }
+
+    async fn unmount_segment(
+        &self,
+        req: Request<pb::UnmountSegmentRequest>,
+    ) -> Reply<pb::UnmountSegmentResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let (code, message) = code_and_message(&self.0.unmount_segment(owner, &name));
+        Ok(Response::new(pb::UnmountSegmentResponse { code, message }))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
+        let r = req.into_inner();
+        let owner = client_id(&r.client_id)?;
+        let reply = self.0.heartbeat(owner, r.disk.as_ref().map(Into::into));
+        Ok(Response::new(pb::HeartbeatResponse {
+            code: 0,
+            remount: reply == HeartbeatReply::Remount,
+        }))
+    }
+
+    async fn batch_put_start(
+        &self,
+        req: Request<pb::BatchPutStartRequest>,
+    ) -> Reply<pb::BatchPutStartResponse> {
+        let r = req.into_inner();
+        let items: Vec<(&str, u64)> = r.items.iter().map(|i| (i.key.as_str(), i.size)).collect();
+        let results = match replicate_config(r.config) {
+            Ok(config) => self.0.put_start(&items, &config).await,
+            Err(e) => self.0.refuse_put_start(items.len(), &e),
+        };
+        let results = results
+            .into_iter()
+            .map(|r| {
+                let (code, message) = code_and_message(&r);
+                let (put_id, replicas) = match r {
+                    Ok(g) => (g.put_id, g.replicas.into_iter().map(replica_pb).collect()),
+                    Err(_) => (0, Vec::new()),
+                };
+                pb::PutStartResult {
+                    code,
+                    message,
+                    put_id,
+                    replicas,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::BatchPutStartResponse { results }))
+    }
+
+    async fn batch_put_end(
+        &self,
+        req: Request<pb::BatchPutEndRequest>,
+    ) -> Reply<pb::BatchPutEndResponse> {
+        let items = req.into_inner().items;
+        let puts: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+        let codes = self.0.put_end(&puts).iter().map(code).collect();
+        Ok(Response::new(pb::BatchPutEndResponse { codes }))
+    }
+
+    async fn batch_put_revoke(
+        &self,
+        req: Request<pb::BatchPutRevokeRequest>,
+    ) -> Reply<pb::BatchPutRevokeResponse> {
+        let items = req.into_inner().items;
+        let puts: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+        let codes = self.0.put_revoke(&puts).iter().map(code).collect();
+        Ok(Response::new(pb::BatchPutRevokeResponse { codes }))
+    }
+
+    async fn batch_get_replicas(
+        &self,
+        req: Request<pb::BatchGetReplicasRequest>,
+    ) -> Reply<pb::BatchGetReplicasResponse> {
+        let keys = req.into_inner().keys;
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut results = Vec::with_capacity(keys.len());
+        let lease_ttl = self.0.get_replicas(&keys, |found| {
+            let code = code(&found);
+            let (size, replicas) = found.unwrap_or_default();
+            results.push(pb::GetReplicasResult {
+                code,
+                size,
+                replicas: replicas.into_iter().map(replica_pb).collect(),
+            })
+        });
+        Ok(Response::new(pb::BatchGetReplicasResponse {
+            results,
+            lease_ttl_ms: millis(lease_ttl),
+        }))
+    }
+
+    async fn batch_exists(
+        &self,
+        req: Request<pb::BatchExistsRequest>,
+    ) -> Reply<pb::BatchExistsResponse> {
+        let keys = req.into_inner().keys;
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        Ok(Response::new(exists(&self.0, &keys)))
+    }
+
+    async fn batch_remove(
+        &self,
+        req: Request<pb::BatchRemoveRequest>,
+    ) -> Reply<pb::BatchRemoveResponse> {
+        let r = req.into_inner();
+        let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
+        let codes = self.0.remove(&keys, r.force).iter().map(code).collect();
+        Ok(Response::new(pb::BatchRemoveResponse { codes }))
+    }
+
+    async fn remove_all(&self, req: Request<pb::RemoveAllRequest>) -> Reply<pb::RemoveAllResponse> {
+        let removed = self.0.remove_all(req.into_inner().force);
+        Ok(Response::new(pb::RemoveAllResponse { code: 0, removed }))
+    }
+
+    async fn list_segments(
+        &self,
+        _req: Request<pb::ListSegmentsRequest>,
+    ) -> Reply<pb::ListSegmentsResponse> {
+        let segments = self
+            .0
+            .list_segments()
+            .into_iter()
+            .map(|s| pb::SegmentInfo {
+                name: s.name.to_string(),
+                capacity: s.capacity,
+                allocated: s.allocated,
+            })
+            .collect();
+        Ok(Response::new(pb::ListSegmentsResponse { segments }))
+    }
+
+    async fn poll_tasks(&self, req: Request<pb::PollTasksRequest>) -> Reply<pb::PollTasksResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let wait = Duration::from_millis(r.wait_ms);
+        let polled = self
+            .0
+            .poll_tasks(owner, &name, r.max_tasks as usize, wait)
+            .await;
+        Ok(Response::new(pb::PollTasksResponse {
+            tasks: polled.tasks.into_iter().map(task_to_pb).collect(),
+            remount: polled.remount,
+        }))
+    }
+
+    async fn report_tasks(
+        &self,
+        req: Request<pb::ReportTasksRequest>,
+    ) -> Reply<pb::ReportTasksResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let reports = r
+            .results
+            .iter()
+            .map(|t| {
+                Ok(TaskReport {
+                    kind: kind_from_pb(t.kind)?,
+                    key: &t.key,
+                    put_id: t.put_id,
+                    done: t.code == 0,
+                })
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let results = self
+            .0
+            .report_tasks(owner, &name, &reports)
+            .map_err(not_usable)?;
+        Ok(Response::new(pb::ReportTasksResponse {
+            codes: results.iter().map(code).collect(),
+        }))
+    }
+
+    async fn disk_dropped(
+        &self,
+        req: Request<pb::DiskDroppedRequest>,
+    ) -> Reply<pb::DiskDroppedResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let records: Vec<(&str, u64)> =
+            r.items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+        self.0
+            .disk_dropped(owner, &name, &records)
+            .map_err(not_usable)?;
+        Ok(Response::new(pb::DiskDroppedResponse { code: 0 }))
+    }
+
+    async fn register_disk(
+        &self,
+        req: Request<pb::RegisterDiskRequest>,
+    ) -> Reply<pb::RegisterDiskResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let records: Vec<(&str, u64, u64)> = r
+            .items
+            .iter()
+            .map(|i| (i.key.as_str(), i.size, i.put_id))
+            .collect();
+        let results = self
+            .0
+            .register_disk(owner, &name, &records)
+            .map_err(not_usable)?;
+        Ok(Response::new(pb::RegisterDiskResponse {
+            codes: results.iter().map(code).collect(),
+            put_ids: results.iter().map(|r| *r.as_ref().unwrap_or(&0)).collect(),
+        }))
+    }
+}
+
+/// A batch exists answer: 1 exists, 0 missing, negative an error code.
+pub(super) fn exists(svc: &MasterService, keys: &[&str]) -> pb::BatchExistsResponse {
+    let (results, lease_ttl) = svc.exists(keys);
+    pb::BatchExistsResponse {
+        codes: results
+            .iter()
+            .map(|r| match r {
+                Ok(hit) => i32::from(*hit),
+                Err(e) => e.code().as_i32(),
+            })
+            .collect(),
+        lease_ttl_ms: millis(lease_ttl),
+    }
+}
+
+pub(super) fn millis(d: Duration) -> u64 {
+    d.as_millis() as u64
+}

@@ -1,0 +1,100 @@
+//! The in-process `MasterApi`: a client in the master's own process (tests, benches, tools)
+//! calls the service directly, with no socket and no encoding. Answers are the same domain
+//! values the wire adapters produce, so it passes the same conformance suite.
+
+use std::sync::Arc;
+
+use mooncake_common::{
+    master_api::{Call, Found, Grant, Grants, Lookup, MasterApi, SegmentUsage},
+    ApiError, Code, ReplicateConfig,
+};
+
+use crate::{error::MasterError, service::MasterService};
+
+/// A `MasterApi` on the master's service in this process.
+#[derive(Clone)]
+pub struct InProcessMaster(pub Arc<MasterService>);
+
+fn codes(results: Vec<Result<(), MasterError>>) -> Vec<Result<(), Code>> {
+    results
+        .into_iter()
+        .map(|r| r.map_err(|e| e.code()))
+        .collect()
+}
+
+impl MasterApi for InProcessMaster {
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants> {
+        Box::pin(async move {
+            let results = self.0.put_start(items, config).await;
+            let mut grants = Grants::with_capacity(results.len());
+            for r in results {
+                match r {
+                    Ok(g) => grants.push_ok(g.replicas, |replicas| Grant {
+                        put_id: g.put_id,
+                        replicas,
+                    }),
+                    Err(e) => grants.push_err(ApiError::new(e.code(), e.to_string())),
+                }
+            }
+            Ok(grants)
+        })
+    }
+
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move { Ok(codes(self.0.put_end(puts))) })
+    }
+
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move { Ok(codes(self.0.put_revoke(puts))) })
+    }
+
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+        Box::pin(async move {
+            let mut objects = mooncake_common::master_api::Runs::with_capacity(keys.len());
+            let lease_ttl = self.0.get_replicas(keys, |found| match found {
+                Ok((size, replicas)) => {
+                    objects.push_ok(replicas, |replicas| Found { size, replicas })
+                }
+                Err(e) => objects.push_err(e.code()),
+            });
+            Ok(Lookup { objects, lease_ttl })
+        })
+    }
+
+    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+        Box::pin(async move {
+            let (results, _) = self.0.exists(keys);
+            Ok(results
+                .into_iter()
+                .map(|r| r.map_err(|e| e.code()))
+                .collect())
+        })
+    }
+
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move { Ok(codes(self.0.remove(keys, force))) })
+    }
+
+    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+        Box::pin(async move { Ok(self.0.remove_all(force)) })
+    }
+
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+        Box::pin(async move {
+            Ok(self
+                .0
+                .list_segments()
+                .into_iter()
+                .map(|s| SegmentUsage {
+                    name: s.name,
+                    capacity: s.capacity,
+                    allocated: s.allocated,
+                })
+                .collect())
+        })
+    }
+}

@@ -1,0 +1,253 @@
+//! The `MasterApi` conformance suite: the framed, gRPC and in-process implementations answer
+//! the same calls with the same domain values (codes, sizes, replicas, leases), and a client
+//! built on each moves the same bytes. Every case runs against a real master and a real owner.
+
+use std::{sync::Arc, time::Duration};
+
+use mooncake_client::{
+    master::{FramedMaster, GrpcMaster},
+    Client, MasterApi, ReplicateConfig, Tier,
+};
+use mooncake_common::{master_api::Lookup, Code};
+use mooncake_tests::{payload, transport, Cluster};
+
+const SEGMENT: u64 = 16 << 20;
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Framed,
+    Grpc,
+    InProcess,
+}
+
+const KINDS: [Kind; 3] = [Kind::Framed, Kind::Grpc, Kind::InProcess];
+
+fn api(c: &Cluster, kind: Kind) -> Arc<dyn MasterApi> {
+    let addr = c.master_addr();
+    let (rpc, connect) = (Duration::from_secs(3), Duration::from_secs(2));
+    match kind {
+        Kind::Framed => Arc::new(FramedMaster::new(&addr, rpc, connect, Duration::ZERO)),
+        Kind::Grpc => Arc::new(GrpcMaster::new(&addr, rpc, connect).unwrap()),
+        Kind::InProcess => Arc::new(c.master.in_process()),
+    }
+}
+
+fn codes<T>(results: &[Result<T, Code>]) -> Vec<Code> {
+    results
+        .iter()
+        .map(|r| r.as_ref().err().copied().unwrap_or(Code::Ok))
+        .collect()
+}
+
+fn lookup_codes(l: &Lookup) -> Vec<Code> {
+    codes(l.results())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_api_answers_the_two_phase_put_the_same() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT]).await;
+        let m = api(&c, kind);
+        let segment = c.owners[0].segment.clone();
+
+        let segs = m.list_segments().await.unwrap();
+        assert_eq!(segs.len(), 1, "{kind:?}");
+        assert_eq!(
+            (&segs[0].name, segs[0].capacity, segs[0].allocated),
+            (&segment, SEGMENT, 0),
+            "{kind:?}"
+        );
+
+        let cfg = ReplicateConfig::default();
+        let grants = m
+            .put_start(&[("a", 100), ("b", 5000), ("", 5), ("a", 7)], &cfg)
+            .await
+            .unwrap();
+        assert_eq!(grants.results.len(), 4, "{kind:?}");
+        let ga = grants.results[0].as_ref().unwrap().clone();
+        let gb = grants.results[1].as_ref().unwrap().clone();
+        let (ra, rb) = (grants.run(&ga.replicas), grants.run(&gb.replicas));
+        assert_eq!(ra.len(), 1, "{kind:?}");
+        assert_eq!(
+            (&ra[0].segment, ra[0].size, ra[0].tier),
+            (&segment, 100, Tier::Memory),
+            "{kind:?}"
+        );
+        assert_eq!((rb[0].size, rb.len()), (5000, 1), "{kind:?}");
+        assert_ne!(ga.put_id, gb.put_id, "{kind:?}");
+        let empty = grants.results[2].as_ref().unwrap_err();
+        assert_eq!(empty.code, Code::InvalidParams, "{kind:?}: {empty}");
+        let dup = grants.results[3].as_ref().unwrap_err();
+        assert_eq!(dup.code, Code::ObjectAlreadyExists, "{kind:?}: {dup}");
+        assert!(!dup.message.is_empty(), "{kind:?}: refusals carry a text");
+
+        // Not readable before its put ends.
+        let early = m.get_replicas(&["a"]).await.unwrap();
+        assert_eq!(lookup_codes(&early), [Code::ReplicaIsNotReady], "{kind:?}");
+
+        let ends = m
+            .put_end(&[("a", ga.put_id), ("b", gb.put_id), ("b", gb.put_id + 999)])
+            .await
+            .unwrap();
+        assert_eq!(
+            codes(&ends),
+            [Code::Ok, Code::Ok, Code::ObjectNotFound],
+            "{kind:?}"
+        );
+
+        let l = m.get_replicas(&["a", "none", "", "b"]).await.unwrap();
+        assert_eq!(
+            lookup_codes(&l),
+            [
+                Code::Ok,
+                Code::ObjectNotFound,
+                Code::InvalidParams,
+                Code::Ok
+            ],
+            "{kind:?}"
+        );
+        let fa = l.results()[0].as_ref().unwrap();
+        assert_eq!(fa.size, 100, "{kind:?}");
+        assert_eq!(
+            l.replicas(fa),
+            ra,
+            "{kind:?}: the lookup names the granted range"
+        );
+        assert_eq!(
+            l.lease_ttl,
+            c.master.with_state(|s| s.policy().lease_ttl),
+            "{kind:?}"
+        );
+
+        assert_eq!(
+            m.exists(&["a", "none", ""]).await.unwrap(),
+            [Ok(true), Ok(false), Err(Code::InvalidParams)],
+            "{kind:?}"
+        );
+
+        // A revoked put leaves the key absent and its space free.
+        let gc = m.put_start(&[("c", 64)], &cfg).await.unwrap();
+        let gc = gc.results[0].as_ref().unwrap().put_id;
+        assert_eq!(
+            m.put_revoke(&[("c", gc)]).await.unwrap(),
+            [Ok(())],
+            "{kind:?}"
+        );
+        assert_eq!(
+            codes(&m.put_revoke(&[("c", gc)]).await.unwrap()),
+            [Code::ObjectNotFound],
+            "{kind:?}"
+        );
+        assert_eq!(
+            lookup_codes(&m.get_replicas(&["c"]).await.unwrap()),
+            [Code::ObjectNotFound],
+            "{kind:?}"
+        );
+
+        // "a" is leased by the lookup above: only a forced remove takes it.
+        assert_eq!(
+            codes(&m.remove(&["a", "none"], false).await.unwrap()),
+            [Code::ObjectHasLease, Code::ObjectNotFound],
+            "{kind:?}"
+        );
+        assert_eq!(m.remove(&["a"], true).await.unwrap(), [Ok(())], "{kind:?}");
+        assert_eq!(m.remove_all(true).await.unwrap(), 1, "{kind:?}: b was left");
+        assert_eq!(m.list_segments().await.unwrap()[0].allocated, 0, "{kind:?}");
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT]).await;
+        let m = api(&c, kind);
+        let too_many = ReplicateConfig {
+            replica_num: 65,
+            ..Default::default()
+        };
+        let g = m
+            .put_start(&[("x", 10), ("y", 10)], &too_many)
+            .await
+            .unwrap();
+        for r in &g.results {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!(e.code, Code::InvalidParams, "{kind:?}: {e}");
+            assert!(e.message.contains("replica_num"), "{kind:?}: {e}");
+        }
+        // Unmounted preferred segments are skipped, not refused.
+        let elsewhere = ReplicateConfig {
+            preferred_segments: vec![mooncake_common::SegmentName::parse("10.255.0.1:9").unwrap()],
+            ..Default::default()
+        };
+        let g = m.put_start(&[("z", 10)], &elsewhere).await.unwrap();
+        assert!(g.results[0].is_ok(), "{kind:?}");
+        assert!(m
+            .put_start(&[], &elsewhere)
+            .await
+            .unwrap()
+            .results
+            .is_empty());
+        assert!(m.get_replicas(&[]).await.unwrap().results().is_empty());
+        assert!(m.exists(&[]).await.unwrap().is_empty());
+        assert!(m.put_end(&[]).await.unwrap().is_empty());
+        assert!(m.remove(&[], true).await.unwrap().is_empty());
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_on_every_master_api_moves_the_same_bytes() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT, SEGMENT]).await;
+        let cfg = c.client_config();
+        let client = Client::with_master(api(&c, kind), None, transport(&cfg))
+            .await
+            .unwrap();
+        let keys: Vec<String> = (0..16).map(|i| format!("conf/{i}")).collect();
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, 65_536 + 17)).collect();
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .zip(&values)
+            .map(|(k, v)| (k.as_str(), v.as_slice()))
+            .collect();
+        let two = ReplicateConfig {
+            replica_num: 2,
+            ..Default::default()
+        };
+        for r in client.batch_put(&items, &two).await {
+            r.unwrap();
+        }
+        let names: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        for (r, v) in client.batch_get(&names, &mut dst).await.iter().zip(&values) {
+            assert_eq!(*r.as_ref().unwrap(), v.len(), "{kind:?}");
+        }
+        assert!(bufs == values, "{kind:?}: bytes differ");
+        let desc = client.batch_get_replica_desc(&names[..1]).await.unwrap();
+        assert_eq!(desc[0].as_ref().unwrap().replicas.len(), 2, "{kind:?}");
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wire_apis_fail_within_their_deadline_when_the_master_is_gone() {
+    // A port nothing listens on: bind one, note it, close it.
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let (rpc, connect) = (Duration::from_millis(500), Duration::from_millis(300));
+    let apis: [Arc<dyn MasterApi>; 2] = [
+        Arc::new(FramedMaster::new(&addr, rpc, connect, Duration::ZERO)),
+        Arc::new(GrpcMaster::new(&addr, rpc, connect).unwrap()),
+    ];
+    for m in apis {
+        let started = std::time::Instant::now();
+        let e = m.get_replicas(&["k"]).await.unwrap_err();
+        assert!(matches!(e.code, Code::RpcFail | Code::RpcTimeout), "{e}");
+        assert!(e.code.is_retryable(), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(3), "{e}");
+    }
+}
