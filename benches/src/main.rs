@@ -127,10 +127,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (None, Some(e)) => e.master.rpc_addr.to_string(),
         (None, None) => unreachable!(),
     };
-    let config = ClientConfig {
-        preferred_segment: args.preferred_segment.clone(),
-        ..ClientConfig::new(master.clone())
-    };
+    // Defaults, then the environment (MOONCAKE_SHM, MOONCAKE_TRANSFER_THREADS, ...), then flags.
+    let mut config = ClientConfig::new(master.clone()).with_process_env()?;
+    if let Some(p) = &args.preferred_segment {
+        config.preferred_segment = Some(p.clone());
+    }
     let client = Client::connect(config)
         .await
         .with_context(|| format!("cannot connect to master {master}"))?;

@@ -15,7 +15,7 @@ use mooncake_common::{
 };
 
 use crate::{
-    config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV},
+    config::ClientConfig,
     error::ClientError,
     transport::{tcp::TcpConfig, HybridConfig, HybridTransport},
 };
@@ -56,17 +56,17 @@ impl TierCounters {
 
 impl Client {
     /// Connects to the master the config names (checking it answers within the RPC deadline),
-    /// with the config's preferred segment and the default transport. The client contributes
-    /// no memory.
+    /// with the config's preferred segment and the default transport. The config is taken as
+    /// it is: apply the environment first with `ClientConfig::with_process_env` where it should
+    /// count. The client contributes no memory.
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
-        let env = std::env::var(PREFERRED_SEGMENT_ENV).ok();
-        let preferred = resolve_preferred(config.preferred_segment.as_deref(), env.as_deref())?;
+        let preferred = config.preferred()?;
         let transport = Self::default_transport(&config);
         Self::connect_with(config, preferred, transport).await
     }
 
     /// The transport `connect` uses: the same-host path where available (unless turned off in
-    /// the config or by `MOONCAKE_SHM=0`), TCP elsewhere.
+    /// the config), TCP elsewhere.
     pub fn default_transport(config: &ClientConfig) -> Arc<dyn DataTransport> {
         Arc::new(HybridTransport::new(HybridConfig {
             tcp: TcpConfig {
@@ -76,11 +76,9 @@ impl Client {
                 transfer_threads: config.transfer_threads,
                 dedicated_runtime: config.dedicated_runtime,
             },
-            shared_memory: config.shared_memory && mooncake_common::local::shm_enabled(),
-            socket_dir: config
-                .socket_dir
-                .clone()
-                .unwrap_or_else(mooncake_common::local::socket_dir),
+            shared_memory: config.shared_memory,
+            socket_dir: config.socket_dir.clone(),
+            copy_threads: config.copy_threads,
         }))
     }
 

@@ -1,9 +1,15 @@
-//! The client's settings as data, and the preferred-segment resolution connectors rely on:
-//! explicit config first, then `MOONCAKE_PREFERRED_SEGMENT`, then none.
+//! The client's settings as data, and the one place the client reads its environment
+//! (`ClientConfig::with_env`): a file or code builds the config, the environment is applied
+//! over it, and explicit settings (flags, `setup()` arguments) go last. Nothing else in the
+//! client reads an environment variable.
 
-use std::time::Duration;
+use std::{path::PathBuf, time::Duration};
 
-use mooncake_common::{config::duration, SegmentName};
+use mooncake_common::{
+    config::duration,
+    local::{DEFAULT_SOCKET_DIR, SHM_ENV, SOCKET_DIR_ENV},
+    SegmentName,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ClientError;
@@ -16,7 +22,7 @@ pub const PREFERRED_SEGMENT_ENV: &str = "MOONCAKE_PREFERRED_SEGMENT";
 pub struct ClientConfig {
     /// The master's gRPC address, "host:port".
     pub master: String,
-    /// Segment tried first for puts and reads. `None`: take `MOONCAKE_PREFERRED_SEGMENT`.
+    /// Segment tried first for puts and reads (`MOONCAKE_PREFERRED_SEGMENT` when unset here).
     pub preferred_segment: Option<String>,
     /// Deadline of each master call.
     #[serde(with = "duration")]
@@ -32,6 +38,7 @@ pub struct ClientConfig {
     /// Threads one large TCP batch to one owner may use, each driving one connection (a TCP
     /// receive or send copies every byte on the calling thread, so one thread caps a batch at
     /// one core's copy rate). Used for batches of at least 4 MiB per thread; 1: never.
+    /// `MOONCAKE_TRANSFER_THREADS`.
     pub transfer_threads: usize,
     /// The runtime that polls this client's calls is a current-thread runtime that runs nothing
     /// else (as the Python binding's is), so a large batch may block it while transfer threads
@@ -39,16 +46,20 @@ pub struct ClientConfig {
     /// runtimes need neither (their other tasks move to another thread meanwhile).
     pub dedicated_runtime: bool,
     /// Use the same-host shared-memory path to owners on this host that offer it
-    /// (`MOONCAKE_SHM=0` in the environment turns it off too).
+    /// (`MOONCAKE_SHM=0` turns it off).
     pub shared_memory: bool,
-    /// Directory of owners' sockets; default: $MOONCAKE_SOCKET_DIR, else /tmp.
-    pub socket_dir: Option<std::path::PathBuf>,
+    /// Directory of owners' sockets; owners must use the same (`MOONCAKE_SOCKET_DIR`).
+    pub socket_dir: PathBuf,
+    /// Threads a large same-host batch's copies may use: 2, or 1 for the calling thread only
+    /// (`MOONCAKE_COPY_THREADS`).
+    pub copy_threads: usize,
     /// How to talk to the master: "framed" (default, lowest latency) or "grpc".
     pub master_protocol: crate::master::MasterProtocol,
     /// How long a framed master call polls for the answer before parking its thread (at most
     /// 1ms; 0: park at once). Answers usually come within tens of microseconds, and waking a
     /// parked thread on an idle core (on a VM, through the hypervisor) costs about as much again.
     /// The calling thread is held meanwhile: keep it small where many tasks share one.
+    /// `MOONCAKE_MASTER_SPIN_US`, in microseconds.
     #[serde(with = "duration")]
     pub master_spin: Duration,
 }
@@ -62,45 +73,33 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(2),
             transfer_timeout: Duration::from_secs(10),
             connections_per_owner: 8,
-            transfer_threads: default_transfer_threads(),
+            transfer_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
             dedicated_runtime: false,
             shared_memory: true,
-            socket_dir: None,
+            socket_dir: PathBuf::from(DEFAULT_SOCKET_DIR),
+            copy_threads: 2,
             master_protocol: Default::default(),
-            master_spin: default_master_spin(),
+            master_spin: Duration::from_micros(50),
         }
     }
 }
 
-/// `MOONCAKE_MASTER_SPIN_US` when set to a number of microseconds (for measurement and
-/// debugging), else 50 µs.
-fn default_master_spin() -> Duration {
-    Duration::from_micros(
-        std::env::var(MASTER_SPIN_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(50),
-    )
-}
-
-/// Environment variable that sets the default of `master_spin`, in microseconds.
+/// Sets `master_spin`, in microseconds.
 pub const MASTER_SPIN_ENV: &str = "MOONCAKE_MASTER_SPIN_US";
+/// Sets `transfer_threads`.
+pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
+/// Sets `copy_threads`.
+pub const COPY_THREADS_ENV: &str = "MOONCAKE_COPY_THREADS";
 
 /// The longest `master_spin` accepted: it holds the calling thread.
 const MAX_MASTER_SPIN: Duration = Duration::from_millis(1);
 
-/// `MOONCAKE_TRANSFER_THREADS` when set to a positive number (for measurement and debugging),
-/// else one per core, at most 8.
-fn default_transfer_threads() -> usize {
-    std::env::var(TRANSFER_THREADS_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(8)))
+fn parsed<T: std::str::FromStr>(name: &str, value: &str) -> Result<T, ClientError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| ClientError::Config(format!("{name}={value:?} is not a valid number")))
 }
-
-/// Environment variable that sets the default of `transfer_threads`.
-pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
 
 impl ClientConfig {
     pub fn new(master: impl Into<String>) -> Self {
@@ -108,6 +107,43 @@ impl ClientConfig {
             master: master.into(),
             ..Default::default()
         }
+    }
+
+    /// The environment applied over this config, `env` answering a variable's value:
+    /// `MOONCAKE_PREFERRED_SEGMENT` (only where `preferred_segment` is unset),
+    /// `MOONCAKE_MASTER_SPIN_US`, `MOONCAKE_TRANSFER_THREADS`, `MOONCAKE_COPY_THREADS`,
+    /// `MOONCAKE_SHM` ("0": no same-host path) and `MOONCAKE_SOCKET_DIR`. A value that does not
+    /// parse is a configuration error naming the variable.
+    pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Self, ClientError> {
+        if self.preferred_segment.is_none() {
+            self.preferred_segment = env(PREFERRED_SEGMENT_ENV);
+        }
+        if let Some(v) = env(MASTER_SPIN_ENV) {
+            self.master_spin = Duration::from_micros(parsed(MASTER_SPIN_ENV, &v)?);
+        }
+        if let Some(v) = env(TRANSFER_THREADS_ENV) {
+            self.transfer_threads = parsed(TRANSFER_THREADS_ENV, &v)?;
+        }
+        if let Some(v) = env(COPY_THREADS_ENV) {
+            self.copy_threads = parsed(COPY_THREADS_ENV, &v)?;
+        }
+        if let Some(v) = env(SHM_ENV) {
+            self.shared_memory = v.trim() != "0";
+        }
+        if let Some(v) = env(SOCKET_DIR_ENV) {
+            self.socket_dir = PathBuf::from(v);
+        }
+        Ok(self)
+    }
+
+    /// `with_env` over this process's environment.
+    pub fn with_process_env(self) -> Result<Self, ClientError> {
+        self.with_env(|name| std::env::var(name).ok())
+    }
+
+    /// The preferred segment, parsed (see `resolve_preferred`).
+    pub fn preferred(&self) -> Result<Option<SegmentName>, ClientError> {
+        resolve_preferred(self.preferred_segment.as_deref())
     }
 
     pub fn validate(&self) -> Result<(), ClientError> {
@@ -118,6 +154,12 @@ impl ClientConfig {
             return Err(ClientError::Config(
                 "transfer_threads must be at least 1 (1: no extra threads)".into(),
             ));
+        }
+        if !(1..=2).contains(&self.copy_threads) {
+            return Err(ClientError::Config(format!(
+                "copy_threads must be 1 or 2, got {}",
+                self.copy_threads
+            )));
         }
         if self.master_spin > MAX_MASTER_SPIN {
             return Err(ClientError::Config(format!(
@@ -145,17 +187,11 @@ impl ClientConfig {
     }
 }
 
-/// Resolves the preferred segment from the explicit setting and the environment's value.
-/// An explicitly empty value, in either place, is a configuration error rather than "none".
-pub fn resolve_preferred(
-    explicit: Option<&str>,
-    env: Option<&str>,
-) -> Result<Option<SegmentName>, ClientError> {
-    let (value, source) = match (explicit, env) {
-        (Some(v), _) => (v, "preferred_segment"),
-        (None, Some(v)) => (v, PREFERRED_SEGMENT_ENV),
-        (None, None) => return Ok(None),
-    };
+/// Parses a preferred segment setting. A value set but empty (in the config, or in
+/// `MOONCAKE_PREFERRED_SEGMENT`) is a configuration error rather than "none".
+pub fn resolve_preferred(value: Option<&str>) -> Result<Option<SegmentName>, ClientError> {
+    let Some(value) = value else { return Ok(None) };
+    let source = "preferred_segment (or MOONCAKE_PREFERRED_SEGMENT)";
     if value.trim().is_empty() {
         return Err(ClientError::Config(format!(
             "{source} is set but empty: name a segment \"host:port\" or leave it unset"
@@ -170,27 +206,71 @@ pub fn resolve_preferred(
 mod tests {
     use super::*;
 
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
     #[test]
     fn explicit_wins_then_env_then_none() {
         let seg = |s: &str| Some(SegmentName::parse(s).unwrap());
-        assert_eq!(
-            resolve_preferred(Some("a:1"), Some("b:2")).unwrap(),
-            seg("a:1")
-        );
-        assert_eq!(resolve_preferred(None, Some("b:2")).unwrap(), seg("b:2"));
-        assert_eq!(resolve_preferred(None, None).unwrap(), None);
+        let explicit = ClientConfig {
+            preferred_segment: Some("a:1".into()),
+            ..ClientConfig::new("m:1")
+        };
+        let from_env = env(&[(PREFERRED_SEGMENT_ENV, "b:2")]);
+        let c = explicit.clone().with_env(&from_env).unwrap();
+        assert_eq!(c.preferred().unwrap(), seg("a:1"));
+        let c = ClientConfig::new("m:1").with_env(&from_env).unwrap();
+        assert_eq!(c.preferred().unwrap(), seg("b:2"));
+        let c = ClientConfig::new("m:1").with_env(env(&[])).unwrap();
+        assert_eq!(c.preferred().unwrap(), None);
     }
 
     #[test]
     fn empty_or_malformed_is_an_error() {
-        for (e, v) in [(Some(""), None), (None, Some(" ")), (Some("nohost"), None)] {
-            let err = resolve_preferred(e, v).unwrap_err();
+        for v in ["", " ", "nohost"] {
+            let err = resolve_preferred(Some(v)).unwrap_err();
             assert_eq!(err.code().as_i32(), -600, "{err}");
         }
-        assert!(
-            resolve_preferred(Some(""), Some("b:2")).is_err(),
-            "explicit empty is not overridden"
-        );
+        let explicit_empty = ClientConfig {
+            preferred_segment: Some(String::new()),
+            ..ClientConfig::new("m:1")
+        };
+        let c = explicit_empty
+            .with_env(env(&[(PREFERRED_SEGMENT_ENV, "b:2")]))
+            .unwrap();
+        assert!(c.preferred().is_err(), "explicit empty is not overridden");
+    }
+
+    #[test]
+    fn the_environment_sets_every_knob_and_bad_numbers_are_named() {
+        let c = ClientConfig::new("m:1")
+            .with_env(env(&[
+                (MASTER_SPIN_ENV, "7"),
+                (TRANSFER_THREADS_ENV, "3"),
+                (COPY_THREADS_ENV, "1"),
+                (SHM_ENV, "0"),
+                (SOCKET_DIR_ENV, "/run/mc"),
+            ]))
+            .unwrap();
+        assert_eq!(c.master_spin, Duration::from_micros(7));
+        assert_eq!((c.transfer_threads, c.copy_threads), (3, 1));
+        assert!(!c.shared_memory);
+        assert_eq!(c.socket_dir, PathBuf::from("/run/mc"));
+        c.validate().unwrap();
+        let err = ClientConfig::new("m:1")
+            .with_env(env(&[(TRANSFER_THREADS_ENV, "many")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(TRANSFER_THREADS_ENV), "{err}");
+        let c = ClientConfig::new("m:1")
+            .with_env(env(&[(TRANSFER_THREADS_ENV, "0")]))
+            .unwrap();
+        assert!(c.validate().is_err(), "0 transfer threads is refused");
     }
 
     #[test]

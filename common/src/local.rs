@@ -29,20 +29,6 @@ pub const DEFAULT_SOCKET_DIR: &str = "/tmp";
 pub const MAX_FRAME: usize = 64 << 20;
 pub const MAX_ITEMS: usize = 1 << 20;
 
-/// The socket directory from the environment, else the default.
-pub fn socket_dir() -> PathBuf {
-    std::env::var_os(SOCKET_DIR_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET_DIR))
-}
-
-/// Whether the environment allows the same-host path (anything but "0").
-pub fn shm_enabled() -> bool {
-    std::env::var(SHM_ENV)
-        .map(|v| v.trim() != "0")
-        .unwrap_or(true)
-}
-
 /// Where the owner of `segment` listens for local clients.
 pub fn socket_path(dir: &Path, segment: &SegmentName) -> PathBuf {
     let name: String = segment

@@ -1,4 +1,5 @@
-//! The owner's settings as data: serde with defaults, a TOML file, then flags, then `validate`.
+//! The owner's settings as data: serde with defaults, a TOML file, then the environment
+//! (`with_env`), then flags, then `validate`.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -35,8 +36,8 @@ pub struct OwnerConfig {
     pub ready_file: Option<PathBuf>,
     /// Offer the pool to clients on this host over a Unix-domain socket (memfd passing).
     pub shared_memory: bool,
-    /// Directory of that socket; default: $MOONCAKE_SOCKET_DIR, else /tmp. Clients must agree.
-    pub socket_dir: Option<PathBuf>,
+    /// Directory of that socket (`MOONCAKE_SOCKET_DIR`); clients must use the same.
+    pub socket_dir: PathBuf,
     /// Directory of the SSD tier (on a file system with O_DIRECT); none: memory only. An owner
     /// restarted on the same directory serves the objects it finds there again.
     pub ssd_path: Option<PathBuf>,
@@ -66,7 +67,7 @@ impl Default for OwnerConfig {
             frame_timeout: Duration::from_secs(30),
             ready_file: None,
             shared_memory: true,
-            socket_dir: None,
+            socket_dir: PathBuf::from(mooncake_common::local::DEFAULT_SOCKET_DIR),
             ssd_path: None,
             ssd_size: ByteSize::gib(16),
             ssd_engine: EngineKind::Auto,
@@ -78,6 +79,16 @@ impl Default for OwnerConfig {
 }
 
 impl OwnerConfig {
+    /// The environment applied over this config, `env` answering a variable's value: the one
+    /// place the owner reads it (`MOONCAKE_SOCKET_DIR`, which clients read too). Binaries apply
+    /// it between the config file and their flags.
+    pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Self {
+        if let Some(dir) = env(mooncake_common::local::SOCKET_DIR_ENV) {
+            self.socket_dir = PathBuf::from(dir);
+        }
+        self
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.segment_size.bytes() < 4096 {
             return Err(format!(

@@ -100,11 +100,7 @@ impl RunningOwner {
         ))];
 
         let local_socket = if config.shared_memory {
-            let dir = config
-                .socket_dir
-                .clone()
-                .unwrap_or_else(mooncake_common::local::socket_dir);
-            let path = mooncake_common::local::socket_path(&dir, &segment);
+            let path = mooncake_common::local::socket_path(&config.socket_dir, &segment);
             match crate::local::bind(&path) {
                 Ok(listener) => {
                     let server = Arc::new(crate::local::LocalServer {

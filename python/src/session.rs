@@ -76,9 +76,11 @@ impl Session {
         if args.master_server_addr.trim().is_empty() {
             return Err(invalid("master_server_addr is empty"));
         }
-        let threads = std::env::var("MOONCAKE_IO_THREADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
+        // The binding's one read of the environment: the client's and the owner's variables
+        // (applied over their defaults, under setup()'s arguments), and its own thread count.
+        let env = |name: &str| std::env::var(name).ok();
+        let threads = env("MOONCAKE_IO_THREADS")
+            .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0);
         let rt = runtime(threads, "mooncake-io")?;
         let config = ClientConfig {
@@ -86,7 +88,7 @@ impl Session {
             rpc_timeout: Duration::from_secs(5),
             // The runtime exists only for this client's calls.
             dedicated_runtime: true,
-            ..ClientConfig::new(args.master_server_addr.trim())
+            ..ClientConfig::new(args.master_server_addr.trim()).with_env(env)?
         };
         // Connect first: an unreachable master fails here within the connect deadline.
         let client = rt.block_on(Client::connect(config.clone()))?;
@@ -100,7 +102,7 @@ impl Session {
                 owner: None,
             });
         }
-        Self::with_owner(rt, config, args, host, port)
+        Self::with_owner(rt, config, args, host, port, env)
     }
 
     #[cfg(feature = "embedded-owner")]
@@ -110,6 +112,7 @@ impl Session {
         args: &SetupArgs,
         host: String,
         port: u16,
+        env: impl Fn(&str) -> Option<String>,
     ) -> Result<Session, SetupError> {
         let owner_config = mooncake_owner::OwnerConfig {
             master: args.master_server_addr.trim().to_string(),
@@ -117,7 +120,7 @@ impl Session {
             port,
             segment_size: mooncake_common::ByteSize(args.global_segment_size),
             mount_timeout: Duration::from_secs(3),
-            ..Default::default()
+            ..mooncake_owner::OwnerConfig::default().with_env(env)
         };
         // The owner serves other processes whether or not this one is inside a call: it gets
         // threads of its own.
@@ -129,12 +132,7 @@ impl Session {
                 message: e.to_string(),
             })?;
         // Puts and reads prefer this process's own segment unless configured otherwise.
-        let env = std::env::var(mooncake_client::PREFERRED_SEGMENT_ENV).ok();
-        let preferred = mooncake_client::resolve_preferred(
-            config.preferred_segment.as_deref(),
-            env.as_deref(),
-        )?
-        .or_else(|| Some(owner.segment.clone()));
+        let preferred = config.preferred()?.or_else(|| Some(owner.segment.clone()));
         let transport = Client::default_transport(&config);
         let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
         Ok(Session {
@@ -152,6 +150,7 @@ impl Session {
         _: &SetupArgs,
         _: String,
         _: u16,
+        _: impl Fn(&str) -> Option<String>,
     ) -> Result<Session, SetupError> {
         Err(invalid("global_segment_size > 0 needs the embedded-owner feature; pass 0 for a requester-only client"))
     }

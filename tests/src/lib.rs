@@ -319,7 +319,7 @@ pub fn spawn_owner(master: &str, size: &str, extra: &[&str]) -> (ChildGuard, Str
         .to_string();
     if let Ok(name) = mooncake_common::SegmentName::parse(&seg) {
         // A SIGKILLed owner cannot remove its same-host socket; the guard does.
-        let dir = mooncake_common::local::socket_dir();
+        let dir = socket_dir();
         o.leftovers
             .push(mooncake_common::local::socket_path(&dir, &name));
     }
@@ -372,4 +372,11 @@ pub fn put_code(r: &Result<mooncake_client::PutOutcome, mooncake_client::ClientE
 pub fn get_code(r: &Result<usize, mooncake_client::ClientError>) -> i64 {
     r.as_ref()
         .map_or_else(|e| i64::from(e.code().as_i32()), |n| *n as i64)
+}
+
+/// The same-host socket directory an owner started here uses (its default, or the environment's).
+pub fn socket_dir() -> PathBuf {
+    OwnerConfig::default()
+        .with_env(|name| std::env::var(name).ok())
+        .socket_dir
 }

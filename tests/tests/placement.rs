@@ -130,9 +130,12 @@ async fn preferred_segment_is_honoured_and_falls_back_when_full_or_unknown() {
 async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_an_error() {
     let c = Cluster::start(&[8 * MIB, 8 * MIB]).await;
     let seg = c.owners[1].segment.to_string();
-    // The env var is read by `Client::connect`; this test owns the variable in this process.
+    // The env var is read by `ClientConfig::with_process_env`; this test owns the variable in
+    // this process.
     std::env::set_var(mooncake_client::PREFERRED_SEGMENT_ENV, &seg);
-    let client = Client::connect(c.client_config()).await.unwrap();
+    let client = Client::connect(c.client_config().with_process_env().unwrap())
+        .await
+        .unwrap();
     assert_eq!(
         client.preferred_segment().map(|s| s.to_string()),
         Some(seg.clone())
@@ -156,7 +159,9 @@ async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_an_error()
     let explicit = c.owners[0].segment.to_string();
     let mut cfg = c.client_config();
     cfg.preferred_segment = Some(explicit.clone());
-    let client = Client::connect(cfg.clone()).await.unwrap();
+    let client = Client::connect(cfg.clone().with_process_env().unwrap())
+        .await
+        .unwrap();
     assert_eq!(
         client.preferred_segment().map(|s| s.to_string()),
         Some(explicit)
@@ -168,7 +173,7 @@ async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_an_error()
         .expect("empty preferred segment must fail");
     assert_eq!(err.code().as_i32(), -600);
     std::env::set_var(mooncake_client::PREFERRED_SEGMENT_ENV, "");
-    let err = Client::connect(c.client_config())
+    let err = Client::connect(c.client_config().with_process_env().unwrap())
         .await
         .err()
         .expect("empty env value must fail");

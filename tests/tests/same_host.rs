@@ -31,7 +31,7 @@ async fn a_local_owner_is_reached_through_shared_memory_unless_turned_off() {
     let (_m, rpc, _) = spawn_master(&[]);
     let (mut owner, seg) = spawn_owner(&rpc, "64MiB", &[]);
     let path = socket_path(
-        &mooncake_common::local::socket_dir(),
+        &mooncake_tests::socket_dir(),
         &SegmentName::parse(&seg).unwrap(),
     );
     let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;

@@ -32,7 +32,8 @@ fn transports() -> Vec<(&'static str, Arc<dyn DataTransport>)> {
             Arc::new(HybridTransport::new(HybridConfig {
                 tcp: tcp_config(2),
                 shared_memory: true,
-                socket_dir: mooncake_common::local::socket_dir(),
+                socket_dir: mooncake_tests::socket_dir(),
+                copy_threads: 2,
             })),
         ),
     ]

@@ -29,6 +29,8 @@ pub struct HybridConfig {
     pub shared_memory: bool,
     /// Where owners' sockets live.
     pub socket_dir: PathBuf,
+    /// Threads a large same-host batch's copies may use (1: the calling thread only).
+    pub copy_threads: usize,
 }
 
 #[derive(Clone)]
@@ -73,14 +75,16 @@ impl HybridTransport {
         if !path.exists() {
             return Route::Tcp;
         }
-        let (seg, timeout, conns) = (
+        let (seg, timeout, conns, threads) = (
             target.clone(),
             self.config.tcp.connect_timeout,
             self.config.tcp.connections_per_owner,
+            self.config.copy_threads,
         );
-        let connected =
-            tokio::task::spawn_blocking(move || LocalOwner::connect(&path, &seg, timeout, conns))
-                .await;
+        let connected = tokio::task::spawn_blocking(move || {
+            LocalOwner::connect(&path, &seg, timeout, conns, threads)
+        })
+        .await;
         match connected {
             Ok(Ok(owner)) => {
                 tracing::debug!(segment = %target, "using the same-host path");

@@ -65,7 +65,8 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     let mut c: OwnerConfig = match &args.config {
         Some(path) => load_toml(path).map_err(|e| e.to_string())?,
         None => OwnerConfig::default(),
-    };
+    }
+    .with_env(|name| std::env::var(name).ok());
     macro_rules! set {
         ($($field:ident <- $arg:expr),* $(,)?) => { $(if let Some(v) = $arg { c.$field = v; })* };
     }
@@ -91,8 +92,8 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     if args.no_shm {
         c.shared_memory = false;
     }
-    if args.socket_dir.is_some() {
-        c.socket_dir = args.socket_dir;
+    if let Some(dir) = args.socket_dir {
+        c.socket_dir = dir;
     }
     c.validate()
         .map_err(|e| format!("invalid configuration: {e}"))?;

@@ -32,6 +32,17 @@ pub enum LinkError {
     },
 }
 
+impl LinkError {
+    /// The Mooncake code a caller branches on (and decides to retry by).
+    pub fn code(&self) -> Code {
+        match self {
+            LinkError::BadAddress(_) => Code::InvalidParams,
+            LinkError::Unreachable { .. } => Code::RpcFail,
+            LinkError::Refused { code, .. } => *code,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct MasterLink {
     master: String,
@@ -98,14 +109,15 @@ impl MasterLink {
         Ok(())
     }
 
-    /// Mounts, retrying unreachable-master errors until `deadline`; a refusal is final.
+    /// Mounts, retrying errors that may pass (an unreachable master) until `deadline`; a
+    /// definite refusal is final.
     pub async fn mount_until(&self, deadline: Duration) -> Result<(), LinkError> {
         let start = Instant::now();
         let mut backoff = Duration::from_millis(50);
         loop {
             match self.mount().await {
                 Ok(()) => return Ok(()),
-                Err(e @ LinkError::Unreachable { .. }) if start.elapsed() + backoff < deadline => {
+                Err(e) if e.code().is_retryable() && start.elapsed() + backoff < deadline => {
                     tracing::warn!(error = %e, "mount failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));

@@ -31,14 +31,11 @@ use mapping::{OutOfRange, SharedPool};
 /// Below this many bytes a batch is copied on the calling thread alone.
 const PARALLEL_COPY_BYTES: u64 = 4 << 20;
 
-/// Where to split `sizes` into two halves of about equal bytes, if the total is worth sharing.
-fn split_point(sizes: impl Iterator<Item = u64> + Clone) -> Option<usize> {
+/// Where to split `sizes` into two halves of about equal bytes, if the total is worth sharing
+/// and `threads` allows a second thread.
+fn split_point(sizes: impl Iterator<Item = u64> + Clone, threads: usize) -> Option<usize> {
     let total: u64 = sizes.clone().sum();
-    // Read once: this runs for every batch.
-    static ONE_THREAD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let one_thread = *ONE_THREAD
-        .get_or_init(|| std::env::var("MOONCAKE_COPY_THREADS").is_ok_and(|v| v.trim() == "1"));
-    if total < PARALLEL_COPY_BYTES || one_thread {
+    if total < PARALLEL_COPY_BYTES || threads < 2 {
         return None;
     }
     let mut acc = 0;
@@ -53,14 +50,18 @@ fn split_point(sizes: impl Iterator<Item = u64> + Clone) -> Option<usize> {
 
 /// Copies a batch in, on two threads when it is large enough (one memcpy stream does not
 /// saturate memory bandwidth).
-fn copy_in_all(pool: &SharedPool, jobs: &[(u64, &[&[u8]])]) -> Vec<Result<(), OutOfRange>> {
+fn copy_in_all(
+    pool: &SharedPool,
+    jobs: &[(u64, &[&[u8]])],
+    threads: usize,
+) -> Vec<Result<(), OutOfRange>> {
     let sizes = jobs.iter().map(|(_, parts)| parts_len(parts));
     let one = |js: &[(u64, &[&[u8]])]| {
         js.iter()
             .map(|(o, p)| pool.copy_in(*o, p))
             .collect::<Vec<_>>()
     };
-    match split_point(sizes) {
+    match split_point(sizes, threads) {
         Some(mid) if mid < jobs.len() => {
             let (a, b) = jobs.split_at(mid);
             std::thread::scope(|s| {
@@ -78,6 +79,7 @@ fn copy_in_all(pool: &SharedPool, jobs: &[(u64, &[&[u8]])]) -> Vec<Result<(), Ou
 fn copy_out_all(
     pool: &SharedPool,
     jobs: &mut [(u64, &mut [&mut [u8]])],
+    threads: usize,
 ) -> Vec<Result<(), OutOfRange>> {
     let sizes: Vec<u64> = jobs.iter().map(|(_, parts)| parts_len(parts)).collect();
     let one = |js: &mut [(u64, &mut [&mut [u8]])]| {
@@ -85,7 +87,7 @@ fn copy_out_all(
             .map(|(o, p)| pool.copy_out(*o, p))
             .collect::<Vec<_>>()
     };
-    match split_point(sizes.into_iter()) {
+    match split_point(sizes.into_iter(), threads) {
         Some(mid) if mid < jobs.len() => {
             let (a, b) = jobs.split_at_mut(mid);
             std::thread::scope(|s| {
@@ -106,6 +108,8 @@ pub struct LocalOwner {
     idle: Mutex<Vec<UnixStream>>,
     permits: Arc<Semaphore>,
     timeout: Duration,
+    /// Threads a large batch's copies may use (1: the calling thread only).
+    copy_threads: usize,
 }
 
 impl LocalOwner {
@@ -116,6 +120,7 @@ impl LocalOwner {
         segment: &SegmentName,
         timeout: Duration,
         conns: usize,
+        copy_threads: usize,
     ) -> io::Result<LocalOwner> {
         let (stream, fd, size) = hello(path, segment, timeout)?;
         let fd =
@@ -129,6 +134,7 @@ impl LocalOwner {
             idle: Mutex::new(vec![first]),
             permits: Arc::new(Semaphore::new(conns.max(1))),
             timeout,
+            copy_threads,
         })
     }
 
@@ -195,6 +201,7 @@ impl LocalOwner {
                     .iter()
                     .map(|(_, it)| (it.offset, it.parts))
                     .collect::<Vec<_>>(),
+                self.copy_threads,
             )
             .into_iter();
             for (idx, ((item, len), code)) in items.iter().zip(&lens).zip(&begun).enumerate() {
@@ -252,7 +259,7 @@ impl LocalOwner {
                     jobs.push((item.offset, &mut *item.parts));
                 }
             }
-            let mut copied = copy_out_all(&self.pool, &mut jobs).into_iter();
+            let mut copied = copy_out_all(&self.pool, &mut jobs, self.copy_threads).into_iter();
             for code in &begun {
                 if *code != 0 {
                     results.push(Err(self.refused(*code, "read")));
