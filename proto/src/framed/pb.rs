@@ -54,6 +54,7 @@ pub(super) fn walk<'a>(
     Ok(())
 }
 
+#[inline]
 pub(super) fn skip(body: &[u8], at: usize, n: usize) -> Result<usize, String> {
     at.checked_add(n)
         .filter(|end| *end <= body.len())
@@ -72,6 +73,7 @@ pub(super) fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
+#[inline]
 pub(super) fn get_varint(body: &[u8], at: &mut usize) -> Result<u64, String> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {

@@ -62,6 +62,7 @@ fn u64_len(field: u32, v: u64) -> usize {
 }
 
 /// Bytes of a non-empty string field (empty ones are left out, as prost leaves them).
+#[inline]
 fn str_len(field: u32, s: &str) -> usize {
     if s.is_empty() {
         0
@@ -70,6 +71,7 @@ fn str_len(field: u32, s: &str) -> usize {
     }
 }
 
+#[inline]
 fn put_str(field: u32, s: &str, out: &mut Vec<u8>) {
     if !s.is_empty() {
         put_varint(tag(field, LEN), out);
