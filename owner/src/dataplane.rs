@@ -242,7 +242,9 @@ impl Connection {
         key: ObjectKey,
     ) -> io::Result<Result<(), Refusal>> {
         let pool = self.pool.clone();
-        let mut guard = match pool.write_range(h.offset, h.length) {
+        // A write of an abandoned transfer still in the way is waited for (see `pool`).
+        let patience = self.frame_timeout;
+        let mut guard = match pool.write_range_after(h.offset, h.length, patience).await {
             Ok(g) => g,
             Err(e) => {
                 // Consume the payload so the connection stays at a frame boundary.

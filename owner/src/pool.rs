@@ -2,8 +2,12 @@
 //! later same-host path can hand the fd to local clients. This module owns every raw access to
 //! the pool. Accesses go through range guards that keep concurrent accesses from aliasing: any
 //! number of readers may share a range, a writer has it alone, and a conflicting access is refused
-//! rather than waited for (the master never hands out overlapping live ranges, so a conflict means
-//! a stale or misbehaving peer).
+//! (the master never hands out overlapping live ranges, so a conflict means a stale or misbehaving
+//! peer). One exception: a write that meets another write may wait for it (`write_range_after`).
+//! The master grants a range again only after its earlier grant ended, so the write in the way is
+//! the stale one (a transfer abandoned by its client, still draining from a socket): it ends
+//! within its frame deadline, and the current grant's bytes land after it instead of being
+//! refused.
 
 use std::{
     fs::File,
@@ -21,7 +25,12 @@ pub enum RangeError {
     #[error("range [{offset}, +{len}) is outside the segment of {size} bytes")]
     OutOfBounds { offset: u64, len: u64, size: u64 },
     #[error("range [{offset}, +{len}) is being accessed by a conflicting transfer")]
-    Busy { offset: u64, len: u64 },
+    Busy {
+        offset: u64,
+        len: u64,
+        /// The access in the way is a write.
+        by_write: bool,
+    },
 }
 
 impl RangeError {
@@ -39,6 +48,8 @@ pub struct MemoryPool {
     len: u64,
     locked: bool,
     active: Mutex<Vec<Active>>,
+    /// Wakes writes waiting for a range (`write_range_after`) when any range is released.
+    released: tokio::sync::Notify,
     // Keeps the mapping alive; `base` points into it.
     _map: MmapMut,
     file: File,
@@ -106,6 +117,7 @@ impl MemoryPool {
             len: size,
             locked,
             active: Mutex::new(Vec::new()),
+            released: tokio::sync::Notify::new(),
             _map: map,
             file,
         })
@@ -147,6 +159,31 @@ impl MemoryPool {
             offset,
             len,
         })
+    }
+
+    /// `write_range`, waiting up to `patience` while the range is held by another write (see
+    /// the module's doc); any other refusal, or one still standing at the deadline, is returned.
+    pub async fn write_range_after(
+        &self,
+        offset: u64,
+        len: u64,
+        patience: std::time::Duration,
+    ) -> Result<WriteGuard<'_>, RangeError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            // Registered before trying, so a release in between is not missed.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            match self.write_range(offset, len) {
+                Err(RangeError::Busy { by_write: true, .. })
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    let _ = tokio::time::timeout_at(deadline, released).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Shared access to `[offset, offset + len)`.
@@ -195,11 +232,15 @@ impl MemoryPool {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
-        let conflict = active
+        if let Some(a) = active
             .iter()
-            .any(|a| a.start < end && start < a.end && (write || a.write));
-        if conflict {
-            return Err(RangeError::Busy { offset, len });
+            .find(|a| a.start < end && start < a.end && (write || a.write))
+        {
+            return Err(RangeError::Busy {
+                offset,
+                len,
+                by_write: a.write,
+            });
         }
         active.push(Active { start, end, write });
         Ok(())
@@ -215,6 +256,8 @@ impl MemoryPool {
         if let Some(i) = active.iter().position(|a| *a == me) {
             active.swap_remove(i);
         }
+        drop(active);
+        self.released.notify_waiters();
     }
 
     fn ptr(&self, offset: u64) -> *mut u8 {
@@ -359,5 +402,58 @@ mod tests {
     #[test]
     fn zero_size_is_refused() {
         assert!(MemoryPool::create(0, false).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_write_waits_for_a_write_in_the_way_but_not_for_a_read() {
+        use std::time::{Duration, Instant};
+        let pool = Arc::new(MemoryPool::create(1 << 20, false).unwrap());
+        let stale = pool.write_range(0, 4096).unwrap();
+        let waiter = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut w = pool
+                    .write_range_after(1024, 4096, Duration::from_secs(10))
+                    .await
+                    .unwrap();
+                w.copy_from_slice(&[9u8; 4096]);
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiter.is_finished(),
+            "the write waits while the other holds the range"
+        );
+        drop(stale);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("released writes wake the waiter")
+            .unwrap();
+        assert_eq!(&pool.read_range(1024, 4096).unwrap()[..], &[9u8; 4096]);
+
+        // A reader in the way is not waited for; a writer in the way only until the deadline.
+        let reader = pool.read_range(0, 10).unwrap();
+        let t = Instant::now();
+        let refused = pool.write_range_after(0, 10, Duration::from_secs(10)).await;
+        assert!(matches!(
+            refused,
+            Err(RangeError::Busy {
+                by_write: false,
+                ..
+            })
+        ));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        drop(reader);
+        let writer = pool.write_range(0, 10).unwrap();
+        let t = Instant::now();
+        let refused = pool
+            .write_range_after(5, 10, Duration::from_millis(100))
+            .await;
+        assert!(matches!(
+            refused,
+            Err(RangeError::Busy { by_write: true, .. })
+        ));
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        drop(writer);
     }
 }
