@@ -17,6 +17,17 @@ use crate::error::ClientError;
 /// Environment variable a launcher (`scripts/mooncake_owner`) sets to the node-local owner.
 pub const PREFERRED_SEGMENT_ENV: &str = "MOONCAKE_PREFERRED_SEGMENT";
 
+/// How the client talks to the master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MasterProtocol {
+    /// Length-prefixed protobuf frames over plain TCP: the lowest latency.
+    #[default]
+    Framed,
+    /// gRPC (HTTP/2), for masters behind gRPC-aware proxies.
+    Grpc,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientConfig {
@@ -54,7 +65,7 @@ pub struct ClientConfig {
     /// (`MOONCAKE_COPY_THREADS`).
     pub copy_threads: usize,
     /// How to talk to the master: "framed" (default, lowest latency) or "grpc".
-    pub master_protocol: crate::master::MasterProtocol,
+    pub master_protocol: MasterProtocol,
     /// How long a framed master call polls for the answer before parking its thread (at most
     /// 1ms; 0: park at once). Answers usually come within tens of microseconds, and waking a
     /// parked thread on an idle core (on a VM, through the hypervisor) costs about as much again.

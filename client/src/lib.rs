@@ -15,9 +15,8 @@ mod spin;
 pub mod transport;
 
 pub use client::{Client, ObjectDesc};
-pub use config::{resolve_preferred, ClientConfig, PREFERRED_SEGMENT_ENV};
+pub use config::{resolve_preferred, ClientConfig, MasterProtocol, PREFERRED_SEGMENT_ENV};
 pub use error::ClientError;
-pub use master::MasterProtocol;
 pub use mooncake_common::Code;
 pub use mooncake_common::{
     master_api::SegmentUsage, MasterApi, ReplicaLocation, ReplicateConfig, SegmentName, Tier,

@@ -4,6 +4,7 @@
 
 use futures::future::join_all;
 use mooncake_common::{
+    master_api::Grants,
     transport::{parts_len, WriteItem},
     Code, ObjectKey, ReplicateConfig, SegmentName,
 };
@@ -100,7 +101,19 @@ impl Client {
             Err(e) => return fill(results, valid, &e.into()),
         };
 
-        // Every replica write, one batch per owner, all owners at once.
+        let write_errors = self.write_replicas(items, valid, &grants).await;
+        self.end_or_revoke(valid, &grants, write_errors, results)
+            .await;
+    }
+
+    /// Writes every replica of every granted put, one batch per owner, all owners at once; the
+    /// first error of each put, by its position in `valid`.
+    async fn write_replicas(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        valid: &[(usize, ObjectKey)],
+        grants: &Grants,
+    ) -> Vec<Option<ClientError>> {
         let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
         let mut groups: Groups<SegmentName, WriteItem<'_>> = Groups::new();
         for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
@@ -128,7 +141,18 @@ impl Client {
                 }
             }
         }
+        write_errors
+    }
 
+    /// Ends the puts whose replicas were all written and revokes the others (a revoke that fails
+    /// leaves them to the master's release timeout); fills in every put's result.
+    async fn end_or_revoke(
+        &self,
+        valid: &[(usize, ObjectKey)],
+        grants: &Grants,
+        mut write_errors: Vec<Option<ClientError>>,
+        results: &mut [Option<PutResult>],
+    ) {
         let (mut end, mut revoke) = (Vec::new(), Vec::new());
         for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
             match grant {

@@ -4,7 +4,7 @@
 //! ever hands out names it parsed, so that is a broken peer, and a put must not silently skip a
 //! granted replica).
 
-use std::time::Duration;
+use std::{ops::Range, time::Duration};
 
 use mooncake_common::{
     master_api::{Found, Grant, Grants, Lookup, Runs},
@@ -46,7 +46,23 @@ fn borrowed(l: &pb::ReplicaLocation) -> replicas::ReplicaRef<'_> {
     }
 }
 
-/// Appends one key's lookup result.
+/// Appends one key's result: on code 0 its replicas (all parsed, or the answer is unreadable)
+/// as the run `ok` is built from, else `err` of the code.
+fn push_result<'r, T, E>(
+    runs: &mut Runs<T, E>,
+    code: i32,
+    reps: impl Iterator<Item = replicas::ReplicaRef<'r>>,
+    names: &mut SegmentNames,
+    ok: impl FnOnce(Range<usize>) -> T,
+    err: impl FnOnce(Code) -> E,
+) -> Result<(), ApiError> {
+    match Code::from_i32(code) {
+        Code::Ok => runs.try_push_ok(reps.map(|r| location(&r, names)), ok)?,
+        c => runs.push_err(err(c)),
+    }
+    Ok(())
+}
+
 fn push_found<'r>(
     objects: &mut Runs<Found, Code>,
     code: i32,
@@ -54,17 +70,10 @@ fn push_found<'r>(
     reps: impl Iterator<Item = replicas::ReplicaRef<'r>>,
     names: &mut SegmentNames,
 ) -> Result<(), ApiError> {
-    match Code::from_i32(code) {
-        Code::Ok => objects.try_push_ok(reps.map(|r| location(&r, names)), |replicas| Found {
-            size,
-            replicas,
-        })?,
-        c => objects.push_err(c),
-    }
-    Ok(())
+    let found = |replicas| Found { size, replicas };
+    push_result(objects, code, reps, names, found, |c| c)
 }
 
-/// Appends one put's start.
 fn push_grant<'r>(
     grants: &mut Grants,
     code: i32,
@@ -73,14 +82,10 @@ fn push_grant<'r>(
     reps: impl Iterator<Item = replicas::ReplicaRef<'r>>,
     names: &mut SegmentNames,
 ) -> Result<(), ApiError> {
-    match Code::from_i32(code) {
-        Code::Ok => grants.try_push_ok(reps.map(|r| location(&r, names)), |replicas| Grant {
-            put_id,
-            replicas,
-        })?,
-        c => grants.push_err(ApiError::new(c, message)),
-    }
-    Ok(())
+    let grant = |replicas| Grant { put_id, replicas };
+    push_result(grants, code, reps, names, grant, |c| {
+        ApiError::new(c, message)
+    })
 }
 
 pub fn lookup_from_frame(body: &[u8]) -> Result<Lookup, ApiError> {

@@ -11,23 +11,14 @@ mod grpc;
 use std::{future::Future, sync::Arc, time::Duration};
 
 use mooncake_common::{ApiError, Code, MasterApi};
-use serde::{Deserialize, Serialize};
 
 pub use framed::FramedMaster;
 pub use grpc::GrpcMaster;
 
-use crate::{config::ClientConfig, error::ClientError};
-
-/// How the client talks to the master.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MasterProtocol {
-    /// Length-prefixed protobuf frames over plain TCP: the lowest latency.
-    #[default]
-    Framed,
-    /// gRPC (HTTP/2), for masters behind gRPC-aware proxies.
-    Grpc,
-}
+use crate::{
+    config::{ClientConfig, MasterProtocol},
+    error::ClientError,
+};
 
 /// The `MasterApi` the config asks for (no connection is made yet).
 pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError> {

@@ -52,6 +52,15 @@ fn task_to_pb(t: OwnerTask) -> pb::OwnerTask {
     }
 }
 
+/// A call on the puts named by (key, put id), answered with a code per put.
+fn by_refs(
+    items: &[pb::PutRef],
+    call: impl FnOnce(&[(&str, u64)]) -> Vec<Result<(), crate::error::MasterError>>,
+) -> Vec<i32> {
+    let puts: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
+    call(&puts).iter().map(code).collect()
+}
+
 /// A segment the owner may not use for SSD work.
 fn not_usable(e: crate::error::MasterError) -> Status {
     Status::failed_precondition(e.to_string())
@@ -123,9 +132,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchPutEndRequest>,
     ) -> Reply<pb::BatchPutEndResponse> {
-        let items = req.into_inner().items;
-        let puts: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
-        let codes = self.0.put_end(&puts).iter().map(code).collect();
+        let codes = by_refs(&req.into_inner().items, |puts| self.0.put_end(puts));
         Ok(Response::new(pb::BatchPutEndResponse { codes }))
     }
 
@@ -133,9 +140,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchPutRevokeRequest>,
     ) -> Reply<pb::BatchPutRevokeResponse> {
-        let items = req.into_inner().items;
-        let puts: Vec<(&str, u64)> = items.iter().map(|i| (i.key.as_str(), i.put_id)).collect();
-        let codes = self.0.put_revoke(&puts).iter().map(code).collect();
+        let codes = by_refs(&req.into_inner().items, |puts| self.0.put_revoke(puts));
         Ok(Response::new(pb::BatchPutRevokeResponse { codes }))
     }
 
