@@ -50,6 +50,8 @@ pub struct MemoryPool {
     active: Mutex<Vec<Active>>,
     /// Wakes writes waiting for a range (`write_range_after`) when any range is released.
     released: tokio::sync::Notify,
+    /// Writes waiting in `write_range_after`: releases notify only while there are some.
+    waiting: std::sync::atomic::AtomicUsize,
     // Keeps the mapping alive; `base` points into it.
     _map: MmapMut,
     file: File,
@@ -118,6 +120,7 @@ impl MemoryPool {
             locked,
             active: Mutex::new(Vec::new()),
             released: tokio::sync::Notify::new(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
             _map: map,
             file,
         })
@@ -169,7 +172,17 @@ impl MemoryPool {
         len: u64,
         patience: std::time::Duration,
     ) -> Result<WriteGuard<'_>, RangeError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        // The usual case: nothing in the way, nothing to register.
+        match self.write_range(offset, len) {
+            Err(RangeError::Busy { by_write: true, .. }) => {}
+            other => return other,
+        }
         let deadline = tokio::time::Instant::now() + patience;
+        self.waiting.fetch_add(1, SeqCst);
+        let _waiting = scopeguard(|| {
+            self.waiting.fetch_sub(1, SeqCst);
+        });
         loop {
             // Registered before trying, so a release in between is not missed.
             let released = self.released.notified();
@@ -257,7 +270,11 @@ impl MemoryPool {
             active.swap_remove(i);
         }
         drop(active);
-        self.released.notify_waiters();
+        // Pairs with the waiter's increment before it tries (both SeqCst): a waiter that tried
+        // before this release was counted, so it is woken.
+        if self.waiting.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.released.notify_waiters();
+        }
     }
 
     fn ptr(&self, offset: u64) -> *mut u8 {
@@ -351,6 +368,19 @@ impl Drop for PoolSlice {
     fn drop(&mut self) {
         self.pool.release(self.offset, self.len, false);
     }
+}
+
+/// Runs `f` when dropped (also when the future holding it is cancelled).
+fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f()
+            }
+        }
+    }
+    Guard(Some(f))
 }
 
 #[cfg(test)]
