@@ -16,6 +16,7 @@ use crate::clock::Millis;
 impl MasterState {
     /// One round of upkeep; the server calls it periodically.
     pub fn tick(&mut self, now: Millis) {
+        self.forgive_own_absence(now);
         self.expire_owners(now);
         self.expire_puts(now);
         self.expire_offloads(now);

@@ -162,6 +162,8 @@ pub struct MasterState {
     /// Versions removed while an owner (by segment name) still held them on disk.
     tombstones: HashMap<(SegmentName, ObjectKey), u64>,
     tombstone_order: VecDeque<(SegmentName, ObjectKey)>,
+    /// When upkeep last ran (see `tick`): a long gap means the master itself was away.
+    last_tick: Option<Millis>,
 }
 
 impl MasterState {
@@ -193,6 +195,7 @@ impl MasterState {
             last_early_offload: Millis(0),
             tombstones: HashMap::new(),
             tombstone_order: VecDeque::new(),
+            last_tick: None,
         }
     }
 

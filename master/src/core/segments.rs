@@ -120,6 +120,28 @@ impl MasterState {
         }
     }
 
+    /// Upkeep runs every fraction of a second; a gap of more than half the client TTL since the
+    /// last run means the master itself was not running (stopped, paused by its VM, starved),
+    /// and the owners' heartbeats of that time went unheard through no fault of theirs. Every
+    /// owner then gets one full TTL from now to be heard from, instead of being dropped at once
+    /// with everything it holds.
+    pub(super) fn forgive_own_absence(&mut self, now: Millis) {
+        let threshold = self.policy.client_ttl / 2;
+        if let Some(last) = self.last_tick.replace(now) {
+            if last.plus(threshold) < now {
+                tracing::warn!(
+                    gap_ms = now.0 - last.0,
+                    owners = self.owners.len(),
+                    "upkeep did not run for longer than half the client TTL (was the master \
+                     stopped?); every owner gets one TTL from now to send a heartbeat"
+                );
+                for o in self.owners.values_mut() {
+                    o.last_seen = o.last_seen.max(now);
+                }
+            }
+        }
+    }
+
     /// Drops owners not heard from within the client TTL, with their segments and replicas.
     pub(super) fn expire_owners(&mut self, now: Millis) {
         let ttl = self.policy.client_ttl;

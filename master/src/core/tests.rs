@@ -444,3 +444,51 @@ fn policy_durations_are_what_the_reference_says() {
     assert_eq!(p.put_discard_timeout, Duration::from_secs(30));
     assert_eq!(p.put_release_timeout, Duration::from_secs(600));
 }
+
+#[test]
+fn a_master_that_was_away_gives_every_owner_one_ttl_to_be_heard_from() {
+    let policy = Policy::default();
+    let ttl = policy.client_ttl.as_millis() as u64;
+    let mut s = state_with_policy(&[4 * MIB, 4 * MIB], policy);
+    put(&mut s, "a", MIB, &cfg(2), 0).unwrap();
+    s.tick(Millis(100));
+    // The master is stopped for three TTLs: no upkeep, no heartbeat heard.
+    let back = 100 + 3 * ttl;
+    s.tick(Millis(back));
+    assert_eq!(s.active_owners(), 2, "nobody is dropped on resumption");
+    assert!(s.exists(&k("a"), Millis(back)));
+    // Owner 0 is heard from within a TTL of the resumption, owner 1 never.
+    assert_eq!(
+        s.heartbeat(owner(0), Millis(back + ttl / 3)),
+        HeartbeatReply::Ok
+    );
+    for t in (back..=back + ttl).step_by(100) {
+        s.tick(Millis(t));
+    }
+    assert_eq!(
+        s.active_owners(),
+        2,
+        "one TTL after the resumption, not sooner"
+    );
+    s.tick(Millis(back + ttl + 1));
+    assert_eq!(s.active_owners(), 1, "the silent owner goes after one TTL");
+    let (_, reps) = s.get_replicas(&k("a"), Millis(back + ttl + 1)).unwrap();
+    assert_eq!(reps.len(), 1);
+    assert_eq!(reps[0].segment, seg(0));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn upkeep_at_its_usual_pace_forgives_nothing() {
+    let policy = Policy::default();
+    let ttl = policy.client_ttl.as_millis() as u64;
+    let mut s = state_with_policy(&[4 * MIB], policy);
+    for t in (0..=ttl + 200).step_by(100) {
+        s.tick(Millis(t));
+    }
+    assert_eq!(
+        s.active_owners(),
+        0,
+        "a silent owner is dropped after its TTL"
+    );
+}

@@ -41,7 +41,7 @@ struct Args {
     /// Do not offer the same-host shared-memory path (local clients then use TCP).
     #[arg(long)]
     no_shm: bool,
-    /// Directory of the same-host socket (default: $MOONCAKE_SOCKET_DIR, else /tmp).
+    /// Directory of the same-host socket (default: /tmp, or $MOONCAKE_SOCKET_DIR).
     #[arg(long)]
     socket_dir: Option<PathBuf>,
     /// Heartbeat period, e.g. 1s.

@@ -1,0 +1,59 @@
+//! Real processes on loopback: a master stopped (SIGSTOP) for three client TTLs and then resumed
+//! drops no owner that heartbeats again within one TTL of the resumption, so what the owners hold
+//! in memory stays readable.
+
+use std::time::Duration;
+
+use mooncake_client::{Client, ClientConfig, ReplicateConfig};
+use mooncake_tests::{payload, spawn_master, spawn_owner, transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn metric(http: &str, name: &str) -> u64 {
+    let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_stopped_for_three_ttls_keeps_the_owners_that_heartbeat_again() {
+    let (master, rpc, http) = spawn_master(&["--client_ttl", "2"]);
+    let (_owner, seg) = spawn_owner(&rpc, "16MiB", &["--heartbeat-interval", "200ms"]);
+    let cfg = ClientConfig {
+        transfer_timeout: Duration::from_secs(2),
+        rpc_timeout: Duration::from_secs(2),
+        ..ClientConfig::new(&rpc)
+    };
+    let client = Client::connect_with(cfg.clone(), None, transport(&cfg))
+        .await
+        .unwrap();
+    let v = payload("stall", 300_000);
+    client
+        .put("stall", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+
+    master.stop();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    master.signal(libc::SIGCONT);
+    // Past one more TTL: an owner the master dropped on resumption would be gone by now.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    assert_eq!(metric(&http, "master_expired_clients_total").await, 0);
+    let segments = client.list_segments().await.unwrap();
+    assert_eq!(segments.len(), 1);
+    assert_eq!(segments[0].name.as_str(), seg);
+    let mut buf = vec![0u8; v.len()];
+    assert_eq!(client.get("stall", &mut buf).await.unwrap(), v.len());
+    assert!(buf == v, "the bytes held before the stop come back");
+}
