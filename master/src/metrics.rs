@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::core::MasterState;
+use crate::core::{Counters, MasterState, SegmentStat};
 
 /// Operations counted per item (a batch of 32 keys counts 32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,190 +70,19 @@ impl Metrics {
 
     pub fn render(&self, state: &MasterState) -> String {
         let mut out = String::with_capacity(4096);
-        let mut gauge = |name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        gauge(
-            "master_key_count",
-            "Objects known to the master.",
-            state.key_count() as u64,
-        );
-        gauge(
-            "master_allocated_bytes",
-            "Bytes allocated in all segments.",
-            state.allocated(),
-        );
-        gauge(
-            "master_total_capacity_bytes",
-            "Bytes of all mounted segments.",
-            state.capacity(),
-        );
-        gauge(
-            "master_active_clients",
-            "Owners with a live heartbeat.",
-            state.active_owners() as u64,
-        );
+        render_state(&mut out, state);
         let segs = state.segment_stats();
-        for (name, help, pick) in [
-            (
-                "segment_allocated_bytes",
-                "Bytes allocated in one segment.",
-                true,
-            ),
-            (
-                "segment_total_capacity_bytes",
-                "Capacity of one segment.",
-                false,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            for s in &segs {
-                let v = if pick { s.allocated } else { s.capacity };
-                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", s.name);
-            }
-        }
-        type Pick = fn(&crate::core::DiskStats) -> u64;
-        let ssd: [(&str, &str, Pick); 7] = [
-            (
-                "segment_ssd_capacity_bytes",
-                "Capacity of one owner's SSD tier.",
-                |d| d.capacity,
-            ),
-            (
-                "segment_ssd_used_bytes",
-                "Bytes of live records on one owner's SSD tier.",
-                |d| d.used,
-            ),
-            (
-                "segment_ssd_records",
-                "Live records on one owner's SSD tier.",
-                |d| d.records,
-            ),
-            (
-                "segment_ssd_written_bytes_total",
-                "Bytes written to one owner's SSD tier.",
-                |d| d.written_bytes,
-            ),
-            (
-                "segment_ssd_read_bytes_total",
-                "Bytes read from one owner's SSD tier.",
-                |d| d.read_bytes,
-            ),
-            (
-                "segment_ssd_corrupt_reads_total",
-                "Reads refused because a record did not check out.",
-                |d| d.corrupt_reads,
-            ),
-            (
-                "segment_ssd_evicted_records_total",
-                "Records overwritten by the SSD ring (oldest first).",
-                |d| d.evicted_records,
-            ),
-        ];
+        render_segments(&mut out, &segs);
         if segs.iter().any(|s| s.disk.is_some()) {
-            for (name, help, pick) in ssd {
-                let kind = if name.ends_with("_total") {
-                    "counter"
-                } else {
-                    "gauge"
-                };
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-                for s in &segs {
-                    if let Some(d) = &s.disk {
-                        let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, pick(d));
-                    }
-                }
-            }
-            let name = "segment_disk_objects";
-            let _ = writeln!(
-                out,
-                "# HELP {name} Objects with a disk replica on one segment.\n# TYPE {name} gauge"
-            );
-            for s in segs.iter().filter(|s| s.disk.is_some()) {
-                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, s.disk_objects);
-            }
+            render_ssd(&mut out, &segs);
         }
-        let c = state.counters();
-        let mut counter = |name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        counter(
-            "master_eviction_rounds_total",
-            "Eviction rounds run.",
-            c.eviction_rounds,
-        );
-        counter(
-            "master_evicted_keys_total",
-            "Objects evicted.",
-            c.evicted_objects,
-        );
-        counter(
-            "master_evicted_bytes_total",
-            "Bytes freed by eviction.",
-            c.evicted_bytes,
-        );
-        counter(
-            "master_expired_puts_total",
-            "Abandoned puts whose space was reclaimed.",
-            c.expired_puts,
-        );
-        counter(
-            "master_expired_clients_total",
-            "Owners dropped after missing heartbeats.",
-            c.expired_owners,
-        );
-        for (name, help, v) in [
-            (
-                "master_offloads_started_total",
-                "Objects queued for an SSD tier.",
-                c.offloads_started,
-            ),
-            (
-                "master_offloads_done_total",
-                "Objects whose disk copy an owner reported.",
-                c.offloads_done,
-            ),
-            (
-                "master_offloads_failed_total",
-                "Offloads that failed or were not reported in time.",
-                c.offloads_failed,
-            ),
-            (
-                "master_evictions_dropped_disk_behind_total",
-                "Objects evicted without a disk copy because the SSD was behind.",
-                c.dropped_disk_behind,
-            ),
-            (
-                "master_evictions_kept_disk_behind_total",
-                "Evictions skipped (object kept in memory) because the SSD was behind.",
-                c.kept_disk_behind,
-            ),
-            (
-                "master_disk_hits_total",
-                "Reads of objects held only on disk.",
-                c.disk_hits,
-            ),
-            (
-                "master_promotions_total",
-                "Objects copied back from disk to memory.",
-                c.promotions,
-            ),
-            (
-                "master_disk_replicas_dropped_total",
-                "Disk replicas an owner's SSD ring overwrote.",
-                c.disk_dropped,
-            ),
-            (
-                "master_disk_objects_registered_total",
-                "Objects re-registered from an owner's SSD after a restart.",
-                c.disk_registered,
-            ),
-        ] {
-            counter(name, help, v);
-        }
+        render_counters(&mut out, &state.counters());
+        self.render_ops(&mut out);
+        out
+    }
+
+    /// Requests and failures of every operation, counted per item.
+    fn render_ops(&self, out: &mut String) {
         for op in Op::ALL {
             let n = op.name();
             for (kind, arr) in [("requests", &self.requests), ("failures", &self.failures)] {
@@ -264,6 +93,201 @@ impl Metrics {
                 );
             }
         }
-        out
+    }
+}
+
+/// The master's own gauges.
+fn render_state(out: &mut String, state: &MasterState) {
+    let mut gauge = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    };
+    gauge(
+        "master_key_count",
+        "Objects known to the master.",
+        state.key_count() as u64,
+    );
+    gauge(
+        "master_allocated_bytes",
+        "Bytes allocated in all segments.",
+        state.allocated(),
+    );
+    gauge(
+        "master_total_capacity_bytes",
+        "Bytes of all mounted segments.",
+        state.capacity(),
+    );
+    gauge(
+        "master_active_clients",
+        "Owners with a live heartbeat.",
+        state.active_owners() as u64,
+    );
+}
+
+/// Allocation and capacity per segment.
+fn render_segments(out: &mut String, segs: &[SegmentStat]) {
+    for (name, help, pick) in [
+        (
+            "segment_allocated_bytes",
+            "Bytes allocated in one segment.",
+            true,
+        ),
+        (
+            "segment_total_capacity_bytes",
+            "Capacity of one segment.",
+            false,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for s in segs {
+            let v = if pick { s.allocated } else { s.capacity };
+            let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", s.name);
+        }
+    }
+}
+
+/// Each SSD tier's state as its owner last reported it, and the objects with a disk replica.
+fn render_ssd(out: &mut String, segs: &[SegmentStat]) {
+    type Pick = fn(&crate::core::DiskStats) -> u64;
+    let ssd: [(&str, &str, Pick); 7] = [
+        (
+            "segment_ssd_capacity_bytes",
+            "Capacity of one owner's SSD tier.",
+            |d| d.capacity,
+        ),
+        (
+            "segment_ssd_used_bytes",
+            "Bytes of live records on one owner's SSD tier.",
+            |d| d.used,
+        ),
+        (
+            "segment_ssd_records",
+            "Live records on one owner's SSD tier.",
+            |d| d.records,
+        ),
+        (
+            "segment_ssd_written_bytes_total",
+            "Bytes written to one owner's SSD tier.",
+            |d| d.written_bytes,
+        ),
+        (
+            "segment_ssd_read_bytes_total",
+            "Bytes read from one owner's SSD tier.",
+            |d| d.read_bytes,
+        ),
+        (
+            "segment_ssd_corrupt_reads_total",
+            "Reads refused because a record did not check out.",
+            |d| d.corrupt_reads,
+        ),
+        (
+            "segment_ssd_evicted_records_total",
+            "Records overwritten by the SSD ring (oldest first).",
+            |d| d.evicted_records,
+        ),
+    ];
+    for (name, help, pick) in ssd {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for s in segs {
+            if let Some(d) = &s.disk {
+                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, pick(d));
+            }
+        }
+    }
+    let name = "segment_disk_objects";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Objects with a disk replica on one segment.\n# TYPE {name} gauge"
+    );
+    for s in segs.iter().filter(|s| s.disk.is_some()) {
+        let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, s.disk_objects);
+    }
+}
+
+/// The state machine's counters.
+fn render_counters(out: &mut String, c: &Counters) {
+    let mut counter = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+        );
+    };
+    counter(
+        "master_eviction_rounds_total",
+        "Eviction rounds run.",
+        c.eviction_rounds,
+    );
+    counter(
+        "master_evicted_keys_total",
+        "Objects evicted.",
+        c.evicted_objects,
+    );
+    counter(
+        "master_evicted_bytes_total",
+        "Bytes freed by eviction.",
+        c.evicted_bytes,
+    );
+    counter(
+        "master_expired_puts_total",
+        "Abandoned puts whose space was reclaimed.",
+        c.expired_puts,
+    );
+    counter(
+        "master_expired_clients_total",
+        "Owners dropped after missing heartbeats.",
+        c.expired_owners,
+    );
+    for (name, help, v) in [
+        (
+            "master_offloads_started_total",
+            "Objects queued for an SSD tier.",
+            c.offloads_started,
+        ),
+        (
+            "master_offloads_done_total",
+            "Objects whose disk copy an owner reported.",
+            c.offloads_done,
+        ),
+        (
+            "master_offloads_failed_total",
+            "Offloads that failed or were not reported in time.",
+            c.offloads_failed,
+        ),
+        (
+            "master_evictions_dropped_disk_behind_total",
+            "Objects evicted without a disk copy because the SSD was behind.",
+            c.dropped_disk_behind,
+        ),
+        (
+            "master_evictions_kept_disk_behind_total",
+            "Evictions skipped (object kept in memory) because the SSD was behind.",
+            c.kept_disk_behind,
+        ),
+        (
+            "master_disk_hits_total",
+            "Reads of objects held only on disk.",
+            c.disk_hits,
+        ),
+        (
+            "master_promotions_total",
+            "Objects copied back from disk to memory.",
+            c.promotions,
+        ),
+        (
+            "master_disk_replicas_dropped_total",
+            "Disk replicas an owner's SSD ring overwrote.",
+            c.disk_dropped,
+        ),
+        (
+            "master_disk_objects_registered_total",
+            "Objects re-registered from an owner's SSD after a restart.",
+            c.disk_registered,
+        ),
+    ] {
+        counter(name, help, v);
     }
 }
