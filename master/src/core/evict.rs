@@ -43,7 +43,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("listed above");
             tracing::info!(%key, put_id = obj.put_id, "releasing an abandoned put's space");
             self.counters.expired_puts += 1;
-            self.discard(&key, obj, now);
+            self.discard(&key, *obj, now);
         }
     }
 
@@ -148,7 +148,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("candidate exists");
             freed += size;
             count += 1;
-            self.discard(&key, obj, now);
+            self.discard(&key, *obj, now);
         }
         self.counters.eviction_rounds += 1;
         self.counters.evicted_objects += count;

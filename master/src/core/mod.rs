@@ -145,7 +145,9 @@ pub struct MasterState {
     owners: HashMap<ClientId, Owner>,
     // Keys are ~100-byte strings looked up thousands of times per batch: a fast seeded hasher
     // (foldhash) instead of SipHash, still randomised per process against crafted collisions.
-    objects: HashMap<ObjectKey, objects::Object, foldhash::fast::RandomState>,
+    /// Boxed: the table's buckets then hold a key and a pointer (24 bytes), not the whole
+    /// object, so the power-of-two slack of the table costs little (issue 13's memory target).
+    objects: HashMap<ObjectKey, Box<objects::Object>, foldhash::fast::RandomState>,
     pending: Vec<PendingRelease>,
     next_segment: u64,
     next_put: u64,

@@ -20,6 +20,9 @@ pub struct PutGrant {
     pub replicas: Vec<ReplicaLocation>,
 }
 
+/// An object's memory replicas.
+pub(super) type Replicas = smallvec::SmallVec<[Replica; 1]>;
+
 pub(super) struct Replica {
     pub segment: SegmentId,
     pub allocation: Allocation,
@@ -71,15 +74,15 @@ pub(super) struct Object {
     pub size: u64,
     pub put_id: u64,
     pub phase: Phase,
-    /// Memory replicas.
-    pub replicas: Vec<Replica>,
+    /// Memory replicas (the usual single one inline, without an allocation of its own).
+    pub replicas: Replicas,
     /// Segments whose SSD tier holds a copy.
     pub disk: Vec<SegmentId>,
     pub offload: Offload,
     /// Reads served from disk since the object was last in memory.
     pub disk_hits: u32,
     /// Memory reserved for a promotion from disk, not readable until the owner reports it.
-    pub promoting: Option<Promotion>,
+    pub promoting: Option<Box<Promotion>>,
     /// The object may be read until this instant: no eviction, no non-forced removal.
     pub lease_until: Millis,
     /// Last put or lease grant: eviction takes the least recently used first.
@@ -161,11 +164,11 @@ impl MasterState {
             .collect();
         self.objects.insert(
             key.clone(),
-            Object {
+            Box::new(Object {
                 size,
                 put_id,
                 phase: Phase::Processing { started: now },
-                replicas,
+                replicas: replicas.into_iter().collect(),
                 disk: Vec::new(),
                 offload: Offload::Idle,
                 disk_hits: 0,
@@ -173,7 +176,7 @@ impl MasterState {
                 lease_until: Millis(0),
                 last_access: now,
                 pin,
-            },
+            }),
         );
         Ok(PutGrant {
             put_id,
@@ -357,7 +360,7 @@ impl MasterState {
             }
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.discard(key, obj, now);
+        self.discard(key, *obj, now);
         Ok(())
     }
 
@@ -378,7 +381,7 @@ impl MasterState {
         removed
     }
 
-    pub(super) fn free_replicas(&mut self, replicas: Vec<Replica>) {
+    pub(super) fn free_replicas(&mut self, replicas: impl IntoIterator<Item = Replica>) {
         for r in replicas {
             if let Some(seg) = self.segments.get_mut(&r.segment) {
                 seg.allocator.free(r.allocation);
@@ -386,7 +389,11 @@ impl MasterState {
         }
     }
 
-    pub(super) fn defer_release(&mut self, replicas: Vec<Replica>, at: Millis) {
+    pub(super) fn defer_release(
+        &mut self,
+        replicas: impl IntoIterator<Item = Replica>,
+        at: Millis,
+    ) {
         for r in replicas {
             self.pending.push(PendingRelease {
                 at,

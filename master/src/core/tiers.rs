@@ -9,7 +9,7 @@ use mooncake_common::ObjectKey;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    objects::{Object, Offload, Phase, Pin, Promotion, Replica},
+    objects::{Object, Offload, Phase, Pin, Promotion, Replica, Replicas},
     DiskTier, MasterState, SegmentId,
 };
 
@@ -84,7 +84,7 @@ impl MasterState {
             self.add_tombstone(name, key.clone(), obj.put_id);
         }
         if let Some(p) = obj.promoting {
-            self.abandon_promotion(p, now);
+            self.abandon_promotion(*p, now);
         }
         self.free_replicas(obj.replicas);
     }
@@ -364,13 +364,13 @@ impl MasterState {
             offset: allocation.offset(),
             size: obj.size,
         };
-        obj.promoting = Some(Promotion {
+        obj.promoting = Some(Box::new(Promotion {
             replica: Replica {
                 segment,
                 allocation,
             },
             since: now,
-        });
+        }));
         self.queue_task(segment, task);
     }
 
@@ -433,7 +433,7 @@ impl MasterState {
                 let freed = if free_now {
                     std::mem::take(&mut obj.replicas)
                 } else {
-                    Vec::new()
+                    Replicas::new()
                 };
                 self.counters.offloads_done += 1;
                 if matched {
@@ -477,7 +477,7 @@ impl MasterState {
         if obj.replicas.is_empty() && obj.disk.is_empty() {
             let obj = self.objects.remove(key).expect("checked above");
             // Nothing is left on disk to drop; only a reserved promotion may need releasing.
-            self.discard(key, obj, now);
+            self.discard(key, *obj, now);
         }
     }
 
@@ -516,11 +516,11 @@ impl MasterState {
         }
         self.objects.insert(
             key.clone(),
-            Object {
+            Box::new(Object {
                 size,
                 put_id,
                 phase: Phase::Complete,
-                replicas: Vec::new(),
+                replicas: Replicas::new(),
                 disk: vec![segment],
                 offload: Offload::Idle,
                 disk_hits: 0,
@@ -528,7 +528,7 @@ impl MasterState {
                 lease_until: Millis(0),
                 last_access: now,
                 pin: Pin::None,
-            },
+            }),
         );
         self.counters.disk_registered += 1;
         Ok(put_id)
@@ -572,7 +572,7 @@ impl MasterState {
             self.forget_offload(&pending);
         }
         for p in promotions {
-            self.abandon_promotion(p, now);
+            self.abandon_promotion(*p, now);
         }
     }
 }
