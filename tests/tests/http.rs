@@ -1,34 +1,7 @@
 //! The master's HTTP port: Prometheus metrics with Mooncake's names, health, and the segment list.
 
 use mooncake_client::ReplicateConfig;
-use mooncake_tests::{payload, Cluster};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|x| x.1.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .unwrap_or_else(|| panic!("{name} missing"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
+use mooncake_tests::{http_get, metric, payload, Cluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_health_and_segments() {
@@ -46,10 +19,10 @@ async fn metrics_health_and_segments() {
     let _ = client.get("missing", &mut buf).await;
     let addr = c.master.http_addr;
 
-    let (status, body) = http_get(addr, "/health").await;
+    let (status, body) = http_get(&addr.to_string(), "/health").await;
     assert_eq!((status, body.trim()), (200, "OK"));
 
-    let (status, m) = http_get(addr, "/metrics").await;
+    let (status, m) = http_get(&addr.to_string(), "/metrics").await;
     assert_eq!(status, 200);
     assert_eq!(metric(&m, "master_key_count"), 3);
     assert_eq!(metric(&m, "master_total_capacity_bytes"), 12 << 20);
@@ -68,7 +41,7 @@ async fn metrics_health_and_segments() {
     }
     assert!(m.contains("master_evicted_keys_total"));
 
-    let (status, segs) = http_get(addr, "/get_all_segments").await;
+    let (status, segs) = http_get(&addr.to_string(), "/get_all_segments").await;
     assert_eq!(status, 200);
     let mut got: Vec<&str> = segs.lines().collect();
     got.sort();

@@ -5,25 +5,7 @@
 use std::time::Duration;
 
 use mooncake_client::{Client, ClientConfig, ReplicateConfig};
-use mooncake_tests::{payload, spawn_master, spawn_owner, transport};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn metric(http: &str, name: &str) -> u64 {
-    let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .unwrap_or_else(|| panic!("{name} missing"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
+use mooncake_tests::{http_get, metric, payload, spawn_master, spawn_owner, transport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_stopped_for_three_ttls_keeps_the_owners_that_heartbeat_again() {
@@ -49,7 +31,8 @@ async fn a_master_stopped_for_three_ttls_keeps_the_owners_that_heartbeat_again()
     // Past one more TTL: an owner the master dropped on resumption would be gone by now.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    assert_eq!(metric(&http, "master_expired_clients_total").await, 0);
+    let (_, metrics) = http_get(&http, "/metrics").await;
+    assert_eq!(metric(&metrics, "master_expired_clients_total"), 0);
     let segments = client.list_segments().await.unwrap();
     assert_eq!(segments.len(), 1);
     assert_eq!(segments[0].name.as_str(), seg);
