@@ -2,7 +2,7 @@
 //! calls: the request a client encodes and the master decodes, and the answer the master encodes
 //! and the client decodes. `cargo bench -p mooncake-bench --bench framed_codec`.
 
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
 
 use mooncake_proto::framed::{keys, replicas};
@@ -76,18 +76,14 @@ fn put_start(c: &mut Criterion) {
     });
     let answer = encode();
     c.bench_function("put_start/answer decode x64", |b| {
-        b.iter_batched(
-            || (),
-            |()| {
-                black_box(
-                    replicas::decode_put_start(black_box(&answer))
-                        .unwrap()
-                        .0
-                        .len(),
-                )
-            },
-            BatchSize::SmallInput,
-        )
+        b.iter(|| {
+            black_box(
+                replicas::decode_put_start(black_box(&answer))
+                    .unwrap()
+                    .0
+                    .len(),
+            )
+        })
     });
 }
 

@@ -201,10 +201,8 @@ impl Client {
     /// and disk reads take different paths.
     async fn read_first_replicas(&self, jobs: &mut [ReadJob<'_, '_, '_>]) {
         let mut groups: Groups<(&SegmentName, Tier), ReadItem<'_, '_>> = Groups::new();
-        let mut tiers = Vec::with_capacity(jobs.len());
         for (j, job) in jobs.iter_mut().enumerate() {
             let loc = job.replicas[0];
-            tiers.push(loc.tier);
             groups.push(
                 (&loc.segment, loc.tier),
                 j,
@@ -227,8 +225,9 @@ impl Client {
         drop(groups);
         for (slots, res) in outcomes {
             for (j, r) in slots.into_iter().zip(res) {
-                jobs[j].done = Some(r.map_err(ClientError::from));
-                jobs[j].served_by = Some(tiers[j]);
+                let job = &mut jobs[j];
+                job.done = Some(r.map_err(ClientError::from));
+                job.served_by = Some(job.replicas[0].tier);
             }
         }
     }

@@ -172,17 +172,13 @@ impl MemoryPool {
         len: u64,
         patience: std::time::Duration,
     ) -> Result<WriteGuard<'_>, RangeError> {
-        use std::sync::atomic::Ordering::SeqCst;
         // The usual case: nothing in the way, nothing to register.
         match self.write_range(offset, len) {
             Err(RangeError::Busy { by_write: true, .. }) => {}
             other => return other,
         }
         let deadline = tokio::time::Instant::now() + patience;
-        self.waiting.fetch_add(1, SeqCst);
-        let _waiting = scopeguard(|| {
-            self.waiting.fetch_sub(1, SeqCst);
-        });
+        let _waiting = Waiting::register(&self.waiting);
         loop {
             // Registered before trying, so a release in between is not missed.
             let released = self.released.notified();
@@ -370,17 +366,20 @@ impl Drop for PoolSlice {
     }
 }
 
-/// Runs `f` when dropped (also when the future holding it is cancelled).
-fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
-    struct Guard<F: FnOnce()>(Option<F>);
-    impl<F: FnOnce()> Drop for Guard<F> {
-        fn drop(&mut self) {
-            if let Some(f) = self.0.take() {
-                f()
-            }
-        }
+/// A write counted in `MemoryPool::waiting` until dropped (also when its future is cancelled).
+struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn register(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Waiting(count)
     }
-    Guard(Some(f))
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
-//! Master answers read into the domain's `Lookup` and `Grants`: from the framed RPC's borrowed
-//! codec (no `String` per replica) or from gRPC's messages. Segment names are parsed once per
+//! The client's translations between the wire and the domain, shared by both wire adapters: a
+//! put's config as sent, and master answers read into `Lookup`, `Grants` and `SegmentUsage`,
+//! from the framed RPC's borrowed codec (no `String` per replica) or from gRPC's messages.
+//! Segment names are parsed once per
 //! distinct name; a name that does not parse makes the whole answer unreadable (the master only
 //! ever hands out names it parsed, so that is a broken peer, and a put must not silently skip a
 //! granted replica).
@@ -7,9 +9,9 @@
 use std::{ops::Range, time::Duration};
 
 use mooncake_common::{
-    master_api::{Found, Grant, Grants, Lookup, Runs},
+    master_api::{Found, Grant, Grants, Lookup, Runs, SegmentUsage},
     replica::SegmentNames,
-    ApiError, Code, ReplicaLocation, Tier,
+    ApiError, Code, ReplicaLocation, ReplicateConfig, SegmentName, Tier,
 };
 use mooncake_proto::{framed::replicas, master as pb};
 
@@ -160,4 +162,29 @@ pub fn grants_from_pb(resp: pb::BatchPutStartResponse) -> Result<Grants, ApiErro
         )?;
     }
     Ok(grants)
+}
+
+/// The wire form of a put's config.
+pub fn config_pb(c: &ReplicateConfig) -> pb::ReplicateConfig {
+    pb::ReplicateConfig {
+        replica_num: c.replica_num as u32,
+        preferred_segments: c.preferred_segments.iter().map(|s| s.to_string()).collect(),
+        soft_pin: c.soft_pin,
+        hard_pin: c.hard_pin,
+    }
+}
+
+/// Segment usage as received, names validated.
+pub fn segments_from_pb(segments: Vec<pb::SegmentInfo>) -> Result<Vec<SegmentUsage>, ApiError> {
+    segments
+        .into_iter()
+        .map(|s| {
+            Ok(SegmentUsage {
+                name: SegmentName::parse(&s.name)
+                    .map_err(|e| ApiError::rpc(format!("master sent a bad segment name: {e}")))?,
+                capacity: s.capacity,
+                allocated: s.allocated,
+            })
+        })
+        .collect()
 }

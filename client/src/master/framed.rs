@@ -6,7 +6,7 @@ use std::{io, time::Duration};
 
 use mooncake_common::{
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
-    ApiError, Code, ReplicateConfig, SegmentName,
+    ApiError, Code, ReplicateConfig,
 };
 use mooncake_proto::{
     framed::{self as rpc_wire, fields, keys, Method},
@@ -20,7 +20,10 @@ use tokio::{
     sync::Semaphore,
 };
 
-use super::{answers, check_len, exists_codes, expect_len, unit_codes, within};
+use super::{
+    answers::{self, config_pb, segments_from_pb},
+    check_len, exists_codes, expect_len, unit_codes, within,
+};
 
 /// A `MasterApi` speaking the framed RPC.
 pub struct FramedMaster {
@@ -89,33 +92,6 @@ impl FramedMaster {
         let resp = pb::BatchPutEndResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
         Ok(unit_codes(expect_len("put", resp.codes, puts.len())?))
     }
-}
-
-/// The wire form of a put's config.
-pub(super) fn config_pb(c: &ReplicateConfig) -> pb::ReplicateConfig {
-    pb::ReplicateConfig {
-        replica_num: c.replica_num as u32,
-        preferred_segments: c.preferred_segments.iter().map(|s| s.to_string()).collect(),
-        soft_pin: c.soft_pin,
-        hard_pin: c.hard_pin,
-    }
-}
-
-/// Segment usage as received, names validated.
-pub(super) fn segments_from_pb(
-    segments: Vec<pb::SegmentInfo>,
-) -> Result<Vec<SegmentUsage>, ApiError> {
-    segments
-        .into_iter()
-        .map(|s| {
-            Ok(SegmentUsage {
-                name: SegmentName::parse(&s.name)
-                    .map_err(|e| ApiError::rpc(format!("master sent a bad segment name: {e}")))?,
-                capacity: s.capacity,
-                allocated: s.allocated,
-            })
-        })
-        .collect()
 }
 
 impl MasterApi for FramedMaster {

@@ -15,9 +15,8 @@ use tonic::{
 };
 
 use super::{
-    answers, check_len, exists_codes, expect_len,
-    framed::{config_pb, segments_from_pb},
-    unit_codes, within,
+    answers::{self, config_pb, segments_from_pb},
+    check_len, exists_codes, expect_len, unit_codes, within,
 };
 
 /// A `MasterApi` speaking gRPC.

@@ -7,9 +7,7 @@ pub mod framed;
 pub mod grpc;
 pub mod in_process;
 
-use mooncake_common::{
-    replica::MAX_REPLICAS, ClientId, ReplicaLocation, ReplicateConfig, SegmentName, Tier,
-};
+use mooncake_common::{ClientId, ReplicaLocation, ReplicateConfig, SegmentName, Tier};
 use mooncake_proto::{framed::replicas::ReplicaRef, master as pb};
 
 use crate::error::MasterError;
@@ -49,7 +47,6 @@ pub fn replicate_config(c: Option<pb::ReplicateConfig>) -> Result<ReplicateConfi
     let c = c.unwrap_or_default();
     let replica_num =
         ReplicateConfig::replica_count(u64::from(c.replica_num)).map_err(MasterError::Invalid)?;
-    debug_assert!(replica_num <= MAX_REPLICAS);
     Ok(ReplicateConfig {
         replica_num,
         preferred_segments: c
