@@ -44,15 +44,6 @@ struct ReadJob<'k, 'b, 'l> {
     served_by: Option<Tier>,
 }
 
-/// Where a replica's bytes are for the transport: the memory offset, or for a disk replica the
-/// object's version (which the record on disk must carry).
-fn read_offset(r: &ReplicaLocation) -> u64 {
-    match r.tier {
-        Tier::Memory => r.offset,
-        Tier::Disk => r.put_id,
-    }
-}
-
 impl Client {
     pub async fn get(&self, key: &str, buf: &mut [u8]) -> GetResult {
         self.batch_get(&[key], &mut [buf])
@@ -208,7 +199,8 @@ impl Client {
                 j,
                 ReadItem {
                     key: job.key,
-                    offset: read_offset(loc),
+                    offset: loc.offset,
+                    put_id: loc.put_id,
                     parts: &mut job.dst[..],
                 },
             );
@@ -318,12 +310,13 @@ impl Client {
         if loc.tier == Tier::Memory {
             return self
                 .transport
-                .read(&loc.segment, key, loc.offset, dst)
+                .read(&loc.segment, key, loc.offset, loc.put_id, dst)
                 .await;
         }
         let mut items = [ReadItem {
             key,
-            offset: read_offset(loc),
+            offset: loc.offset,
+            put_id: loc.put_id,
             parts: dst,
         }];
         self.transport

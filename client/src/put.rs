@@ -6,7 +6,7 @@ use futures::future::join_all;
 use mooncake_common::{
     master_api::Grants,
     transport::{parts_len, WriteItem},
-    Code, ObjectKey, ReplicateConfig, SegmentName,
+    Code, ObjectKey, ReplicateConfig, SegmentName, Stamp,
 };
 
 use crate::{client::Client, error::ClientError, group::Groups};
@@ -101,7 +101,7 @@ impl Client {
             Err(e) => return fill(results, valid, &e.into()),
         };
 
-        let write_errors = self.write_replicas(items, valid, &grants).await;
+        let write_errors = self.write_replicas(items, valid, &grants, config).await;
         self.end_or_revoke(valid, &grants, write_errors, results)
             .await;
     }
@@ -113,6 +113,7 @@ impl Client {
         items: &[(&str, &[&[u8]])],
         valid: &[(usize, ObjectKey)],
         grants: &Grants,
+        config: &ReplicateConfig,
     ) -> Vec<Option<ClientError>> {
         let mut write_errors: Vec<Option<ClientError>> = (0..valid.len()).map(|_| None).collect();
         let mut groups: Groups<SegmentName, WriteItem<'_>> = Groups::new();
@@ -125,6 +126,7 @@ impl Client {
                     WriteItem {
                         key,
                         offset: rep.offset,
+                        stamp: Stamp::new(grant.put_id, config),
                         parts: items[*i].1,
                     },
                 );

@@ -23,10 +23,13 @@ pub enum Code {
     ChecksumMismatch = -801,
     RpcFail = -900,
     RpcTimeout = -901,
+    /// The master cannot answer this yet: it is rebuilding its catalog from the owners' reports
+    /// (just restarted or just elected), or it is not the leader. Retry shortly.
+    UnavailableInCurrentStatus = -1010,
 }
 
 impl Code {
-    pub const ALL: [Code; 14] = [
+    pub const ALL: [Code; 15] = [
         Code::Ok,
         Code::InternalError,
         Code::SegmentNotFound,
@@ -41,6 +44,7 @@ impl Code {
         Code::ChecksumMismatch,
         Code::RpcFail,
         Code::RpcTimeout,
+        Code::UnavailableInCurrentStatus,
     ];
 
     pub fn as_i32(self) -> i32 {
@@ -77,6 +81,7 @@ impl Code {
             Code::ChecksumMismatch => "CHECKSUM_MISMATCH",
             Code::RpcFail => "RPC_FAIL",
             Code::RpcTimeout => "RPC_TIMEOUT",
+            Code::UnavailableInCurrentStatus => "UNAVAILABLE_IN_CURRENT_STATUS",
         }
     }
 
@@ -90,7 +95,8 @@ impl Code {
             | Code::LeaseExpired
             | Code::TransferFail
             | Code::RpcFail
-            | Code::RpcTimeout => true,
+            | Code::RpcTimeout
+            | Code::UnavailableInCurrentStatus => true,
             Code::Ok
             | Code::InternalError
             | Code::SegmentNotFound

@@ -13,6 +13,7 @@ pub mod master_api;
 pub mod memcopy;
 pub mod replica;
 pub mod size;
+pub mod stamp;
 pub mod transport;
 pub mod wire;
 
@@ -22,3 +23,4 @@ pub use ids::{ClientId, IdError, ObjectKey, SegmentName};
 pub use master_api::{ApiError, MasterApi};
 pub use replica::{ReplicaLocation, ReplicateConfig, Tier};
 pub use size::ByteSize;
+pub use stamp::Stamp;

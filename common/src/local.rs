@@ -8,13 +8,16 @@
 //!
 //! ```text
 //! frame:  u32 body length | u8 op | body
-//! Hello      (c->o) segment name              reply: i32 status | u64 pool size  (+ memfd)
+//! Hello      (c->o) u8 version | segment name reply: i32 status | u64 pool size  (+ memfd)
 //! BeginWrite (c->o) u32 n | n x item          reply: u32 n | n x i32 status
 //! EndWrite   (c->o) u32 n | n x (u64 offset, u64 len, u8 commit)   reply: as BeginWrite
 //! BeginRead  (c->o) u32 n | n x item          reply: as BeginWrite
 //! EndRead    (c->o) u32 n | n x (u64 offset, u64 len)              no reply
-//! item: u64 offset | u64 len | u16 key length | key
+//! item: u64 offset | u64 len | u64 grant | u16 flags | u16 key length | key
 //! ```
+//!
+//! An item's grant and flags mean what they mean in a TCP request header (`wire`): a write's
+//! stamp, or the version a read must find.
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +28,8 @@ pub const SOCKET_DIR_ENV: &str = "MOONCAKE_SOCKET_DIR";
 /// Setting it to "0" in a client turns the same-host path off.
 pub const SHM_ENV: &str = "MOONCAKE_SHM";
 pub const DEFAULT_SOCKET_DIR: &str = "/tmp";
+/// The protocol's version, the first byte of a hello; an owner refuses another.
+pub const VERSION: u8 = 2;
 /// Largest control frame; a batch of thousands of keys fits many times over.
 pub const MAX_FRAME: usize = 64 << 20;
 pub const MAX_ITEMS: usize = 1 << 20;
@@ -73,6 +78,17 @@ impl LocalOp {
 pub struct LocalFrameError(pub &'static str);
 
 /// Builds one frame; `finish` patches the length prefix.
+/// One range of a begin: where, how long, under which grant, and the key (a `&str` when
+/// written, the raw bytes when read back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Item<K> {
+    pub offset: u64,
+    pub len: u64,
+    pub grant: u64,
+    pub flags: u16,
+    pub key: K,
+}
+
 pub struct FrameWriter {
     buf: Vec<u8>,
 }
@@ -110,8 +126,10 @@ impl FrameWriter {
     }
 
     /// An item: offset, length and key.
-    pub fn item(&mut self, offset: u64, len: u64, key: &str) -> &mut Self {
-        self.u64(offset).u64(len);
+    pub fn item(&mut self, item: Item<&str>) -> &mut Self {
+        let key = item.key;
+        self.u64(item.offset).u64(item.len).u64(item.grant);
+        self.buf.extend_from_slice(&item.flags.to_le_bytes());
         self.buf
             .extend_from_slice(&(key.len() as u16).to_le_bytes());
         self.bytes(key.as_bytes())
@@ -175,14 +193,28 @@ impl<'a> FrameReader<'a> {
     }
 
     /// (offset, len, key bytes).
-    pub fn item(&mut self) -> Result<(u64, u64, &'a [u8]), LocalFrameError> {
+    pub fn item(&mut self) -> Result<Item<&'a [u8]>, LocalFrameError> {
         let offset = self.u64()?;
         let len = self.u64()?;
-        let klen = u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")) as usize;
+        let grant = self.u64()?;
+        let flags = self.u16()?;
+        let klen = self.u16()? as usize;
         if klen == 0 || klen > MAX_KEY_LEN {
             return Err(LocalFrameError("bad key length"));
         }
-        Ok((offset, len, self.take(klen)?))
+        Ok(Item {
+            offset,
+            len,
+            grant,
+            flags,
+            key: self.take(klen)?,
+        })
+    }
+
+    fn u16(&mut self) -> Result<u16, LocalFrameError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
     }
 
     pub fn rest(&mut self) -> &'a [u8] {
@@ -211,14 +243,35 @@ mod tests {
     #[test]
     fn frames_round_trip_and_truncation_is_an_error() {
         let mut w = FrameWriter::new(LocalOp::BeginWrite);
-        w.u32(2).item(64, 100, "a").item(1 << 40, 7, "key-2");
+        let a = Item {
+            offset: 64,
+            len: 100,
+            grant: 9,
+            flags: 3,
+            key: "a",
+        };
+        let b = Item {
+            offset: 1 << 40,
+            len: 7,
+            grant: u64::MAX,
+            flags: 0,
+            key: "key-2",
+        };
+        w.u32(2).item(a).item(b);
         let f = w.finish();
         let (len, op) = frame_header(f[..5].try_into().unwrap()).unwrap();
         assert_eq!((len, op), (f.len() - 5, LocalOp::BeginWrite));
         let mut r = FrameReader::new(&f[5..]);
         assert_eq!(r.count().unwrap(), 2);
-        assert_eq!(r.item().unwrap(), (64, 100, &b"a"[..]));
-        assert_eq!(r.item().unwrap(), (1 << 40, 7, &b"key-2"[..]));
+        let bytes = |i: Item<&'static str>| Item {
+            offset: i.offset,
+            len: i.len,
+            grant: i.grant,
+            flags: i.flags,
+            key: i.key.as_bytes(),
+        };
+        assert_eq!(r.item().unwrap(), bytes(a));
+        assert_eq!(r.item().unwrap(), bytes(b));
         assert!(r.is_empty());
         let mut short = FrameReader::new(&f[5..f.len() - 1]);
         short.count().unwrap();

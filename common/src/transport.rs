@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::future::{join_all, BoxFuture};
 
-use crate::{wire::FrameError, Code, ObjectKey, SegmentName};
+use crate::{wire::FrameError, Code, ObjectKey, SegmentName, Stamp};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -86,17 +86,21 @@ impl TransferError {
     }
 }
 
-/// One object to write in a batch: its key, where it goes, and its bytes in order.
+/// One object to write in a batch: its key, where it goes, the grant it is written under, and
+/// its bytes in order.
 pub struct WriteItem<'a> {
     pub key: &'a ObjectKey,
     pub offset: u64,
+    pub stamp: Stamp,
     pub parts: &'a [&'a [u8]],
 }
 
-/// One object to read in a batch: its key, where it is, and the buffers it fills in order.
+/// One object to read in a batch: its key, where it is, the version (put id) the owner must
+/// hold, and the buffers it fills in order.
 pub struct ReadItem<'a, 'b> {
     pub key: &'a ObjectKey,
     pub offset: u64,
+    pub put_id: u64,
     pub parts: &'a mut [&'b mut [u8]],
 }
 
@@ -145,23 +149,26 @@ pub struct TransferStats {
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
 /// scattered over several caller buffers (e.g. K and V): `parts` are its bytes in order.
 pub trait DataTransport: Send + Sync + 'static {
-    /// Writes the concatenation of `parts` at `offset` of `target`'s segment, naming the key the
-    /// range now holds. Returns only after the owner acknowledged that the bytes landed.
+    /// Writes the concatenation of `parts` at `offset` of `target`'s segment, naming the key and
+    /// stamp the range now holds. Returns only after the owner acknowledged that the bytes
+    /// landed; an owner that already saw a later grant of the range refuses.
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        stamp: Stamp,
         parts: &'a [&'a [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 
-    /// Fills `parts`, in order, from `offset` of `target`'s segment, which must hold `key`; the
-    /// range read is as long as the parts together.
+    /// Fills `parts`, in order, from `offset` of `target`'s segment, which must hold version
+    /// `put_id` of `key`; the range read is as long as the parts together.
     fn read<'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        put_id: u64,
         parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 
@@ -175,7 +182,7 @@ pub trait DataTransport: Send + Sync + 'static {
         Box::pin(join_all(
             items
                 .iter()
-                .map(|i| self.write(target, i.key, i.offset, i.parts)),
+                .map(|i| self.write(target, i.key, i.offset, i.stamp, i.parts)),
         ))
     }
 
@@ -188,13 +195,13 @@ pub trait DataTransport: Send + Sync + 'static {
         Box::pin(join_all(
             items
                 .iter_mut()
-                .map(|i| self.read(target, i.key, i.offset, i.parts)),
+                .map(|i| self.read(target, i.key, i.offset, i.put_id, i.parts)),
         ))
     }
 
     /// Reads several objects from the SSD tier of one owner, which reads each from disk and
-    /// streams it back; here an item's `offset` is the object's version (put id), which the
-    /// record on disk must carry. Transports without a way to ask the owner refuse.
+    /// streams it back; an item's `put_id` is the version the record on disk must carry (its
+    /// `offset` is unused). Transports without a way to ask the owner refuse.
     fn read_disk_batch<'a, 'k: 'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,

@@ -4,15 +4,19 @@
 //! encoded here: payloads move straight between sockets and the owner's pool or the caller's buffer.
 //!
 //! ```text
-//! request  (32 B): magic u16 | version u8 | op u8 | key_len u16 | flags u16 | request_id u64 | offset u64 | length u64
+//! request  (40 B): magic u16 | version u8 | op u8 | key_len u16 | flags u16 | request_id u64 | offset u64 | length u64 | grant u64
 //! response (24 B): magic u16 | version u8 | op u8 | status i32 | request_id u64 | length u64
 //! ```
+//!
+//! `grant` is the put id the access belongs to: a write's own (the owner fences a write whose
+//! grant is older than one it already saw for the range), the version a read or a disk read must
+//! find. A write's `flags` carry the rest of its `Stamp` (replica count and pins).
 
 use crate::{ids::MAX_KEY_LEN, Code};
 
 pub const MAGIC: u16 = 0x4D43; // "MC"
-pub const VERSION: u8 = 1;
-pub const REQUEST_HEADER_LEN: usize = 32;
+pub const VERSION: u8 = 2;
+pub const REQUEST_HEADER_LEN: usize = 40;
 pub const RESPONSE_HEADER_LEN: usize = 24;
 /// Longest error message an owner sends back; longer ones are truncated by the sender.
 pub const MAX_ERROR_MESSAGE: u64 = 1024;
@@ -28,7 +32,7 @@ pub enum Op {
     Read = 2,
     /// Liveness probe; no key, no payload.
     Ping = 3,
-    /// Return the `length`-byte value of `key` from the owner's SSD tier; `offset` carries the
+    /// Return the `length`-byte value of `key` from the owner's SSD tier; `grant` carries the
     /// object's version (put id), which the record on disk must match.
     ReadDisk = 4,
 }
@@ -71,6 +75,7 @@ pub struct RequestHeader {
     pub request_id: u64,
     pub offset: u64,
     pub length: u64,
+    pub grant: u64,
 }
 
 impl RequestHeader {
@@ -84,6 +89,7 @@ impl RequestHeader {
         b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.length.to_le_bytes());
+        b[32..40].copy_from_slice(&self.grant.to_le_bytes());
         b
     }
 
@@ -109,6 +115,7 @@ impl RequestHeader {
             request_id: u64_at(b, 8),
             offset: u64_at(b, 16),
             length,
+            grant: u64_at(b, 32),
         })
     }
 
@@ -197,9 +204,9 @@ mod tests {
     proptest! {
         #[test]
         fn request_round_trips(op in op(), key_len in 1u16..=MAX_KEY_LEN as u16, flags: u16,
-                               request_id: u64, offset: u64, length in 0..=MAX_PAYLOAD) {
+                               request_id: u64, offset: u64, length in 0..=MAX_PAYLOAD, grant: u64) {
             let key_len = if op == Op::Ping { 0 } else { key_len };
-            let h = RequestHeader { op, key_len, flags, request_id, offset, length };
+            let h = RequestHeader { op, key_len, flags, request_id, offset, length, grant };
             prop_assert_eq!(RequestHeader::decode(&h.encode()), Ok(h));
         }
 
@@ -229,6 +236,7 @@ mod tests {
             request_id: 1,
             offset: 0,
             length: 10,
+            grant: 7,
         };
         let mut b = good.encode();
         b[0] = 0;

@@ -51,6 +51,14 @@ pub struct MasterConfig {
     pub offload_timeout: Duration,
     /// Reads from disk after which an object is copied back to memory; 0: never.
     pub promote_after_hits: u32,
+    /// Once an owner of an earlier master remounts (a restart), how long a get of an unknown key
+    /// answers UNAVAILABLE_IN_CURRENT_STATUS (retryable) so the other owners can remount and
+    /// report what they hold; longer while reports are coming in. 0 s: never.
+    #[serde(with = "duration")]
+    pub rebuild_grace: Duration,
+    /// The longest that answer may go on while owners are still reporting.
+    #[serde(with = "duration")]
+    pub rebuild_window: Duration,
 }
 
 impl Default for MasterConfig {
@@ -74,6 +82,8 @@ impl Default for MasterConfig {
             when_disk_behind: p.when_disk_behind,
             offload_timeout: p.offload_timeout,
             promote_after_hits: p.promote_after_hits,
+            rebuild_grace: p.rebuild_grace,
+            rebuild_window: p.rebuild_window,
         }
     }
 }
@@ -138,6 +148,8 @@ impl MasterConfig {
             when_disk_behind: self.when_disk_behind,
             offload_timeout: self.offload_timeout,
             promote_after_hits: self.promote_after_hits,
+            rebuild_grace: self.rebuild_grace,
+            rebuild_window: self.rebuild_window,
         }
     }
 }

@@ -30,6 +30,8 @@ pub enum MasterError {
     SegmentNotFound(SegmentName),
     #[error("segment {segment} is mounted by another owner")]
     NotSegmentOwner { segment: SegmentName },
+    #[error("object {0} is not known yet: the master is rebuilding its catalog from the owners' reports; retry shortly")]
+    Rebuilding(ObjectKey),
 }
 
 impl MasterError {
@@ -46,6 +48,7 @@ impl MasterError {
             MasterError::SegmentNotFound(_) | MasterError::NotSegmentOwner { .. } => {
                 Code::SegmentNotFound
             }
+            MasterError::Rebuilding(_) => Code::UnavailableInCurrentStatus,
         }
     }
 }

@@ -20,10 +20,12 @@ pub enum Op {
     Remove,
     RemoveAll,
     ListSegments,
+    /// Objects an owner reported after mounting (catalog rebuild).
+    ReportCatalog,
 }
 
 impl Op {
-    const ALL: [Op; 11] = [
+    const ALL: [Op; 12] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Heartbeat,
@@ -35,6 +37,7 @@ impl Op {
         Op::Remove,
         Op::RemoveAll,
         Op::ListSegments,
+        Op::ReportCatalog,
     ];
 
     fn name(self) -> &'static str {
@@ -50,6 +53,7 @@ impl Op {
             Op::Remove => "remove",
             Op::RemoveAll => "remove_all",
             Op::ListSegments => "get_all_segments",
+            Op::ReportCatalog => "report_catalog",
         }
     }
 }

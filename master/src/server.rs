@@ -44,7 +44,11 @@ impl RunningMaster {
         let rpc = bind(&config.bind_address, config.rpc_port).await?;
         let http = bind(&config.bind_address, config.metrics_port).await?;
         let (rpc_addr, http_addr) = (rpc.local_addr()?, http.local_addr()?);
-        let shared = Arc::new(Shared::new(MasterState::new(config.policy()), clock));
+        let mut state = MasterState::new(config.policy());
+        state.raise_grants(wall_clock_micros());
+        // Owners of an earlier master process remount and report what they hold.
+        state.started(clock.now());
+        let shared = Arc::new(Shared::new(state, clock));
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
@@ -219,4 +223,11 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// Microseconds since the Unix epoch: the floor of this process's put ids.
+fn wall_clock_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64)
 }

@@ -7,9 +7,9 @@ use mooncake_common::{ClientId, SegmentName};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 use crate::{
+    catalog::Catalog,
     config::OwnerConfig,
     dataplane,
-    index::KeyIndex,
     master_link::{ssd_tasks::Worker, LinkError, MasterLink},
     pool::MemoryPool,
     ssd::{SsdError, SsdStore},
@@ -44,7 +44,7 @@ pub struct RunningOwner {
     pub client_id: ClientId,
     link: MasterLink,
     pool: Arc<MemoryPool>,
-    index: Arc<KeyIndex>,
+    catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
     /// The SSD tier's worker and its own stop signal: it stops before the unmount, so its last
     /// reports reach a master that still knows this owner.
@@ -74,7 +74,7 @@ impl RunningOwner {
         let segment = SegmentName::from_host_port(&config.host, data_addr.port())
             .map_err(|e| OwnerError::Config(e.to_string()))?;
         let client_id = ClientId::from_u128(rand::random());
-        let index = Arc::new(KeyIndex::default());
+        let catalog = Arc::new(Catalog::default());
         let ssd = match &config.ssd_path {
             Some(dir) => Some(
                 SsdStore::open(
@@ -93,7 +93,7 @@ impl RunningOwner {
         let mut tasks = vec![tokio::spawn(dataplane::serve(
             listener,
             pool.clone(),
-            index.clone(),
+            catalog.clone(),
             ssd.clone(),
             config.frame_timeout,
             stopped.clone(),
@@ -105,7 +105,7 @@ impl RunningOwner {
                 Ok(listener) => {
                     let server = Arc::new(crate::local::LocalServer {
                         pool: pool.clone(),
-                        index: index.clone(),
+                        catalog: catalog.clone(),
                         segment: segment.clone(),
                         frame_timeout: config.frame_timeout,
                         path: path.clone(),
@@ -129,6 +129,7 @@ impl RunningOwner {
             size,
             config.rpc_timeout,
             ssd.clone(),
+            catalog.clone(),
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);
@@ -144,7 +145,7 @@ impl RunningOwner {
                 link: link.clone(),
                 store: store.clone(),
                 pool: pool.clone(),
-                index: index.clone(),
+                catalog: catalog.clone(),
                 concurrency: config.ssd_concurrency,
             });
             let (tx, rx) = watch::channel(false);
@@ -169,7 +170,7 @@ impl RunningOwner {
             client_id,
             link,
             pool,
-            index,
+            catalog,
             ssd,
             worker,
             stop,
@@ -181,8 +182,8 @@ impl RunningOwner {
         &self.pool
     }
 
-    pub fn index(&self) -> &Arc<KeyIndex> {
-        &self.index
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
     }
 
     pub fn ssd(&self) -> Option<&Arc<SsdStore>> {

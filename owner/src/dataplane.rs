@@ -7,7 +7,7 @@ use std::{io, sync::Arc, time::Duration};
 
 use mooncake_common::{
     wire::{self, Op, RequestHeader, ResponseHeader},
-    Code, ObjectKey,
+    Code, ObjectKey, Stamp,
 };
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, BufReader},
@@ -15,13 +15,18 @@ use tokio::{
     sync::watch,
 };
 
-use crate::{index::KeyIndex, pool::MemoryPool, replies::Replies, ssd::SsdStore};
+use crate::{
+    catalog::Catalog,
+    pool::{MemoryPool, Supersession},
+    replies::Replies,
+    ssd::SsdStore,
+};
 
 /// Serves connections until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,
     pool: Arc<MemoryPool>,
-    index: Arc<KeyIndex>,
+    catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
@@ -30,9 +35,9 @@ pub async fn serve(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let (pool, index, ssd, stop) = (pool.clone(), index.clone(), ssd.clone(), stop.clone());
+                    let (pool, catalog, ssd, stop) = (pool.clone(), catalog.clone(), ssd.clone(), stop.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = Connection::new(stream, pool, index, ssd, frame_timeout).run(stop).await {
+                        if let Err(e) = Connection::new(stream, pool, catalog, ssd, frame_timeout).run(stop).await {
                             tracing::debug!(%peer, error = %e, "data-plane connection closed");
                         }
                     });
@@ -70,7 +75,7 @@ struct Connection {
     writer: tokio::net::tcp::OwnedWriteHalf,
     replies: Replies,
     pool: Arc<MemoryPool>,
-    index: Arc<KeyIndex>,
+    catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
@@ -79,7 +84,7 @@ struct Connection {
 /// Forgets what a range held unless the write into it finished. Declared after the range's write
 /// guard, so on drop it runs before the guard lets readers in.
 struct ForgetUnlessFinished<'a> {
-    index: &'a KeyIndex,
+    catalog: &'a Catalog,
     offset: u64,
     len: u64,
     finished: bool,
@@ -88,7 +93,7 @@ struct ForgetUnlessFinished<'a> {
 impl Drop for ForgetUnlessFinished<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.index.forget(self.offset, self.len);
+            self.catalog.forget(self.offset, self.len);
         }
     }
 }
@@ -103,7 +108,7 @@ impl Connection {
     fn new(
         stream: TcpStream,
         pool: Arc<MemoryPool>,
-        index: Arc<KeyIndex>,
+        catalog: Arc<Catalog>,
         ssd: Option<Arc<SsdStore>>,
         frame_timeout: Duration,
     ) -> Self {
@@ -114,7 +119,7 @@ impl Connection {
             writer: w,
             replies: Replies::default(),
             pool,
-            index,
+            catalog,
             ssd,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
@@ -242,36 +247,75 @@ impl Connection {
         key: ObjectKey,
     ) -> io::Result<Result<(), Refusal>> {
         let pool = self.pool.clone();
-        // A write of an abandoned transfer still in the way is waited for (see `pool`).
+        let catalog = self.catalog.clone();
+        catalog.saw_grant(h.grant);
+        // An older grant's write still in the way is superseded and waited for (see `pool`).
         let patience = self.frame_timeout;
-        let mut guard = match pool.write_range_after(h.offset, h.length, patience).await {
+        let refused = |e: &dyn std::fmt::Display| Refusal {
+            code: Code::TransferFail,
+            message: e.to_string(),
+        };
+        let mut guard = match pool
+            .write_range_granted(h.offset, h.length, h.grant, patience)
+            .await
+        {
             Ok(g) => g,
             Err(e) => {
-                // Consume the payload so the connection stays at a frame boundary.
-                if !self.drain(h.length).await? {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, e.to_string()));
-                }
-                return Ok(Err(Refusal {
+                let refusal = Refusal {
                     code: e.code(),
                     message: e.to_string(),
-                }));
+                };
+                return self.drain_then(h.length, refusal).await;
             }
         };
+        // While the guard is held nobody else records over the range: if a newer grant's bytes
+        // are already there, this write is stale and must not land.
+        if let Some(newer) = catalog.newer_than(h.offset, h.length, h.grant) {
+            drop(guard);
+            let why = format!(
+                "range [{}, +{}) already holds put {newer}, newer than this write's put {}; the write is stale",
+                h.offset, h.length, h.grant
+            );
+            return self.drain_then(h.length, refused(&why)).await;
+        }
         // While the guard is held no reader overlaps the range. The range names the new key
-        // only once every byte landed; a write that fails or is cancelled part-way makes it name
-        // nothing before the guard lets readers in (the forget runs first on drop), so a read
-        // never returns a torn or foreign value: it is refused instead.
-        let index = self.index.clone();
+        // only once every byte landed; a write that fails, is superseded or is cancelled part-way
+        // makes it name nothing before the guard lets readers in (the forget runs first on
+        // drop), so a read never returns a torn or foreign value: it is refused instead.
         let mut unfinished = ForgetUnlessFinished {
-            index: &index,
+            catalog: &catalog,
             offset: h.offset,
             len: h.length,
             finished: false,
         };
-        self.receive_into(&mut guard).await?;
-        index.record(h.offset, h.length, key);
+        let supersession = guard.supersession();
+        let left = self.receive_into(&mut guard, supersession).await?;
+        if left > 0 {
+            drop(unfinished);
+            drop(guard);
+            let why = format!(
+                "the write of put {} was superseded by a newer grant of its range",
+                h.grant
+            );
+            return self.drain_then(left, refused(&why)).await;
+        }
+        catalog.record(
+            h.offset,
+            h.length,
+            key,
+            Stamp::from_flags(h.grant, h.flags),
+            h.grant,
+        );
         unfinished.finished = true;
         Ok(Ok(()))
+    }
+
+    /// Consumes `len` payload bytes so the connection stays at a frame boundary, then refuses.
+    async fn drain_then(&mut self, len: u64, refusal: Refusal) -> io::Result<Result<(), Refusal>> {
+        if !self.drain(len).await? {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, refusal.message));
+        }
+        Ok(Err(refusal))
     }
 
     async fn read(
@@ -295,10 +339,13 @@ impl Connection {
                 }))
             }
         };
-        if !self.index.holds(h.offset, h.length, key) {
+        if !self.catalog.holds(h.offset, h.length, key, h.grant) {
             return Ok(Err(Refusal {
                 code: Code::ObjectNotFound,
-                message: format!("range at offset {} does not hold key {key}", h.offset),
+                message: format!(
+                    "range at offset {} does not hold version {} of key {key}",
+                    h.offset, h.grant
+                ),
             }));
         }
         let ok = ResponseHeader {
@@ -325,7 +372,7 @@ impl Connection {
                 message: "this owner has no ssd tier".into(),
             }));
         };
-        let value = match ssd.read(key, h.offset, h.length).await {
+        let value = match ssd.read(key, h.grant, h.length).await {
             Ok(v) => v,
             Err(e) => {
                 return Ok(Err(Refusal {
@@ -346,25 +393,40 @@ impl Connection {
     }
 
     /// Fills `dst` (a range of the pool) from the stream: what is buffered with streaming stores,
-    /// and a large remainder straight from the socket (no stop in the buffer).
-    async fn receive_into(&mut self, mut dst: &mut [u8]) -> io::Result<()> {
+    /// and a large remainder straight from the socket (no stop in the buffer). Stops early when
+    /// the write is superseded; returns how many payload bytes it left unread (0: all landed).
+    async fn receive_into(
+        &mut self,
+        mut dst: &mut [u8],
+        supersession: Supersession<'_>,
+    ) -> io::Result<u64> {
         while !dst.is_empty() {
-            let n = if self.reader.buffer().is_empty() && dst.len() >= READ_BUF {
-                // An empty buffer and a read at least its size: the reader bypasses the buffer.
-                self.reader.read(dst).await?
-            } else {
-                let buf = self.reader.fill_buf().await?;
-                let n = buf.len().min(dst.len());
-                mooncake_common::memcopy::copy_streaming(&mut dst[..n], &buf[..n]);
-                self.reader.consume(n);
-                n
+            let step = async {
+                if self.reader.buffer().is_empty() && dst.len() >= READ_BUF {
+                    // An empty buffer and a read at least its size: the reader bypasses the buffer.
+                    self.reader.read(dst).await
+                } else {
+                    let buf = self.reader.fill_buf().await?;
+                    let n = buf.len().min(dst.len());
+                    mooncake_common::memcopy::copy_streaming(&mut dst[..n], &buf[..n]);
+                    self.reader.consume(n);
+                    Ok(n)
+                }
             };
-            if n == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
+            // Each step copies at most what already arrived, so a superseded write stops within
+            // one step of being told.
+            let n = tokio::select! {
+                biased;
+                _ = supersession.superseded() => None,
+                n = step => Some(n?),
+            };
+            match n {
+                None => return Ok(dst.len() as u64),
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(n) => dst = &mut std::mem::take(&mut dst)[n..],
             }
-            dst = &mut std::mem::take(&mut dst)[n..];
         }
-        Ok(())
+        Ok(0)
     }
 
     /// Reads and discards `len` payload bytes; false if that is more than a sane frame carries.

@@ -3,12 +3,12 @@
 //! Raw memory access lives in `pool` alone, fd passing in `fdpass`.
 #![deny(unsafe_code)]
 
+pub mod catalog;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
 #[allow(unsafe_code)]
 mod fdpass;
-pub mod index;
 pub mod local;
 pub mod master_link;
 #[allow(unsafe_code)]

@@ -1,6 +1,6 @@
 //! The same-host path, owner side: a Unix-domain socket (file mode 0660, so only the owner's
 //! user and group can connect) that hands local clients the pool's memfd and brackets their
-//! copies with range locks and key-index updates. The owner never copies these bytes itself.
+//! copies with range locks and key-catalog updates. The owner never copies these bytes itself.
 
 use std::{
     collections::HashMap,
@@ -12,8 +12,8 @@ use std::{
 };
 
 use mooncake_common::{
-    local::{frame_header, FrameReader, FrameWriter, LocalFrameError, LocalOp},
-    Code, ObjectKey, SegmentName,
+    local::{self, frame_header, FrameReader, FrameWriter, LocalFrameError, LocalOp},
+    Code, ObjectKey, SegmentName, Stamp,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -22,8 +22,8 @@ use tokio::{
 };
 
 use crate::{
+    catalog::Catalog,
     fdpass,
-    index::KeyIndex,
     pool::{MemoryPool, RangeLock},
 };
 
@@ -41,7 +41,7 @@ pub fn bind(path: &Path) -> io::Result<UnixListener> {
 
 pub struct LocalServer {
     pub pool: Arc<MemoryPool>,
-    pub index: Arc<KeyIndex>,
+    pub catalog: Arc<Catalog>,
     pub segment: SegmentName,
     pub frame_timeout: Duration,
     pub path: PathBuf,
@@ -127,12 +127,15 @@ impl LocalServer {
     }
 
     async fn hello(&self, stream: &mut UnixStream, r: &mut FrameReader<'_>) -> io::Result<()> {
+        let version = r.u8().unwrap_or(0);
         let wanted = std::str::from_utf8(r.rest()).unwrap_or("");
-        if wanted != self.segment.as_str() {
+        if version != local::VERSION || wanted != self.segment.as_str() {
             let mut w = FrameWriter::new(LocalOp::Hello);
             w.i32(Code::SegmentNotFound.as_i32()).u64(0);
             stream.write_all(&w.finish()).await?;
-            return Err(invalid(LocalFrameError("hello for another segment")));
+            return Err(invalid(LocalFrameError(
+                "hello for another segment or protocol version",
+            )));
         }
         let mut w = FrameWriter::new(LocalOp::Hello);
         w.i32(0).u64(self.pool.len());
@@ -169,25 +172,36 @@ impl LocalServer {
         let mut w = FrameWriter::new(op);
         w.u32(n as u32);
         for _ in 0..n {
-            let (offset, len, key) = r.item()?;
-            let code = match ObjectKey::from_bytes(key) {
+            let item = r.item()?;
+            let (offset, len) = (item.offset, item.len);
+            let code = match ObjectKey::from_bytes(item.key) {
                 Err(_) => Code::InvalidParams,
-                Ok(key) => match self.pool.lock_range(offset, len, write) {
-                    Err(e) => e.code(),
-                    Ok(lock) if write => {
-                        // As on TCP: the range stops naming its old key before any byte changes.
-                        self.index.forget(offset, len);
-                        held.writes.insert((offset, len), (lock, key));
-                        Code::Ok
-                    }
-                    Ok(lock) => {
-                        if self.index.holds(offset, len, &key) {
-                            held.reads.push(((offset, len), lock));
+                Ok(key) if write => {
+                    self.catalog.saw_grant(item.grant);
+                    match self.pool.lock_range(offset, len, Some(item.grant)) {
+                        Err(e) => e.code(),
+                        // Holding the range, nobody else records over it: a newer grant's bytes
+                        // already there make this write stale.
+                        Ok(_) if self.catalog.newer_than(offset, len, item.grant).is_some() => {
+                            Code::TransferFail
+                        }
+                        Ok(lock) => {
+                            // As on TCP: the range stops naming its old key before any byte
+                            // changes.
+                            self.catalog.forget(offset, len);
+                            let stamp = Stamp::from_flags(item.grant, item.flags);
+                            held.writes.insert((offset, len), (lock, key, stamp));
                             Code::Ok
-                        } else {
-                            Code::ObjectNotFound
                         }
                     }
+                }
+                Ok(key) => match self.pool.lock_range(offset, len, None) {
+                    Err(e) => e.code(),
+                    Ok(lock) if self.catalog.holds(offset, len, &key, item.grant) => {
+                        held.reads.push(((offset, len), lock));
+                        Code::Ok
+                    }
+                    Ok(_) => Code::ObjectNotFound,
                 },
             };
             w.i32(code.as_i32());
@@ -207,9 +221,10 @@ impl LocalServer {
             let range = (r.u64()?, r.u64()?);
             let commit = r.u8()? != 0;
             let code = match held.writes.remove(&range) {
-                Some((lock, key)) => {
+                Some((lock, key, stamp)) => {
                     if commit {
-                        self.index.record(range.0, range.1, key);
+                        self.catalog
+                            .record(range.0, range.1, key, stamp, stamp.put_id);
                     }
                     drop(lock);
                     Code::Ok
@@ -224,7 +239,7 @@ impl LocalServer {
 
 #[derive(Default)]
 struct Held {
-    writes: HashMap<(u64, u64), (RangeLock, ObjectKey)>,
+    writes: HashMap<(u64, u64), (RangeLock, ObjectKey, Stamp)>,
     reads: Vec<((u64, u64), RangeLock)>,
 }
 

@@ -3,11 +3,12 @@
 //! the pool. Accesses go through range guards that keep concurrent accesses from aliasing: any
 //! number of readers may share a range, a writer has it alone, and a conflicting access is refused
 //! (the master never hands out overlapping live ranges, so a conflict means a stale or misbehaving
-//! peer). One exception: a write that meets another write may wait for it (`write_range_after`).
-//! The master grants a range again only after its earlier grant ended, so the write in the way is
-//! the stale one (a transfer abandoned by its client, still draining from a socket): it ends
-//! within its frame deadline, and the current grant's bytes land after it instead of being
-//! refused.
+//! peer). One exception: writes carry the grant (put id) they were issued under, and the master
+//! grants a range again only after its earlier grant ended, so of two writes that meet, the one
+//! with the older grant is stale (a transfer abandoned by its client, still draining from a
+//! socket). A newer write supersedes it (`write_range_granted`): the older one is told to stop at
+//! its next chunk, and the newer one takes the range as soon as it is let go. An older write
+//! that meets a newer one is refused.
 
 use std::{
     fs::File,
@@ -31,6 +32,13 @@ pub enum RangeError {
         /// The access in the way is a write.
         by_write: bool,
     },
+    #[error("range [{offset}, +{len}) was granted again (put {newer}) after this write's grant (put {grant}); the write is stale")]
+    Stale {
+        offset: u64,
+        len: u64,
+        grant: u64,
+        newer: u64,
+    },
 }
 
 impl RangeError {
@@ -38,7 +46,9 @@ impl RangeError {
     pub fn code(&self) -> mooncake_common::Code {
         match self {
             RangeError::OutOfBounds { .. } => mooncake_common::Code::InvalidParams,
-            RangeError::Busy { .. } => mooncake_common::Code::TransferFail,
+            RangeError::Busy { .. } | RangeError::Stale { .. } => {
+                mooncake_common::Code::TransferFail
+            }
         }
     }
 }
@@ -48,10 +58,14 @@ pub struct MemoryPool {
     len: u64,
     locked: bool,
     active: Mutex<Vec<Active>>,
-    /// Wakes writes waiting for a range (`write_range_after`) when any range is released.
+    /// Wakes writes waiting for a range (`write_range_granted`) when any range is released.
     released: tokio::sync::Notify,
-    /// Writes waiting in `write_range_after`: releases notify only while there are some.
+    /// Writes waiting in `write_range_granted`: releases notify only while there are some.
     waiting: std::sync::atomic::AtomicUsize,
+    /// Wakes writes that were superseded (see `Supersession`).
+    superseding: tokio::sync::Notify,
+    /// Writes marked superseded so far: while it has not moved, no write has been.
+    supersessions: std::sync::atomic::AtomicU64,
     // Keeps the mapping alive; `base` points into it.
     _map: MmapMut,
     file: File,
@@ -62,6 +76,16 @@ struct Active {
     start: u64,
     end: u64,
     write: bool,
+    /// The write's grant (0 for reads and for writes without one).
+    grant: u64,
+    /// A newer grant's write waits for this one to let go.
+    superseded: bool,
+}
+
+impl Active {
+    fn overlaps(&self, start: u64, end: u64) -> bool {
+        self.start < end && start < self.end
+    }
 }
 
 // SAFETY: the pool is a fixed mapping that lives as long as the struct; all access to its bytes
@@ -121,6 +145,8 @@ impl MemoryPool {
             active: Mutex::new(Vec::new()),
             released: tokio::sync::Notify::new(),
             waiting: std::sync::atomic::AtomicUsize::new(0),
+            superseding: tokio::sync::Notify::new(),
+            supersessions: std::sync::atomic::AtomicU64::new(0),
             _map: map,
             file,
         })
@@ -154,28 +180,37 @@ impl MemoryPool {
         }
     }
 
-    /// Exclusive access to `[offset, offset + len)`.
+    /// Exclusive access to `[offset, offset + len)` for a write without a grant.
     pub fn write_range(&self, offset: u64, len: u64) -> Result<WriteGuard<'_>, RangeError> {
         self.acquire(offset, len, true)?;
         Ok(WriteGuard {
             pool: self,
             offset,
             len,
+            grant: 0,
         })
     }
 
-    /// `write_range`, waiting up to `patience` while the range is held by another write (see
-    /// the module's doc); any other refusal, or one still standing at the deadline, is returned.
-    pub async fn write_range_after(
+    /// Exclusive access to `[offset, offset + len)` for a write under `grant`. Writes of older
+    /// grants in the way are superseded and waited for, up to `patience` (see the module's
+    /// doc); a newer one in the way, any read, or a write still there at the deadline is a
+    /// refusal.
+    pub async fn write_range_granted(
         &self,
         offset: u64,
         len: u64,
+        grant: u64,
         patience: std::time::Duration,
     ) -> Result<WriteGuard<'_>, RangeError> {
+        let guard = || WriteGuard {
+            pool: self,
+            offset,
+            len,
+            grant,
+        };
         // The usual case: nothing in the way, nothing to register.
-        match self.write_range(offset, len) {
-            Err(RangeError::Busy { by_write: true, .. }) => {}
-            other => return other,
+        if self.try_write(offset, len, grant)? {
+            return Ok(guard());
         }
         let deadline = tokio::time::Instant::now() + patience;
         let _waiting = Waiting::register(&self.waiting);
@@ -184,15 +219,75 @@ impl MemoryPool {
             let released = self.released.notified();
             tokio::pin!(released);
             released.as_mut().enable();
-            match self.write_range(offset, len) {
-                Err(RangeError::Busy { by_write: true, .. })
-                    if tokio::time::Instant::now() < deadline =>
-                {
+            match self.try_write(offset, len, grant) {
+                Ok(true) => return Ok(guard()),
+                Ok(false) if tokio::time::Instant::now() < deadline => {
                     let _ = tokio::time::timeout_at(deadline, released).await;
                 }
-                other => return other,
+                Ok(false) => {
+                    return Err(RangeError::Busy {
+                        offset,
+                        len,
+                        by_write: true,
+                    })
+                }
+                Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Takes the range for a write under `grant` (true), or marks the older writes in the way
+    /// superseded and wakes them (false: wait for their release).
+    fn try_write(&self, offset: u64, len: u64, grant: u64) -> Result<bool, RangeError> {
+        self.check_range(offset, len)?;
+        let (start, end) = (offset, offset + len);
+        let mut active = self.active.lock();
+        let mut older = false;
+        for a in active.iter().filter(|a| a.overlaps(start, end)) {
+            if !a.write {
+                return Err(RangeError::Busy {
+                    offset,
+                    len,
+                    by_write: false,
+                });
+            }
+            if a.grant > grant {
+                return Err(RangeError::Stale {
+                    offset,
+                    len,
+                    grant,
+                    newer: a.grant,
+                });
+            }
+            // The same grant twice (or two writes without one) is a conflict, not a supersession.
+            if a.grant == grant {
+                return Err(RangeError::Busy {
+                    offset,
+                    len,
+                    by_write: true,
+                });
+            }
+            older = true;
+        }
+        if older {
+            active
+                .iter_mut()
+                .filter(|a| a.overlaps(start, end))
+                .for_each(|a| a.superseded = true);
+            self.supersessions
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(active);
+            self.superseding.notify_waiters();
+            return Ok(false);
+        }
+        active.push(Active {
+            start,
+            end,
+            write: true,
+            grant,
+            superseded: false,
+        });
+        Ok(true)
     }
 
     /// Shared access to `[offset, offset + len)`.
@@ -222,18 +317,36 @@ impl MemoryPool {
 
     /// Holds `[offset, offset + len)` for a same-host client that copies through its own mapping:
     /// conflicting transfers are refused until the lock is dropped. No bytes are exposed here.
+    /// A write lock carries the write's grant: a newer grant's write waits for it (the copy runs
+    /// in the client and cannot be stopped) and an older one is refused.
     pub fn lock_range(
         self: &Arc<Self>,
         offset: u64,
         len: u64,
-        write: bool,
+        write: Option<u64>,
     ) -> Result<RangeLock, RangeError> {
-        self.acquire(offset, len, write)?;
+        let grant = match write {
+            Some(grant) => {
+                if !self.try_write(offset, len, grant)? {
+                    return Err(RangeError::Busy {
+                        offset,
+                        len,
+                        by_write: true,
+                    });
+                }
+                grant
+            }
+            None => {
+                self.acquire(offset, len, false)?;
+                0
+            }
+        };
         Ok(RangeLock {
             pool: self.clone(),
             offset,
             len,
-            write,
+            write: write.is_some(),
+            grant,
         })
     }
 
@@ -243,7 +356,7 @@ impl MemoryPool {
         let mut active = self.active.lock();
         if let Some(a) = active
             .iter()
-            .find(|a| a.start < end && start < a.end && (write || a.write))
+            .find(|a| a.overlaps(start, end) && (write || a.write))
         {
             return Err(RangeError::Busy {
                 offset,
@@ -251,18 +364,23 @@ impl MemoryPool {
                 by_write: a.write,
             });
         }
-        active.push(Active { start, end, write });
+        active.push(Active {
+            start,
+            end,
+            write,
+            grant: 0,
+            superseded: false,
+        });
         Ok(())
     }
 
-    fn release(&self, offset: u64, len: u64, write: bool) {
+    fn release(&self, offset: u64, len: u64, write: bool, grant: u64) {
         let mut active = self.active.lock();
-        let me = Active {
-            start: offset,
-            end: offset + len,
-            write,
-        };
-        if let Some(i) = active.iter().position(|a| *a == me) {
+        let (start, end) = (offset, offset + len);
+        if let Some(i) = active
+            .iter()
+            .position(|a| (a.start, a.end, a.write, a.grant) == (start, end, write, grant))
+        {
             active.swap_remove(i);
         }
         drop(active);
@@ -285,11 +403,13 @@ pub struct RangeLock {
     offset: u64,
     len: u64,
     write: bool,
+    grant: u64,
 }
 
 impl Drop for RangeLock {
     fn drop(&mut self) {
-        self.pool.release(self.offset, self.len, self.write);
+        self.pool
+            .release(self.offset, self.len, self.write, self.grant);
     }
 }
 
@@ -298,6 +418,68 @@ pub struct WriteGuard<'a> {
     pool: &'a MemoryPool,
     offset: u64,
     len: u64,
+    grant: u64,
+}
+
+impl<'a> WriteGuard<'a> {
+    /// What tells this write that a newer grant's write wants its range; it borrows the pool,
+    /// not the guard, so the write can go on filling the range while it listens.
+    pub fn supersession(&self) -> Supersession<'a> {
+        Supersession {
+            pool: self.pool,
+            start: self.offset,
+            end: self.offset + self.len,
+            grant: self.grant,
+            seen: self
+                .pool
+                .supersessions
+                .load(std::sync::atomic::Ordering::SeqCst),
+        }
+    }
+}
+
+/// Whether a write was superseded: then it must stop writing and let its range go.
+#[derive(Clone, Copy)]
+pub struct Supersession<'a> {
+    pool: &'a MemoryPool,
+    start: u64,
+    end: u64,
+    grant: u64,
+    /// `MemoryPool::supersessions` when the write began.
+    seen: u64,
+}
+
+impl Supersession<'_> {
+    pub fn is_superseded(&self) -> bool {
+        // One atomic load while nothing was superseded anywhere in the pool since the write began.
+        if self
+            .pool
+            .supersessions
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == self.seen
+        {
+            return false;
+        }
+        let me = (self.start, self.end, true, self.grant);
+        self.pool
+            .active
+            .lock()
+            .iter()
+            .any(|a| (a.start, a.end, a.write, a.grant) == me && a.superseded)
+    }
+
+    /// Finishes once the write is superseded (never, for a write that is not).
+    pub async fn superseded(&self) {
+        loop {
+            let woken = self.pool.superseding.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if self.is_superseded() {
+                return;
+            }
+            woken.await;
+        }
+    }
 }
 
 impl std::ops::Deref for WriteGuard<'_> {
@@ -318,7 +500,7 @@ impl std::ops::DerefMut for WriteGuard<'_> {
 
 impl Drop for WriteGuard<'_> {
     fn drop(&mut self) {
-        self.pool.release(self.offset, self.len, true);
+        self.pool.release(self.offset, self.len, true, self.grant);
     }
 }
 
@@ -340,7 +522,7 @@ impl std::ops::Deref for ReadGuard<'_> {
 
 impl Drop for ReadGuard<'_> {
     fn drop(&mut self) {
-        self.pool.release(self.offset, self.len, false);
+        self.pool.release(self.offset, self.len, false, 0);
     }
 }
 
@@ -362,7 +544,7 @@ impl std::ops::Deref for PoolSlice {
 
 impl Drop for PoolSlice {
     fn drop(&mut self) {
-        self.pool.release(self.offset, self.len, false);
+        self.pool.release(self.offset, self.len, false, 0);
     }
 }
 
@@ -434,36 +616,63 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_write_waits_for_a_write_in_the_way_but_not_for_a_read() {
+    async fn a_newer_grant_supersedes_an_older_write_and_an_older_one_is_refused() {
         use std::time::{Duration, Instant};
         let pool = Arc::new(MemoryPool::create(1 << 20, false).unwrap());
-        let stale = pool.write_range(0, 4096).unwrap();
-        let waiter = {
+        let patience = Duration::from_secs(10);
+        let stale = pool
+            .write_range_granted(0, 4096, 5, patience)
+            .await
+            .unwrap();
+        let told = stale.supersession();
+        assert!(!told.is_superseded());
+        let newer = {
             let pool = pool.clone();
             tokio::spawn(async move {
                 let mut w = pool
-                    .write_range_after(1024, 4096, Duration::from_secs(10))
+                    .write_range_granted(1024, 4096, 9, patience)
                     .await
                     .unwrap();
                 w.copy_from_slice(&[9u8; 4096]);
             })
         };
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The stale write learns it was superseded, and the newer one waits until it lets go.
+        tokio::time::timeout(Duration::from_secs(5), told.superseded())
+            .await
+            .expect("the older write is told");
+        assert!(told.is_superseded());
         assert!(
-            !waiter.is_finished(),
-            "the write waits while the other holds the range"
+            !newer.is_finished(),
+            "the newer write waits for the release"
         );
         drop(stale);
-        tokio::time::timeout(Duration::from_secs(5), waiter)
+        tokio::time::timeout(Duration::from_secs(5), newer)
             .await
             .expect("released writes wake the waiter")
             .unwrap();
         assert_eq!(&pool.read_range(1024, 4096).unwrap()[..], &[9u8; 4096]);
 
-        // A reader in the way is not waited for; a writer in the way only until the deadline.
+        // An older grant meeting a newer write is refused at once, as is the same grant twice.
+        let held = pool
+            .write_range_granted(0, 100, 20, patience)
+            .await
+            .unwrap();
+        let t = Instant::now();
+        assert!(matches!(
+            pool.write_range_granted(50, 100, 19, patience).await,
+            Err(RangeError::Stale { newer: 20, .. })
+        ));
+        assert!(matches!(
+            pool.write_range_granted(50, 100, 20, patience).await,
+            Err(RangeError::Busy { by_write: true, .. })
+        ));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        drop(held);
+
+        // A reader in the way is not waited for; an older writer only until the deadline.
         let reader = pool.read_range(0, 10).unwrap();
         let t = Instant::now();
-        let refused = pool.write_range_after(0, 10, Duration::from_secs(10)).await;
+        let refused = pool.write_range_granted(0, 10, 30, patience).await;
         assert!(matches!(
             refused,
             Err(RangeError::Busy {
@@ -473,16 +682,18 @@ mod tests {
         ));
         assert!(t.elapsed() < Duration::from_secs(1));
         drop(reader);
-        let writer = pool.write_range(0, 10).unwrap();
+        let writer = pool.write_range_granted(0, 10, 31, patience).await.unwrap();
+        let told = writer.supersession();
         let t = Instant::now();
         let refused = pool
-            .write_range_after(5, 10, Duration::from_millis(100))
+            .write_range_granted(5, 10, 32, Duration::from_millis(100))
             .await;
         assert!(matches!(
             refused,
             Err(RangeError::Busy { by_write: true, .. })
         ));
         assert!(t.elapsed() >= Duration::from_millis(100));
+        assert!(told.is_superseded());
         drop(writer);
     }
 }

@@ -22,6 +22,7 @@ fn header(op: Op, key: &str, offset: u64, length: u64) -> Vec<u8> {
         request_id: 7,
         offset,
         length,
+        grant: 0,
     }
     .encode()
     .to_vec();
@@ -67,7 +68,9 @@ async fn malformed_truncated_and_out_of_range_frames_get_errors_and_the_owner_ke
 
     // Garbage: an error reply naming the problem, then the connection closes.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&[0xde; 32]).await.unwrap();
+    s.write_all(&[0xde; mooncake_common::wire::REQUEST_HEADER_LEN])
+        .await
+        .unwrap();
     let (h, msg) = response(&mut s).await;
     assert_eq!(h.status, -600);
     assert!(
@@ -256,6 +259,7 @@ async fn the_master_refuses_bad_ids_per_item_and_keeps_serving() {
             segment: "h:1".into(),
             size: 100,
             disk_capacity: 0,
+            ..Default::default()
         })
         .await;
     assert_eq!(mount.unwrap_err().code(), tonic::Code::InvalidArgument);

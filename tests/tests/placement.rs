@@ -30,17 +30,19 @@ async fn two_replicas_land_on_two_distinct_owners_and_both_serve_the_bytes() {
     assert_eq!(segs.len(), 2);
     let owners: HashSet<_> = c.owners.iter().map(|o| o.segment.clone()).collect();
     assert_eq!(segs, owners);
-    // Each owner really holds the bytes: its key index names the key at the replica's offset.
+    // Each owner really holds the bytes: its catalog names the key and version at the replica's
+    // offset.
     for o in &c.owners {
         let r = desc
             .replicas
             .iter()
             .find(|r| r.segment == o.segment)
             .unwrap();
-        assert!(o.index().holds(
+        assert!(o.catalog().holds(
             r.offset,
             300_000,
-            &mooncake_common::ObjectKey::new("r2").unwrap()
+            &mooncake_common::ObjectKey::new("r2").unwrap(),
+            r.put_id,
         ));
     }
     // Reads succeed from either replica: prefer each owner in turn.

@@ -1,5 +1,6 @@
-//! No read ever returns another key's bytes: a reader holding the location of a removed object
-//! whose range was reused gets an error from the owner, not the new object's bytes.
+//! No read ever returns another key's or another version's bytes: a reader holding the location
+//! of a removed object whose range was reused (by another key, or by a new put of the same key)
+//! gets an error from the owner, not the new object's bytes.
 
 use mooncake_client::ReplicateConfig;
 use mooncake_common::ObjectKey;
@@ -47,6 +48,7 @@ async fn a_stale_location_reused_by_another_key_is_refused() {
             &loc.segment,
             &ObjectKey::new("old").unwrap(),
             loc.offset,
+            loc.put_id,
             &mut [&mut buf[..]],
         )
         .await
@@ -60,10 +62,40 @@ async fn a_stale_location_reused_by_another_key_is_refused() {
         &loc.segment,
         &ObjectKey::new("new").unwrap(),
         loc.offset,
+        new.replicas[0].put_id,
         &mut [&mut buf[..]],
     )
     .await
     .unwrap();
     assert!(buf == payload("new", 4096));
+
+    // The same key put again into the same range with other bytes: the old version's location
+    // reads nothing.
+    client.remove("new", true).await.unwrap();
+    client
+        .put("new", &payload("new, second version", 4096), &cfg)
+        .await
+        .unwrap();
+    let again = client
+        .batch_get_replica_desc(&["new"])
+        .await
+        .unwrap()
+        .pop()
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.replicas[0].offset, loc.offset);
+    let mut buf = vec![0u8; 4096];
+    let err = t
+        .read(
+            &loc.segment,
+            &ObjectKey::new("new").unwrap(),
+            loc.offset,
+            new.replicas[0].put_id,
+            &mut [&mut buf[..]],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code().as_i32(), -704, "{err}");
+    assert!(buf.iter().all(|b| *b == 0));
     c.shutdown().await;
 }

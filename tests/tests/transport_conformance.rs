@@ -1,15 +1,32 @@
 //! One conformance suite for every data transport: TCP, and the same-host shared-memory path.
-//! Both must move bytes exactly, refuse bad ranges and wrong keys with the same codes, and report
-//! per-item results in batches.
+//! Both must move bytes exactly, refuse bad ranges, wrong keys and wrong versions with the same
+//! codes, fence writes of older grants, and report per-item results in batches.
 
-use std::sync::Arc;
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Arc,
+};
 
 use mooncake_client::transport::{tcp::TcpConfig, HybridConfig, HybridTransport, TcpTransport};
 use mooncake_common::{
     transport::{DataTransport, ReadItem, WriteItem},
-    ObjectKey, SegmentName,
+    ObjectKey, SegmentName, Stamp,
 };
 use mooncake_tests::{payload, Cluster};
+
+/// A new grant, larger than every earlier one, as a master issues them.
+fn grant() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn stamp(put_id: u64) -> Stamp {
+    Stamp {
+        put_id,
+        replica_num: 1,
+        ..Stamp::default()
+    }
+}
 
 const SEG: u64 = 16 << 20;
 
@@ -47,7 +64,8 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     // Round trip, written in two parts and read back in three.
     let v = payload(name, 10_000);
     let (a, b) = v.split_at(3_000);
-    t.write(seg, &k("obj"), 4096, &[a, b])
+    let g = grant();
+    t.write(seg, &k("obj"), 4096, stamp(g), &[a, b])
         .await
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let (mut x, mut y, mut z) = (vec![0u8; 1], vec![0u8; 8_999], vec![0u8; 1_000]);
@@ -55,32 +73,36 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
         seg,
         &k("obj"),
         4096,
+        g,
         &mut [&mut x[..], &mut y[..], &mut z[..]],
     )
     .await
     .unwrap();
     assert!([x, y, z].concat() == v, "{name}: bytes differ");
 
-    // The wrong key at a valid range: not found, and the buffer is untouched.
+    // The wrong key or the wrong version at a valid range: not found, and the buffer is
+    // untouched.
     let mut buf = vec![7u8; 10_000];
-    let e = t
-        .read(seg, &k("other"), 4096, &mut [&mut buf[..]])
-        .await
-        .unwrap_err();
-    assert_eq!(e.code().as_i32(), -704, "{name}: {e}");
-    assert!(
-        buf.iter().all(|b| *b == 7),
-        "{name}: a refused read wrote into the buffer"
-    );
+    for (key, version) in [("other", g), ("obj", g + 1000)] {
+        let e = t
+            .read(seg, &k(key), 4096, version, &mut [&mut buf[..]])
+            .await
+            .unwrap_err();
+        assert_eq!(e.code().as_i32(), -704, "{name}: {e}");
+        assert!(
+            buf.iter().all(|b| *b == 7),
+            "{name}: a refused read wrote into the buffer"
+        );
+    }
 
     // Out of range, both ways.
     let e = t
-        .write(seg, &k("far"), SEG - 10, &[&[1u8; 100][..]])
+        .write(seg, &k("far"), SEG - 10, stamp(grant()), &[&[1u8; 100][..]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
     let e = t
-        .read(seg, &k("obj"), u64::MAX - 5, &mut [&mut buf[..10]])
+        .read(seg, &k("obj"), u64::MAX - 5, g, &mut [&mut buf[..10]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
@@ -91,20 +113,24 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     let p2s: [&[u8]; 1] = [&p2];
     let bad: [&[u8]; 1] = [&[0u8; 64]];
     let (k1, k2, k3) = (k("b1"), k("b2"), k("b3"));
+    let (g1, g2, g3) = (grant(), grant(), grant());
     let writes = [
         WriteItem {
             key: &k1,
             offset: 65536,
+            stamp: stamp(g1),
             parts: &p1s,
         },
         WriteItem {
             key: &k3,
             offset: SEG,
+            stamp: stamp(g3),
             parts: &bad,
         },
         WriteItem {
             key: &k2,
             offset: 131072,
+            stamp: stamp(g2),
             parts: &p2s,
         },
     ];
@@ -117,16 +143,19 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
         ReadItem {
             key: &k2,
             offset: 131072,
+            put_id: g2,
             parts: &mut d2,
         },
         ReadItem {
             key: &k3,
             offset: 200_000,
+            put_id: g3,
             parts: &mut d3,
         },
         ReadItem {
             key: &k1,
             offset: 65536,
+            put_id: g1,
             parts: &mut d1,
         },
     ];
@@ -135,15 +164,31 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     assert_eq!(res[1].as_ref().unwrap_err().code().as_i32(), -704, "{name}");
     assert!(r1 == p1 && r2 == p2, "{name}: batch bytes differ");
 
-    // Rewriting a range replaces its key: the old key no longer reads.
-    t.write(seg, &k("newer"), 4096, &[&payload("newer", 10_000)[..]])
+    // Rewriting a range under a newer grant replaces its key: the old key no longer reads.
+    let newer = grant();
+    let nv = payload("newer", 10_000);
+    t.write(seg, &k("newer"), 4096, stamp(newer), &[&nv[..]])
         .await
         .unwrap();
     let e = t
-        .read(seg, &k("obj"), 4096, &mut [&mut buf[..]])
+        .read(seg, &k("obj"), 4096, g, &mut [&mut buf[..]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -704, "{name}");
+
+    // A write of an older grant over it (an abandoned transfer arriving late) is refused and
+    // changes nothing, wherever it overlaps.
+    for (offset, len) in [(4096, 10_000), (4000, 200), (14_000, 500)] {
+        let e = t
+            .write(seg, &k("obj"), offset, stamp(g), &[&vec![0xEE; len][..]])
+            .await
+            .unwrap_err();
+        assert_eq!(e.code().as_i32(), -800, "{name}: {e}");
+    }
+    t.read(seg, &k("newer"), 4096, newer, &mut [&mut buf[..]])
+        .await
+        .unwrap();
+    assert!(buf == nv, "{name}: a stale write changed the bytes");
 }
 
 /// Batches of several MiB (which the TCP transport spreads over threads), with a refused item
@@ -156,14 +201,16 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k.as_str(), LEN)).collect();
     let offset = |i: usize| if i == 3 { SEG } else { (i * LEN) as u64 };
     let parts: Vec<[&[u8]; 1]> = values.iter().map(|v| [&v[..]]).collect();
-    let writes: Vec<WriteItem<'_>> = (0..N)
-        .map(|i| WriteItem {
-            key: &keys[i],
-            offset: offset(i),
-            parts: &parts[i],
-        })
-        .collect();
     for round in 0..2 {
+        let grants: Vec<u64> = (0..N).map(|_| grant()).collect();
+        let writes: Vec<WriteItem<'_>> = (0..N)
+            .map(|i| WriteItem {
+                key: &keys[i],
+                offset: offset(i),
+                stamp: stamp(grants[i]),
+                parts: &parts[i],
+            })
+            .collect();
         let res = t.write_batch(seg, &writes).await;
         for (i, r) in res.iter().enumerate() {
             match (i, r) {
@@ -180,6 +227,7 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
             .map(|(i, d)| ReadItem {
                 key: &keys[i],
                 offset: if i == 3 { 0 } else { offset(i) },
+                put_id: grants[i],
                 parts: d,
             })
             .collect();
@@ -207,10 +255,12 @@ async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     let keys: Vec<ObjectKey> = (0..N).map(|i| k(&format!("small/{i}"))).collect();
     let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k.as_str(), LEN)).collect();
     let parts: Vec<[&[u8]; 1]> = values.iter().map(|v| [&v[..]]).collect();
+    let grants: Vec<u64> = (0..N).map(|_| grant()).collect();
     let writes: Vec<WriteItem<'_>> = (0..N)
         .map(|i| WriteItem {
             key: &keys[i],
             offset: BASE + (i * LEN) as u64,
+            stamp: stamp(grants[i]),
             parts: &parts[i],
         })
         .collect();
@@ -235,6 +285,7 @@ async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
             .map(|(i, d)| ReadItem {
                 key: &keys[if refused.contains(&i) { (i + 1) % N } else { i }],
                 offset: BASE + (i * LEN) as u64,
+                put_id: grants[i],
                 parts: d,
             })
             .collect();

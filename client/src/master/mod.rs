@@ -7,6 +7,7 @@
 mod answers;
 mod framed;
 mod grpc;
+mod patient;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -14,6 +15,7 @@ use mooncake_common::{ApiError, Code, MasterApi};
 
 pub use framed::FramedMaster;
 pub use grpc::GrpcMaster;
+pub use patient::Patient;
 
 use crate::{
     config::{ClientConfig, MasterProtocol},
@@ -34,7 +36,7 @@ pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError>
     {
         return Err(bad());
     }
-    Ok(match config.master_protocol {
+    let wire: Arc<dyn MasterApi> = match config.master_protocol {
         MasterProtocol::Framed => Arc::new(FramedMaster::new(
             addr,
             config.rpc_timeout,
@@ -44,7 +46,8 @@ pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError>
         MasterProtocol::Grpc => Arc::new(
             GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout).ok_or_else(bad)?,
         ),
-    })
+    };
+    Ok(Arc::new(Patient::new(wire, config.rpc_timeout)))
 }
 
 /// `call` under the RPC deadline.

@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use mooncake_common::{
     local::socket_path,
     transport::{DataTransport, ReadItem, TransferError, TransferStats, WriteItem},
-    ObjectKey, SegmentName,
+    ObjectKey, SegmentName, Stamp,
 };
 use parking_lot::Mutex;
 
@@ -141,10 +141,16 @@ impl DataTransport for HybridTransport {
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        stamp: Stamp,
         parts: &'a [&'a [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let items = [WriteItem { key, offset, parts }];
+            let items = [WriteItem {
+                key,
+                offset,
+                stamp,
+                parts,
+            }];
             self.write_batch(target, &items)
                 .await
                 .pop()
@@ -157,10 +163,16 @@ impl DataTransport for HybridTransport {
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        put_id: u64,
         parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let mut items = [ReadItem { key, offset, parts }];
+            let mut items = [ReadItem {
+                key,
+                offset,
+                put_id,
+                parts,
+            }];
             self.read_batch(target, &mut items)
                 .await
                 .pop()

@@ -54,6 +54,13 @@ struct Args {
     /// Disk reads after which an object is copied back to memory; 0: never.
     #[arg(long = "promote_after_hits", alias = "promote-after-hits")]
     promote_after_hits: Option<u32>,
+    /// After a restart, unknown keys answer a retryable code for this long (seconds) while
+    /// owners remount and report what they hold; 0: never.
+    #[arg(long = "rebuild_grace_sec", value_parser = secs)]
+    rebuild_grace: Option<Duration>,
+    /// The longest that goes on while owners are still reporting (seconds).
+    #[arg(long = "rebuild_window_sec", value_parser = secs)]
+    rebuild_window: Option<Duration>,
 }
 
 fn ms(s: &str) -> Result<Duration, String> {
@@ -86,6 +93,8 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         allocation_strategy <- args.allocation_strategy,
         when_disk_behind <- args.when_disk_behind,
         promote_after_hits <- args.promote_after_hits,
+        rebuild_grace <- args.rebuild_grace,
+        rebuild_window <- args.rebuild_window,
     );
     if args.eager_offload {
         c.eager_offload = true;

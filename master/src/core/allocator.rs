@@ -116,6 +116,56 @@ impl OffsetAllocator {
         this
     }
 
+    /// An allocator over `capacity` in which exactly the `used` ranges (offset, size) are
+    /// allocated, as when a master rebuilds a segment from what its owner reports; returns the
+    /// allocations in the order given. The ranges must be sorted by offset, granule-aligned,
+    /// inside the capacity and apart once rounded up to granules; None if they are not. One
+    /// pass over the ranges, not one search per range.
+    pub fn with_used(capacity: u64, used: &[(u64, u64)]) -> Option<(Self, Vec<Allocation>)> {
+        let mut this = OffsetAllocator::new(0);
+        this.capacity = capacity - capacity % GRANULE;
+        let end = this.capacity / GRANULE;
+        let mut allocations = Vec::with_capacity(used.len());
+        let (mut at, mut prev) = (0u64, NIL);
+        // Appends a block after `prev` in the physical chain.
+        let mut append = |this: &mut Self, offset: u64, size: u64, used: bool| -> Option<u32> {
+            let node = this.new_node(offset, size, prev, NIL)?;
+            if prev != NIL {
+                this.nodes[prev as usize].phys_next = node;
+            }
+            if used {
+                this.nodes[node as usize].used = true;
+            } else {
+                this.insert_free(node);
+            }
+            prev = node;
+            Some(node)
+        };
+        for &(offset, size) in used {
+            let granules = size.div_ceil(GRANULE);
+            let first = offset / GRANULE;
+            if size == 0 || offset % GRANULE != 0 || first < at || first + granules > end {
+                return None;
+            }
+            if first > at {
+                append(&mut this, at, first - at, false)?;
+            }
+            let node = append(&mut this, first, granules, true)?;
+            this.allocated += granules * GRANULE;
+            this.live += 1;
+            allocations.push(Allocation {
+                offset,
+                size: granules * GRANULE,
+                node,
+            });
+            at = first + granules;
+        }
+        if at < end {
+            append(&mut this, at, end - at, false)?;
+        }
+        Some((this, allocations))
+    }
+
     /// None when size == 0 or no free block is large enough. O(1): bitmap scans, no loops over
     /// blocks.
     ///
@@ -497,5 +547,49 @@ mod tests {
             let all = a.allocate(a.capacity()).map(|all| (all.offset(), all.size()));
             prop_assert_eq!(all, (a.capacity() > 0).then_some((0, a.capacity())));
         }
+    }
+
+    #[test]
+    fn an_allocator_rebuilt_from_used_ranges_behaves_like_the_original() {
+        let mut a = OffsetAllocator::new(1 << 20);
+        let held: Vec<Allocation> = (0..50).map(|i| a.allocate(100 + i * 37).unwrap()).collect();
+        let mut ranges: Vec<(u64, u64)> = held
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 3 != 0)
+            .map(|(_, x)| (x.offset(), x.size()))
+            .collect();
+        ranges.sort();
+        let (mut b, allocations) = OffsetAllocator::with_used(1 << 20, &ranges).unwrap();
+        assert_consistent(&b);
+        assert_eq!(b.live_allocations(), ranges.len());
+        assert_eq!(b.allocated(), ranges.iter().map(|r| r.1).sum::<u64>());
+        // New allocations never overlap the rebuilt ones; freeing everything coalesces back to
+        // one block.
+        let fresh: Vec<Allocation> = (0..40).filter_map(|i| b.allocate(64 + i * 11)).collect();
+        for f in &fresh {
+            for &(o, s) in &ranges {
+                assert!(f.offset() + f.size() <= o || o + s <= f.offset());
+            }
+        }
+        for x in allocations.into_iter().chain(fresh) {
+            b.free(x);
+        }
+        assert_consistent(&b);
+        assert_eq!(b.largest_free(), 1 << 20);
+        // Misaligned, overlapping, unsorted or out-of-range input is refused.
+        for bad in [
+            vec![(10, 64)],
+            vec![(0, 100), (64, 64)],
+            vec![(128, 64), (0, 64)],
+            vec![((1 << 20) - 64, 128)],
+            vec![(0, 0)],
+        ] {
+            assert!(
+                OffsetAllocator::with_used(1 << 20, &bad).is_none(),
+                "{bad:?}"
+            );
+        }
+        drop(held);
     }
 }

@@ -6,6 +6,7 @@ pub mod allocator;
 mod evict;
 mod objects;
 pub mod placement;
+mod rebuild;
 mod segments;
 #[cfg(test)]
 mod tests;
@@ -17,13 +18,14 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use mooncake_common::{ClientId, ObjectKey, SegmentName};
-use rand::{rngs::StdRng, RngCore, SeedableRng};
+use rand::{rngs::StdRng, SeedableRng};
 
 use crate::clock::Millis;
 use allocator::{Allocation, OffsetAllocator};
 pub use objects::PutGrant;
 pub use placement::AllocationStrategy;
-pub use segments::HeartbeatReply;
+pub use rebuild::{ReportOutcome, Reported};
+pub use segments::{HeartbeatReply, MountReport};
 pub use tiers::{DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
 
 /// A mounted segment's identity for this master's lifetime. A remount gets a new id, so a
@@ -52,6 +54,11 @@ pub struct Policy {
     pub offload_timeout: Duration,
     /// A disk-only object read this many times is copied back to memory; 0: never.
     pub promote_after_hits: u32,
+    /// After the master starts, unknown keys are "not known yet" (retryable) for this long, so
+    /// owners can remount and report what they hold; longer while reports are coming in.
+    pub rebuild_grace: Duration,
+    /// The longest the rebuild may make unknown keys wait, reports or not.
+    pub rebuild_window: Duration,
 }
 
 impl Default for Policy {
@@ -70,6 +77,8 @@ impl Default for Policy {
             when_disk_behind: WhenDiskBehind::Drop,
             offload_timeout: Duration::from_secs(30),
             promote_after_hits: 2,
+            rebuild_grace: Duration::from_secs(2),
+            rebuild_window: Duration::from_secs(30),
         }
     }
 }
@@ -80,6 +89,8 @@ struct Segment {
     allocator: OffsetAllocator,
     /// The owner's SSD tier, if it has one.
     disk: Option<DiskTier>,
+    /// The catalog report under way: no allocation here until it ends.
+    report: Option<Box<rebuild::Report>>,
 }
 
 /// A segment's SSD tier as the master sees it: capacity, what the owner last reported, and the
@@ -95,6 +106,21 @@ struct DiskTier {
 struct Owner {
     last_seen: Millis,
     segments: Vec<SegmentId>,
+}
+
+/// Put ids (an object's version, and the grant its writes are fenced by): increasing for the
+/// master's lifetime and, through `MasterState::raise_grants`, beyond every id an earlier master
+/// process issued, so owners can tell a stale write from a current one by comparing ids.
+struct Grants {
+    next: u64,
+}
+
+impl Grants {
+    fn next(&mut self) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        id
+    }
 }
 
 /// Space that must not be reused before `at`: a force-removed object still leased by a reader,
@@ -150,7 +176,7 @@ pub struct MasterState {
     objects: HashMap<ObjectKey, Box<objects::Object>, foldhash::fast::RandomState>,
     pending: Vec<PendingRelease>,
     next_segment: u64,
-    next_put: u64,
+    grants: Grants,
     rng: StdRng,
     counters: Counters,
     /// Set when owner work was queued; the server wakes long-polling owners.
@@ -166,6 +192,10 @@ pub struct MasterState {
     tombstone_order: VecDeque<(SegmentName, ObjectKey)>,
     /// When upkeep last ran (see `tick`): a long gap means the master itself was away.
     last_tick: Option<Millis>,
+    /// Whether unknown keys may still be reported by owners (see `rebuild`).
+    rebuild: rebuild::Rebuild,
+    /// When the server started this state machine.
+    born: Option<Millis>,
 }
 
 impl MasterState {
@@ -173,12 +203,22 @@ impl MasterState {
         Self::with_seed(policy, rand::random())
     }
 
+    /// Issues no put id below `floor` from now on. The server raises it to the wall clock in
+    /// microseconds at start (above every id of an earlier process on this host that issued
+    /// fewer than a million per second on average), and every mount raises it above the newest
+    /// grant the owner has seen.
+    pub fn raise_grants(&mut self, floor: u64) {
+        self.grants.next = self.grants.next.max(floor);
+    }
+
+    /// The next put id to be issued.
+    pub fn next_grant(&self) -> u64 {
+        self.grants.next
+    }
+
     /// Deterministic placement for tests.
     pub fn with_seed(policy: Policy, seed: u64) -> Self {
-        let mut rng = StdRng::seed_from_u64(seed);
-        // Versions start at a random point, so records an owner kept on disk from an earlier
-        // master process never match a version this one hands out.
-        let first_put = (rng.next_u64() >> 17) | 1;
+        let rng = StdRng::seed_from_u64(seed);
         MasterState {
             policy,
             segments: BTreeMap::new(),
@@ -187,7 +227,7 @@ impl MasterState {
             objects: HashMap::default(),
             pending: Vec::new(),
             next_segment: 1,
-            next_put: first_put,
+            grants: Grants { next: 1 },
             rng,
             counters: Counters::default(),
             tasks_queued: false,
@@ -198,6 +238,8 @@ impl MasterState {
             tombstones: HashMap::new(),
             tombstone_order: VecDeque::new(),
             last_tick: None,
+            rebuild: rebuild::Rebuild::Over,
+            born: None,
         }
     }
 

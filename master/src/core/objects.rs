@@ -147,8 +147,7 @@ impl MasterState {
             return Err(MasterError::NoSpace { size });
         }
         self.offload_early(now);
-        let put_id = self.next_put;
-        self.next_put += 1;
+        let put_id = self.grants.next();
         let pin = if config.hard_pin {
             Pin::Hard
         } else if config.soft_pin {
@@ -230,7 +229,7 @@ impl MasterState {
     /// `size` bytes on segment `id`, if it has room.
     fn allocate_on(&mut self, id: SegmentId, size: u64) -> Option<Replica> {
         let seg = self.segments.get_mut(&id).expect("segment ids are live");
-        if seg.allocator.free_bytes() < size {
+        if seg.allocator.free_bytes() < size || seg.report.is_some() {
             return None;
         }
         let allocation = seg.allocator.allocate(size)?;
@@ -306,6 +305,9 @@ impl MasterState {
         let lease = now.plus(self.policy.lease_ttl);
         let owned = || ObjectKey::new(key).map_err(MasterError::from);
         let Some(obj) = self.objects.get_mut(key) else {
+            if self.rebuilding(now) {
+                return Err(MasterError::Rebuilding(owned()?));
+            }
             return Err(MasterError::NotFound(owned()?));
         };
         if obj.phase != Phase::Complete {

@@ -19,6 +19,15 @@ pub enum HeartbeatReply {
     Remount,
 }
 
+/// What an owner says about its pool when it mounts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MountReport {
+    /// The newest grant its writes brought (landed or not).
+    pub newest_grant: u64,
+    /// Objects it holds and will report (`catalog_reported`); 0: an empty pool.
+    pub objects: u64,
+}
+
 impl MasterState {
     /// Mounts `name` for `owner`, with an SSD tier of `disk_capacity` bytes (0: none). Mounting a
     /// name already held by another owner replaces it: the new owner is bound to that host:port,
@@ -30,8 +39,12 @@ impl MasterState {
         name: SegmentName,
         size: u64,
         disk_capacity: u64,
+        report: MountReport,
         now: Millis,
     ) -> Result<(), MasterError> {
+        // Above every grant the owner has seen, so none of its ranges' writes looks newer.
+        self.grants.next = self.grants.next.max(report.newest_grant + 1);
+        self.owner_mounted(report.newest_grant > 0, now);
         if size < GRANULE {
             return Err(MasterError::Invalid(format!(
                 "segment {name} has {size} bytes; at least {GRANULE} are needed"
@@ -43,7 +56,12 @@ impl MasterState {
                 && seg.allocator.capacity() == size / GRANULE * GRANULE
                 && seg.disk.as_ref().map_or(0, |d| d.capacity) == disk_capacity
             {
+                // A retried mount: a report may start over as long as nothing was laid out yet.
+                let restart_report = report.objects > 0 && seg.allocator.live_allocations() == 0;
                 self.touch(owner, now);
+                if restart_report {
+                    self.expect_report(id);
+                }
                 return Ok(());
             }
             tracing::warn!(segment = %name, old_owner = %seg.owner, new_owner = %owner,
@@ -67,8 +85,12 @@ impl MasterState {
                     tasks: VecDeque::new(),
                     offloads: 0,
                 }),
+                report: None,
             },
         );
+        if report.objects > 0 {
+            self.expect_report(id);
+        }
         self.by_name.insert(name.clone(), id);
         self.owners
             .entry(owner)

@@ -42,8 +42,15 @@ fn state_with(segments: &[u64]) -> MasterState {
 fn state_with_policy(segments: &[u64], policy: Policy) -> MasterState {
     let mut s = MasterState::with_seed(policy, 42);
     for (i, size) in segments.iter().enumerate() {
-        s.mount_segment(owner(i as u16), seg(i as u16), *size, 0, Millis(0))
-            .unwrap();
+        s.mount_segment(
+            owner(i as u16),
+            seg(i as u16),
+            *size,
+            0,
+            MountReport::default(),
+            Millis(0),
+        )
+        .unwrap();
     }
     s
 }
@@ -318,14 +325,28 @@ fn silent_owner_expires_with_its_replicas() {
 fn remount_by_new_incarnation_drops_old_replicas() {
     let mut s = state_with(&[4 * MIB]);
     put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, Millis(1))
-        .unwrap();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        MountReport::default(),
+        Millis(1),
+    )
+    .unwrap();
     assert!(
         s.exists(&k("a"), Millis(1)),
         "same owner remount is idempotent"
     );
-    s.mount_segment(owner(9), seg(0), 4 * MIB, 0, Millis(2))
-        .unwrap();
+    s.mount_segment(
+        owner(9),
+        seg(0),
+        4 * MIB,
+        0,
+        MountReport::default(),
+        Millis(2),
+    )
+    .unwrap();
     assert!(!s.exists(&k("a"), Millis(2)));
     assert_eq!(s.allocated(), 0);
     assert!(matches!(
@@ -388,7 +409,7 @@ proptest! {
         let disk_of = |o: u16| if o < 2 { 1 << 30 } else { 0 };
         let mut s = MasterState::with_seed(Policy { client_ttl: Duration::from_secs(3600), offload_queue_limit: 4, ..Policy::default() }, 42);
         for (i, size) in [8 * MIB, 8 * MIB, 4 * MIB].iter().enumerate() {
-            s.mount_segment(owner(i as u16), seg(i as u16), *size, disk_of(i as u16), Millis(0)).unwrap();
+            s.mount_segment(owner(i as u16), seg(i as u16), *size, disk_of(i as u16), MountReport::default(), Millis(0)).unwrap();
         }
         let mut now = 0u64;
         let mut puts: std::collections::HashMap<u8, u64> = Default::default();
@@ -414,7 +435,7 @@ proptest! {
                 Step::Remount(o) => {
                     incarnation += 1;
                     let size = if o == 2 { 4 * MIB } else { 8 * MIB };
-                    s.mount_segment(owner(incarnation), seg(o as u16), size, disk_of(o as u16), Millis(now)).unwrap();
+                    s.mount_segment(owner(incarnation), seg(o as u16), size, disk_of(o as u16), MountReport::default(), Millis(now)).unwrap();
                 }
                 Step::OwnerWork(o, ok) => {
                     if let Some(id) = s.segment_id(&seg(o as u16)) {

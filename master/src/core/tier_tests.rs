@@ -30,8 +30,15 @@ fn tiered(mem: u64, policy: Policy) -> (MasterState, SegmentId) {
         ..policy
     };
     let mut s = MasterState::with_seed(policy, 7);
-    s.mount_segment(owner(0), seg(0), mem, 1 << 30, Millis(0))
-        .unwrap();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        mem,
+        1 << 30,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
     let id = s.disk_segment(owner(0), &seg(0)).unwrap();
     (s, id)
 }
@@ -267,7 +274,7 @@ fn records_found_after_a_restart_are_registered_unless_the_key_is_taken() {
         Err(MasterError::Exists(_))
     ));
     // A segment without an SSD tier cannot take disk work.
-    s.mount_segment(owner(1), seg(1), MIB, 0, Millis(5))
+    s.mount_segment(owner(1), seg(1), MIB, 0, MountReport::default(), Millis(5))
         .unwrap();
     assert!(s.disk_segment(owner(1), &seg(1)).is_err());
     assert!(s.disk_segment(owner(0), &seg(1)).is_err());
@@ -280,8 +287,15 @@ fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
     put(&mut s, "a", MIB, 0).unwrap();
     s.evict(Millis(1), MIB);
     owner_works(&mut s, id, true, 2);
-    s.mount_segment(owner(5), seg(0), 2 * MIB, 1 << 30, Millis(3))
-        .unwrap();
+    s.mount_segment(
+        owner(5),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(3),
+    )
+    .unwrap();
     assert_eq!(s.key_count(), 0);
     s.check_invariants().unwrap();
 }
@@ -320,8 +334,15 @@ fn a_removed_version_is_not_registered_again_by_an_owner_that_never_dropped_it()
     owner_works(&mut s, id, true, 2);
     s.remove(&k("a"), true, Millis(3)).unwrap();
     // The owner dies before it drops the record, and comes back on the same directory.
-    s.mount_segment(owner(7), seg(0), 2 * MIB, 1 << 30, Millis(4))
-        .unwrap();
+    s.mount_segment(
+        owner(7),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(4),
+    )
+    .unwrap();
     let id = s.disk_segment(owner(7), &seg(0)).unwrap();
     assert!(s.register_disk(id, &k("a"), MIB, v, Millis(5)).is_err());
     assert_eq!(s.key_count(), 0);

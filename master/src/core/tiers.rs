@@ -38,6 +38,8 @@ pub struct OwnerTask {
     pub put_id: u64,
     pub offset: u64,
     pub size: u64,
+    /// Promote: the grant of the memory range written (0 for other kinds).
+    pub grant: u64,
 }
 
 /// What eviction does with an object whose owner's SSD tier has a full offload queue.
@@ -78,6 +80,7 @@ impl MasterState {
                     put_id: obj.put_id,
                     offset: 0,
                     size: obj.size,
+                    grant: 0,
                 },
             );
             let name = self.segment_name(*seg).clone();
@@ -274,6 +277,7 @@ impl MasterState {
             put_id: obj.put_id,
             offset,
             size: obj.size,
+            grant: 0,
         };
         let d = self
             .segments
@@ -351,18 +355,20 @@ impl MasterState {
         let Some(seg) = self.segments.get_mut(&segment) else {
             return;
         };
-        if seg.allocator.free_bytes() < obj.size {
+        if seg.allocator.free_bytes() < obj.size || seg.report.is_some() {
             return;
         }
         let Some(allocation) = seg.allocator.allocate(obj.size) else {
             return;
         };
+        let grant = self.grants.next();
         let task = OwnerTask {
             kind: TaskKind::Promote,
             key: key.clone(),
             put_id: obj.put_id,
             offset: allocation.offset(),
             size: obj.size,
+            grant,
         };
         obj.promoting = Some(Box::new(Promotion {
             replica: Replica {

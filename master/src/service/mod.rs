@@ -227,9 +227,16 @@ impl MasterService {
         let now = self.shared.clock.now();
         let (results, lease_ttl) = {
             let mut state = self.shared.state.lock();
+            let rebuilding = state.rebuilding(now);
             let results: Vec<_> = keys
                 .iter()
-                .map(|k| validated(k).map(|k| state.exists(k, now)))
+                .map(|k| {
+                    validated(k).and_then(|k| match state.exists(k, now) {
+                        // Not known yet is not "missing" while owners may still report it.
+                        false if rebuilding => Err(MasterError::Rebuilding(ObjectKey::new(k)?)),
+                        hit => Ok(hit),
+                    })
+                })
                 .collect();
             (results, state.policy().lease_ttl)
         };

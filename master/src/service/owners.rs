@@ -9,7 +9,7 @@ use mooncake_common::{ClientId, DiskStats, ObjectKey, SegmentName};
 
 use super::MasterService;
 use crate::{
-    core::{HeartbeatReply, OwnerTask, SegmentId, TaskKind},
+    core::{HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, SegmentId, TaskKind},
     error::MasterError,
     metrics::Op,
 };
@@ -43,13 +43,17 @@ impl MasterService {
         segment: SegmentName,
         size: u64,
         disk_capacity: u64,
+        report: MountReport,
     ) -> Result<(), MasterError> {
         let now = self.shared.clock.now();
-        let res = self
-            .shared
-            .state
-            .lock()
-            .mount_segment(owner, segment, size, disk_capacity, now);
+        let res = self.shared.state.lock().mount_segment(
+            owner,
+            segment,
+            size,
+            disk_capacity,
+            report,
+            now,
+        );
         self.shared
             .metrics
             .record(Op::MountSegment, 1, res.is_err() as usize);
@@ -189,5 +193,26 @@ impl MasterService {
                     .and_then(|k| state.register_disk(id, &k, size, put_id, now))
             })
             .collect())
+    }
+
+    /// A chunk of the catalog an owner reports after mounting; the last (`done`) merges it.
+    pub fn report_catalog(
+        &self,
+        owner: ClientId,
+        segment: &SegmentName,
+        items: Vec<Reported>,
+        done: bool,
+    ) -> Result<Option<ReportOutcome>, MasterError> {
+        let now = self.shared.clock.now();
+        let n = items.len();
+        let res = self
+            .shared
+            .state
+            .lock()
+            .catalog_reported(owner, segment, items, done, now);
+        self.shared
+            .metrics
+            .record(Op::ReportCatalog, n.max(1), res.is_err() as usize);
+        res
     }
 }

@@ -4,12 +4,13 @@
 
 use std::{sync::Arc, time::Duration};
 
+use mooncake_common::{ObjectKey, Stamp};
 use mooncake_proto::master as pb;
 use tonic::{Request, Response, Status};
 
 use super::{client_id, code, code_and_message, replica_pb, replicate_config, segment, BadRequest};
 use crate::{
-    core::{HeartbeatReply, OwnerTask, TaskKind},
+    core::{HeartbeatReply, MountReport, OwnerTask, Reported, TaskKind},
     service::{MasterService, TaskReport},
 };
 
@@ -49,6 +50,7 @@ fn task_to_pb(t: OwnerTask) -> pb::OwnerTask {
         put_id: t.put_id,
         offset: t.offset,
         size: t.size,
+        grant: t.grant,
     }
 }
 
@@ -74,8 +76,16 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::MountSegmentResponse> {
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        let report = MountReport {
+            newest_grant: r.newest_grant,
+            objects: r.catalog_objects,
+        };
         let (code, message) =
-            code_and_message(&self.0.mount_segment(owner, name, r.size, r.disk_capacity));
+            code_and_message(
+                &self
+                    .0
+                    .mount_segment(owner, name, r.size, r.disk_capacity, report),
+            );
         Ok(Response::new(pb::MountSegmentResponse { code, message }))
     }
 
@@ -280,6 +290,41 @@ impl pb::master_server::Master for GrpcMaster {
         Ok(Response::new(pb::RegisterDiskResponse {
             codes: results.iter().map(code).collect(),
             put_ids: results.iter().map(|r| *r.as_ref().unwrap_or(&0)).collect(),
+        }))
+    }
+
+    async fn report_catalog(
+        &self,
+        req: Request<pb::ReportCatalogRequest>,
+    ) -> Reply<pb::ReportCatalogResponse> {
+        let r = req.into_inner();
+        let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
+        // An entry with a malformed key is left out here and counted as refused.
+        let mut bad_keys = 0;
+        let items = r
+            .items
+            .into_iter()
+            .filter_map(|i| match ObjectKey::new(&i.key) {
+                Ok(key) => Some(Reported {
+                    key,
+                    offset: i.offset,
+                    size: i.size,
+                    stamp: Stamp::from_flags(i.put_id, i.flags as u16),
+                }),
+                Err(_) => {
+                    bad_keys += 1;
+                    None
+                }
+            })
+            .collect();
+        let res = self.0.report_catalog(owner, &name, items, r.done);
+        let (code, message) = code_and_message(&res);
+        let outcome = res.ok().flatten().unwrap_or_default();
+        Ok(Response::new(pb::ReportCatalogResponse {
+            code,
+            message,
+            registered: outcome.registered,
+            refused: outcome.refused + bad_keys,
         }))
     }
 }

@@ -1,5 +1,6 @@
 //! The owner's link to the master: mount at start-up (retrying until a deadline), heartbeat, mount
-//! again when the master has forgotten this owner, unmount at shutdown, the SSD tier's RPCs, and
+//! again when the master has forgotten this owner (reporting the pool's catalog, so a restarted
+//! master loses nothing the pool holds), unmount at shutdown, the SSD tier's RPCs, and
 //! registering the records found on disk after a (re)mount. Every call has a deadline.
 //! The loop that long-polls the master for SSD work and carries it out is `ssd_tasks`; this
 //! module and that one talk to the master, the `ssd` module below them never does.
@@ -15,7 +16,10 @@ use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::ssd::SsdStore;
+use crate::{catalog::Catalog, ssd::SsdStore};
+
+/// Catalog entries per report message.
+const REPORT_CHUNK: usize = 8192;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -52,6 +56,7 @@ pub struct MasterLink {
     size: u64,
     rpc_timeout: Duration,
     ssd: Option<Arc<SsdStore>>,
+    catalog: Arc<Catalog>,
 }
 
 impl MasterLink {
@@ -62,6 +67,7 @@ impl MasterLink {
         size: u64,
         rpc_timeout: Duration,
         ssd: Option<Arc<SsdStore>>,
+        catalog: Arc<Catalog>,
     ) -> Result<Self, LinkError> {
         let endpoint = Endpoint::from_shared(format!("http://{master}"))
             .map_err(|_| LinkError::BadAddress(master.to_string()))?
@@ -76,6 +82,7 @@ impl MasterLink {
             size,
             rpc_timeout,
             ssd,
+            catalog,
         })
     }
 
@@ -86,12 +93,18 @@ impl MasterLink {
         }
     }
 
+    /// Mounts the segment and reports what the pool holds (a remount after the master lost
+    /// its catalog); the segment takes allocations once the report is in.
     pub async fn mount(&self) -> Result<(), LinkError> {
+        // Taken before the mount, so every entry is older than what the master grants after it.
+        let entries = self.catalog.snapshot();
         let req = pb::MountSegmentRequest {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),
             size: self.size,
             disk_capacity: self.ssd.as_ref().map_or(0, |s| s.stats().capacity),
+            newest_grant: self.catalog.newest_grant(),
+            catalog_objects: entries.len() as u64,
         };
         let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().mount_segment(req))
             .await
@@ -106,6 +119,50 @@ impl MasterLink {
                 message: resp.message,
             });
         }
+        if !entries.is_empty() {
+            self.report_catalog(&entries).await?;
+        }
+        Ok(())
+    }
+
+    /// Streams the pool's catalog to the master in chunks; the last one closes the report.
+    async fn report_catalog(
+        &self,
+        entries: &[(u64, crate::catalog::Entry)],
+    ) -> Result<(), LinkError> {
+        let started = Instant::now();
+        let chunks: Vec<_> = entries.chunks(REPORT_CHUNK).collect();
+        let mut outcome = pb::ReportCatalogResponse::default();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let req = pb::ReportCatalogRequest {
+                client_id: self.owner.to_string(),
+                segment: self.segment.to_string(),
+                items: chunk
+                    .iter()
+                    .map(|(offset, e)| pb::CatalogObject {
+                        key: e.key.to_string(),
+                        offset: *offset,
+                        size: e.len,
+                        put_id: e.stamp.put_id,
+                        flags: e.stamp.flags() as u32,
+                    })
+                    .collect(),
+                done: i + 1 == chunks.len(),
+            };
+            outcome = self
+                .call(Duration::ZERO, self.client.clone().report_catalog(req))
+                .await?;
+            if outcome.code != 0 {
+                return Err(LinkError::Refused {
+                    master: self.master.clone(),
+                    segment: self.segment.clone(),
+                    code: Code::from_i32(outcome.code),
+                    message: outcome.message,
+                });
+            }
+        }
+        tracing::info!(segment = %self.segment, objects = entries.len(), registered = outcome.registered,
+            refused = outcome.refused, took = ?started.elapsed(), "catalog reported to the master");
         Ok(())
     }
 

@@ -6,13 +6,13 @@
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_common::{Code, ObjectKey};
+use mooncake_common::{Code, ObjectKey, Stamp};
 use mooncake_proto::master as pb;
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use super::MasterLink;
 use crate::{
-    index::KeyIndex,
+    catalog::Catalog,
     pool::MemoryPool,
     ssd::{SsdError, SsdStore},
 };
@@ -29,7 +29,7 @@ pub struct Worker {
     pub link: MasterLink,
     pub store: Arc<SsdStore>,
     pub pool: Arc<MemoryPool>,
-    pub index: Arc<KeyIndex>,
+    pub catalog: Arc<Catalog>,
     /// Tasks executed at once (disk queue depth for offloads and promotions).
     pub concurrency: usize,
 }
@@ -170,8 +170,8 @@ impl Worker {
                 }
                 pb::TaskKind::Promote => {
                     // Only if the range still holds what the promotion wrote.
-                    if self.index.holds(t.offset, t.size, &key) {
-                        self.index.forget(t.offset, t.size);
+                    if self.catalog.holds(t.offset, t.size, &key, t.put_id) {
+                        self.catalog.forget(t.offset, t.size);
                     }
                 }
                 pb::TaskKind::Drop => {}
@@ -206,7 +206,7 @@ impl Worker {
             self.store.evict_victims(&mut r);
         }
         let encoded = match self.pool.read_range(t.offset, t.size) {
-            Ok(guard) if self.index.holds(t.offset, t.size, key) => {
+            Ok(guard) if self.catalog.holds(t.offset, t.size, key, t.put_id) => {
                 Ok(self.store.encode(&r, key, t.put_id, &guard))
             }
             Ok(_) => Err(Failure(
@@ -229,13 +229,29 @@ impl Worker {
 
     async fn promote(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
         let value = self.store.read(key, t.put_id, t.size).await?;
+        // The copy is written under the task's grant, so it is fenced like any write (a newer
+        // grant's bytes in the range win), and keeps the object's put id as its version.
         let mut guard = self
             .pool
-            .write_range(t.offset, t.size)
+            .write_range_granted(t.offset, t.size, t.grant, Duration::ZERO)
+            .await
             .map_err(|e| Failure(e.code(), e.to_string()))?;
-        self.index.forget(t.offset, t.size);
+        if let Some(newer) = self.catalog.newer_than(t.offset, t.size, t.grant) {
+            return Err(Failure(
+                Code::TransferFail,
+                format!("the range to promote into already holds newer put {newer}"),
+            ));
+        }
+        self.catalog.forget(t.offset, t.size);
         guard.copy_from_slice(&value);
-        self.index.record(t.offset, t.size, key.clone());
+        // The disk record does not keep pins or the replica count: the copy gets the defaults.
+        let stamp = Stamp {
+            put_id: t.put_id,
+            replica_num: 1,
+            ..Stamp::default()
+        };
+        self.catalog
+            .record(t.offset, t.size, key.clone(), stamp, t.grant);
         Ok(())
     }
 }

@@ -15,7 +15,7 @@ use std::{
 };
 
 use mooncake_common::{
-    local::{frame_header, FrameReader, FrameWriter, LocalOp},
+    local::{self, frame_header, FrameReader, FrameWriter, Item, LocalOp},
     transport::{parts_len, ReadItem, TransferError, WriteItem},
     Code, SegmentName,
 };
@@ -184,7 +184,13 @@ impl LocalOwner {
             w.u32(items.len() as u32);
             let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             for (i, len) in items.iter().zip(&lens) {
-                w.item(i.offset, *len, i.key.as_str());
+                w.item(Item {
+                    offset: i.offset,
+                    len: *len,
+                    grant: i.stamp.put_id,
+                    flags: i.stamp.flags(),
+                    key: i.key.as_str(),
+                });
             }
             let begun = self.call(&mut stream, w.finish(), items.len()).await?;
             let mut results: Vec<Result<(), TransferError>> = Vec::with_capacity(items.len());
@@ -247,7 +253,13 @@ impl LocalOwner {
             w.u32(n as u32);
             let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             for (i, len) in items.iter().zip(&lens) {
-                w.item(i.offset, *len, i.key.as_str());
+                w.item(Item {
+                    offset: i.offset,
+                    len: *len,
+                    grant: i.put_id,
+                    flags: 0,
+                    key: i.key.as_str(),
+                });
             }
             let begun = self.call(&mut stream, w.finish(), n).await?;
             let mut results = Vec::with_capacity(n);
@@ -362,7 +374,7 @@ fn hello(
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let mut w = FrameWriter::new(LocalOp::Hello);
-    w.bytes(segment.as_str().as_bytes());
+    w.u8(local::VERSION).bytes(segment.as_str().as_bytes());
     stream.write_all(&w.finish())?;
     let mut buf = [0u8; 17];
     let (n, fd) = mapping::recv_with_fd(stream.as_fd(), &mut buf)?;

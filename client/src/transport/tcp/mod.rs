@@ -14,7 +14,7 @@ use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
-    ObjectKey, SegmentName,
+    ObjectKey, SegmentName, Stamp,
 };
 use parking_lot::Mutex;
 use tokio::{
@@ -229,16 +229,8 @@ impl Conn {
     }
 
     /// Sends one request; returns its id.
-    async fn send(
-        &mut self,
-        op: Op,
-        key: &ObjectKey,
-        offset: u64,
-        length: u64,
-        payload: &[&[u8]],
-    ) -> io::Result<u64> {
-        self.send_pipelined(op, std::iter::once((key, offset, length, payload)))
-            .await
+    async fn send(&mut self, frame: Frame<'_>) -> io::Result<u64> {
+        self.send_pipelined(std::iter::once(frame)).await
     }
 
     /// Reads a response header (that of a payload of `expect` bytes); on a refusal, also its
@@ -333,10 +325,9 @@ impl TcpTransport {
                 };
                 let first = conn
                     .send_pipelined(
-                        Op::Write,
                         items
                             .iter()
-                            .map(|it| (it.key, it.offset, it.len(), it.parts)),
+                            .map(|it| Frame::write(it.key, it.offset, it.stamp, it.parts)),
                     )
                     .await
                     .map_err(io_err)?;
@@ -372,14 +363,12 @@ impl TcpTransport {
                     source,
                 };
                 let lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
-                let no_payload: &[&[u8]] = &[];
                 let first = conn
                     .send_pipelined(
-                        op,
                         items
                             .iter()
                             .zip(&lens)
-                            .map(|(it, len)| (it.key, it.offset, *len, no_payload)),
+                            .map(|(it, len)| Frame::read(op, it.key, it.offset, *len, it.put_id)),
                     )
                     .await
                     .map_err(io_err)?;
@@ -506,36 +495,75 @@ fn fail_all(n: usize, e: &TransferError) -> Vec<Result<(), TransferError>> {
     (0..n).map(|_| Err(e.duplicate())).collect()
 }
 
+/// One request as it goes on the wire: its header's fields, its key and its payload.
+#[derive(Clone, Copy)]
+struct Frame<'a> {
+    op: Op,
+    key: &'a ObjectKey,
+    offset: u64,
+    length: u64,
+    flags: u16,
+    grant: u64,
+    payload: &'a [&'a [u8]],
+}
+
+impl<'a> Frame<'a> {
+    fn write(key: &'a ObjectKey, offset: u64, stamp: Stamp, payload: &'a [&'a [u8]]) -> Self {
+        Frame {
+            op: Op::Write,
+            key,
+            offset,
+            length: parts_len(payload),
+            flags: stamp.flags(),
+            grant: stamp.put_id,
+            payload,
+        }
+    }
+
+    /// A memory or disk read of `length` bytes of version `put_id`.
+    fn read(op: Op, key: &'a ObjectKey, offset: u64, length: u64, put_id: u64) -> Self {
+        Frame {
+            op,
+            key,
+            offset: if op == Op::ReadDisk { 0 } else { offset },
+            length,
+            flags: 0,
+            grant: put_id,
+            payload: &[],
+        }
+    }
+}
+
 impl Conn {
-    /// Sends one request per (key, offset, length, payload) back to back, in vectored writes;
-    /// returns the first request's id (the others follow in order).
+    /// Sends `frames` back to back, in vectored writes; returns the first request's id (the
+    /// others follow in order).
     async fn send_pipelined<'a>(
         &mut self,
-        op: Op,
-        items: impl Iterator<Item = (&'a ObjectKey, u64, u64, &'a [&'a [u8]])> + Clone,
+        frames: impl Iterator<Item = Frame<'a>> + Clone,
     ) -> io::Result<u64> {
         let first = self.next_id;
-        let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = items
+        let headers: Vec<[u8; wire::REQUEST_HEADER_LEN]> = frames
             .clone()
             .enumerate()
-            .map(|(i, (key, offset, length, _))| {
+            .map(|(i, f)| {
                 RequestHeader {
-                    op,
-                    key_len: key.as_str().len() as u16,
-                    flags: 0,
+                    op: f.op,
+                    key_len: f.key.as_str().len() as u16,
+                    flags: f.flags,
                     request_id: first + i as u64,
-                    offset,
-                    length,
+                    offset: f.offset,
+                    length: f.length,
+                    grant: f.grant,
                 }
                 .encode()
             })
             .collect();
         self.next_id += headers.len() as u64;
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(headers.len() * 3);
-        for (h, (key, _, _, payload)) in headers.iter().zip(items) {
+        for (h, f) in headers.iter().zip(frames) {
             slices.push(IoSlice::new(h));
-            slices.push(IoSlice::new(key.as_str().as_bytes()));
-            slices.extend(payload.iter().map(|p| IoSlice::new(p)));
+            slices.push(IoSlice::new(f.key.as_str().as_bytes()));
+            slices.extend(f.payload.iter().map(|p| IoSlice::new(p)));
         }
         write_all_vectored(&mut self.stream, &mut slices).await?;
         Ok(first)
@@ -585,14 +613,14 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        stamp: Stamp,
         parts: &'a [&'a [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
-            let length = parts_len(parts);
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
-                    .send(Op::Write, key, offset, length, parts)
+                    .send(Frame::write(key, offset, stamp, parts))
                     .await
                     .map_err(|source| TransferError::Io {
                         target: target.clone(),
@@ -609,6 +637,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         key: &'a ObjectKey,
         offset: u64,
+        put_id: u64,
         parts: &'a mut [&'b mut [u8]],
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
@@ -620,7 +649,7 @@ impl DataTransport for TcpTransport {
                     source,
                 };
                 let id = conn
-                    .send(Op::Read, key, offset, length, &[])
+                    .send(Frame::read(Op::Read, key, offset, length, put_id))
                     .await
                     .map_err(io_err)?;
                 let h = conn.receive(target, Op::Read, id, length).await?;

@@ -1,0 +1,246 @@
+//! Rebuilding the catalog from the owners: the owners are the source of truth for what they
+//! hold, so a master that lost its catalog (restarted, or newly elected) asks nothing of a log.
+//! An owner that mounts with objects in its pool reports them (key, range, size, version, replica
+//! count and pins, as its writes carried them); until its report is complete the segment takes no
+//! new allocations, and then its allocator is rebuilt in one pass with exactly the reported
+//! ranges in use.
+//!
+//! Right after its start a master cannot tell whether it follows another one: until the first
+//! owner mounts (at most the rebuild grace), a get of a key not known yet is answered with a
+//! retryable code instead of "not found". An owner that has seen no grant says the cluster is
+//! fresh, and the master answers normally from then on. An owner that served an earlier master
+//! (it has seen grants) confirms a rebuild: until the grace has passed again and every reporting
+//! owner is done (at most until the rebuild window closes), keys not known yet stay "not known
+//! yet", and the client asks again within its deadline.
+
+use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
+
+use super::{
+    allocator::{Allocation, OffsetAllocator, GRANULE},
+    objects::{Object, Offload, Phase, Pin, Replica, Replicas},
+    MasterState, SegmentId,
+};
+use crate::{clock::Millis, error::MasterError};
+
+/// One object an owner reports holding in its pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reported {
+    pub key: ObjectKey,
+    pub offset: u64,
+    pub size: u64,
+    pub stamp: Stamp,
+}
+
+/// What a finished report did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReportOutcome {
+    /// Replicas now in the catalog.
+    pub registered: u64,
+    /// Entries not taken: malformed, overlapping, or a version the catalog already has a
+    /// different (newer, or in-flight) one of.
+    pub refused: u64,
+}
+
+/// Where the master stands with a rebuild.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rebuild {
+    /// Just started; no owner has said whether it served an earlier master.
+    Unknown { since: Millis },
+    /// An owner of an earlier master mounted at `since`.
+    Confirmed { since: Millis },
+    /// Nothing (more) to wait for.
+    Over,
+}
+
+/// A segment's report while it comes in.
+#[derive(Debug, Default)]
+pub(super) struct Report {
+    items: Vec<Reported>,
+}
+
+impl MasterState {
+    /// The master starts: it may follow another one until an owner says otherwise.
+    pub fn started(&mut self, now: Millis) {
+        self.born = Some(now);
+        if !self.policy.rebuild_grace.is_zero() {
+            self.rebuild = Rebuild::Unknown { since: now };
+        }
+    }
+
+    /// An owner mounts; `returning`: it served an earlier master.
+    pub(super) fn owner_mounted(&mut self, returning: bool, now: Millis) {
+        let soon = self
+            .born
+            .is_some_and(|b| now < b.plus(self.policy.rebuild_window));
+        self.rebuild = match (self.rebuild, returning) {
+            (Rebuild::Unknown { .. }, false) => Rebuild::Over,
+            (Rebuild::Unknown { .. } | Rebuild::Over, true)
+                if soon && !self.policy.rebuild_grace.is_zero() =>
+            {
+                tracing::info!("an owner of an earlier master mounted: rebuilding the catalog from the owners' reports");
+                Rebuild::Confirmed { since: now }
+            }
+            (state, _) => state,
+        };
+    }
+
+    /// Whether a key this master does not know may still be reported by an owner.
+    pub fn rebuilding(&self, now: Millis) -> bool {
+        match self.rebuild {
+            Rebuild::Over => false,
+            Rebuild::Unknown { since } => now < since.plus(self.policy.rebuild_grace),
+            Rebuild::Confirmed { since } => {
+                now < since.plus(self.policy.rebuild_window)
+                    && (now < since.plus(self.policy.rebuild_grace)
+                        || self.segments.values().any(|s| s.report.is_some()))
+            }
+        }
+    }
+
+    /// Marks a segment as reporting its catalog: it takes no allocation until the report ends.
+    pub(super) fn expect_report(&mut self, segment: SegmentId) {
+        if let Some(seg) = self.segments.get_mut(&segment) {
+            seg.report = Some(Box::default());
+        }
+    }
+
+    /// Takes a chunk of a segment's report; with `done`, merges the whole report into the
+    /// catalog and rebuilds the segment's allocator.
+    pub fn catalog_reported(
+        &mut self,
+        owner: ClientId,
+        name: &SegmentName,
+        items: Vec<Reported>,
+        done: bool,
+        now: Millis,
+    ) -> Result<Option<ReportOutcome>, MasterError> {
+        let segment = self
+            .segment_id(name)
+            .ok_or_else(|| MasterError::SegmentNotFound(name.clone()))?;
+        let seg = self.segments.get_mut(&segment).expect("ids are live");
+        if seg.owner != owner {
+            return Err(MasterError::NotSegmentOwner {
+                segment: name.clone(),
+            });
+        }
+        let Some(report) = seg.report.as_mut() else {
+            return Err(MasterError::Invalid(format!(
+                "segment {} is not reporting a catalog (mount it again to report)",
+                seg.name
+            )));
+        };
+        for it in &items {
+            self.grants.next = self.grants.next.max(it.stamp.put_id + 1);
+        }
+        report.items.extend(items);
+        if !done {
+            return Ok(None);
+        }
+        let report = seg.report.take().expect("checked above");
+        Ok(Some(self.merge_report(segment, report.items, now)))
+    }
+
+    fn merge_report(
+        &mut self,
+        segment: SegmentId,
+        mut items: Vec<Reported>,
+        now: Millis,
+    ) -> ReportOutcome {
+        items.sort_unstable_by_key(|r| r.offset);
+        let seg = self
+            .segments
+            .get_mut(&segment)
+            .expect("checked by the caller");
+        let capacity = seg.allocator.capacity();
+        // Keep what can be laid out: aligned, inside the segment, apart from its predecessor.
+        let mut outcome = ReportOutcome::default();
+        let mut end = 0;
+        items.retain(|r| {
+            let fits = r.size > 0
+                && r.offset % GRANULE == 0
+                && r.offset >= end
+                && r.offset.checked_add(r.size).is_some_and(|e| e <= capacity);
+            if fits {
+                end = r.offset + r.size.div_ceil(GRANULE) * GRANULE;
+            } else {
+                outcome.refused += 1;
+            }
+            fits
+        });
+        let ranges: Vec<(u64, u64)> = items.iter().map(|r| (r.offset, r.size)).collect();
+        let (allocator, allocations) = OffsetAllocator::with_used(capacity, &ranges)
+            .expect("ranges were checked to be sorted, aligned, apart and inside");
+        seg.allocator = allocator;
+        for (item, allocation) in items.into_iter().zip(allocations) {
+            match self.adopt(segment, item, allocation, now) {
+                Ok(()) => outcome.registered += 1,
+                Err(allocation) => {
+                    self.segments
+                        .get_mut(&segment)
+                        .expect("still mounted")
+                        .allocator
+                        .free(allocation);
+                    outcome.refused += 1;
+                }
+            }
+        }
+        let name = self.segment_name(segment).clone();
+        tracing::info!(segment = %name, registered = outcome.registered, refused = outcome.refused,
+            "catalog rebuilt from the owner's report");
+        outcome
+    }
+
+    /// Adds a reported replica to the catalog, or hands its allocation back when the catalog
+    /// already has another version of the key (or this one on the same segment).
+    fn adopt(
+        &mut self,
+        segment: SegmentId,
+        r: Reported,
+        allocation: Allocation,
+        now: Millis,
+    ) -> Result<(), Allocation> {
+        let replica = Replica {
+            segment,
+            allocation,
+        };
+        if let Some(obj) = self.objects.get_mut(&r.key) {
+            let same = obj.put_id == r.stamp.put_id
+                && obj.size == r.size
+                && obj.phase == Phase::Complete
+                && !obj.replicas.iter().any(|x| x.segment == segment);
+            if !same {
+                return Err(replica.allocation);
+            }
+            obj.replicas.push(replica);
+            return Ok(());
+        }
+        let pin = if r.stamp.hard_pin {
+            Pin::Hard
+        } else if r.stamp.soft_pin {
+            Pin::Soft {
+                until: now.plus(self.policy.soft_pin_ttl),
+            }
+        } else {
+            Pin::None
+        };
+        let mut replicas = Replicas::new();
+        replicas.push(replica);
+        self.objects.insert(
+            r.key,
+            Box::new(Object {
+                size: r.size,
+                put_id: r.stamp.put_id,
+                phase: Phase::Complete,
+                replicas,
+                disk: Vec::new(),
+                offload: Offload::Idle,
+                disk_hits: 0,
+                promoting: None,
+                lease_until: Millis(0),
+                last_access: now,
+                pin,
+            }),
+        );
+        Ok(())
+    }
+}
