@@ -31,8 +31,11 @@ pub enum MasterProtocol {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientConfig {
-    /// The master's gRPC address, "host:port".
+    /// The master: "host:port", or "etcd://host:port;host:port" to follow the cluster's elected
+    /// master through etcd.
     pub master: String,
+    /// The cluster's name in etcd, with an `etcd://` master (`MC_STORE_CLUSTER_ID`).
+    pub cluster_id: String,
     /// Segment tried first for puts and reads (`MOONCAKE_PREFERRED_SEGMENT` when unset here).
     pub preferred_segment: Option<String>,
     /// Deadline of each master call.
@@ -79,6 +82,7 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             master: "127.0.0.1:50051".into(),
+            cluster_id: mooncake_common::leader::DEFAULT_CLUSTER_ID.into(),
             preferred_segment: None,
             rpc_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
@@ -101,6 +105,8 @@ pub const MASTER_SPIN_ENV: &str = "MOONCAKE_MASTER_SPIN_US";
 pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
 /// Sets `copy_threads`.
 pub const COPY_THREADS_ENV: &str = "MOONCAKE_COPY_THREADS";
+/// Sets `cluster_id` (Mooncake's name).
+pub const CLUSTER_ID_ENV: &str = "MC_STORE_CLUSTER_ID";
 
 /// The longest `master_spin` accepted: it holds the calling thread.
 const MAX_MASTER_SPIN: Duration = Duration::from_millis(1);
@@ -123,7 +129,8 @@ impl ClientConfig {
     /// The environment applied over this config, `env` answering a variable's value:
     /// `MOONCAKE_PREFERRED_SEGMENT` (only where `preferred_segment` is unset),
     /// `MOONCAKE_MASTER_SPIN_US`, `MOONCAKE_TRANSFER_THREADS`, `MOONCAKE_COPY_THREADS`,
-    /// `MOONCAKE_SHM` ("0": no same-host path) and `MOONCAKE_SOCKET_DIR`. A value that does not
+    /// `MOONCAKE_SHM` ("0": no same-host path), `MOONCAKE_SOCKET_DIR` and `MC_STORE_CLUSTER_ID`.
+    /// A value that does not
     /// parse is a configuration error naming the variable.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Self, ClientError> {
         if self.preferred_segment.is_none() {
@@ -143,6 +150,9 @@ impl ClientConfig {
         }
         if let Some(v) = env(SOCKET_DIR_ENV) {
             self.socket_dir = PathBuf::from(v);
+        }
+        if let Some(v) = env(CLUSTER_ID_ENV) {
+            self.cluster_id = v.trim().to_string();
         }
         Ok(self)
     }

@@ -1,13 +1,15 @@
 //! Vocabulary shared by every role: validated ids, the Mooncake-compatible numeric codes, config
 //! primitives (human sizes and durations), and the data plane's wire format and transport trait.
-//! Nothing here performs I/O on its own or knows about a particular role.
-// `unsafe` only in `memcopy` (streaming stores); nowhere else.
+//! Nothing here performs I/O on its own (except `leader`, which reads the elected master's address
+//! from etcd for clients and owners alike) or knows about a particular role.
+// `unsafe` only in `memcopy` (streaming stores); nowhere else. I/O only in `leader` (one etcd read).
 #![deny(unsafe_code)]
 
 pub mod code;
 pub mod config;
 pub mod disk_stats;
 pub mod ids;
+pub mod leader;
 pub mod local;
 pub mod master_api;
 pub mod memcopy;

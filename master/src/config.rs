@@ -59,6 +59,18 @@ pub struct MasterConfig {
     /// The longest that answer may go on while owners are still reporting.
     #[serde(with = "duration")]
     pub rebuild_window: Duration,
+    /// Campaign for leadership in etcd; standbys take over when the leader's lease lapses.
+    pub enable_ha: bool,
+    /// etcd endpoints, "host:port;host:port" (Mooncake's `--etcd_endpoints`).
+    pub etcd_endpoints: String,
+    /// Names the cluster in etcd: masters, owners and clients of one cluster share it.
+    pub cluster_id: String,
+    /// The leader's etcd lease: a dead or cut-off leader is replaced within about this long.
+    #[serde(with = "duration")]
+    pub ha_lease_ttl: Duration,
+    /// The address published for clients and owners when this master leads; empty: the bind
+    /// address and RPC port (which must then be concrete).
+    pub advertise_address: String,
 }
 
 impl Default for MasterConfig {
@@ -84,6 +96,11 @@ impl Default for MasterConfig {
             promote_after_hits: p.promote_after_hits,
             rebuild_grace: p.rebuild_grace,
             rebuild_window: p.rebuild_window,
+            enable_ha: false,
+            etcd_endpoints: String::new(),
+            cluster_id: mooncake_common::leader::DEFAULT_CLUSTER_ID.into(),
+            ha_lease_ttl: Duration::from_secs(5),
+            advertise_address: String::new(),
         }
     }
 }
@@ -124,6 +141,9 @@ impl MasterConfig {
         if self.offload_queue_limit == 0 {
             return Err("offload_queue_limit must be at least 1".into());
         }
+        if self.enable_ha {
+            self.ha()?;
+        }
         if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
             return Err(format!(
                 "rpc_port and metrics_port are both {}",
@@ -131,6 +151,43 @@ impl MasterConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The HA settings, checked: endpoints that parse, a whole-second lease of at least 2 s, and
+    /// an address others can reach.
+    pub fn ha(&self) -> Result<crate::ha::HaConfig, String> {
+        let endpoints = mooncake_common::leader::parse_endpoints(&self.etcd_endpoints)
+            .map_err(|e| format!("etcd_endpoints: {e}"))?;
+        if self.cluster_id.is_empty() || self.cluster_id.contains('/') {
+            return Err(format!(
+                "cluster_id {:?} must be non-empty and contain no '/'",
+                self.cluster_id
+            ));
+        }
+        if self.ha_lease_ttl < Duration::from_secs(2) || self.ha_lease_ttl.subsec_nanos() != 0 {
+            return Err(format!(
+                "ha_lease_ttl {:?} must be whole seconds, at least 2",
+                self.ha_lease_ttl
+            ));
+        }
+        let advertise = if self.advertise_address.is_empty() {
+            let unspecified = self
+                .bind_address
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_unspecified());
+            if unspecified || self.rpc_port == 0 {
+                return Err("with enable_ha, set advertise_address (or bind to a concrete address and rpc_port): it is what clients and owners are sent to".into());
+            }
+            format!("{}:{}", self.bind_address, self.rpc_port)
+        } else {
+            self.advertise_address.clone()
+        };
+        Ok(crate::ha::HaConfig {
+            endpoints,
+            cluster_id: self.cluster_id.clone(),
+            lease_ttl: self.ha_lease_ttl,
+            advertise,
+        })
     }
 
     pub fn policy(&self) -> Policy {

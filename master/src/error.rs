@@ -32,6 +32,8 @@ pub enum MasterError {
     NotSegmentOwner { segment: SegmentName },
     #[error("object {0} is not known yet: the master is rebuilding its catalog from the owners' reports; retry shortly")]
     Rebuilding(ObjectKey),
+    #[error("this master's reserved put ids are used up until its next reservation reaches etcd; retry shortly")]
+    GrantsExhausted,
 }
 
 impl MasterError {
@@ -48,7 +50,9 @@ impl MasterError {
             MasterError::SegmentNotFound(_) | MasterError::NotSegmentOwner { .. } => {
                 Code::SegmentNotFound
             }
-            MasterError::Rebuilding(_) => Code::UnavailableInCurrentStatus,
+            MasterError::Rebuilding(_) | MasterError::GrantsExhausted => {
+                Code::UnavailableInCurrentStatus
+            }
         }
     }
 }

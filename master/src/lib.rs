@@ -6,6 +6,7 @@ pub mod clock;
 pub mod config;
 pub mod core;
 pub mod error;
+pub mod ha;
 pub mod http;
 pub mod metrics;
 pub mod server;

@@ -14,9 +14,33 @@ use crate::{
     clock::{Clock, SystemClock},
     config::MasterConfig,
     core::MasterState,
+    ha::Leadership,
     service::{MasterService, Shared},
     wire::{grpc::GrpcMaster, in_process::InProcessMaster},
 };
+
+/// Why a master that lost (or never had) its etcd lease refuses a call.
+pub const NOT_LEADING: &str =
+    "this master is not the elected leader (its etcd lease lapsed); ask etcd for the leader";
+
+/// What one leadership term starts with. The default is a master without HA.
+pub struct Term {
+    pub leadership: Arc<Leadership>,
+    /// Put ids start at or above this (what the previous leader reserved).
+    pub grant_floor: u64,
+    /// Put ids stay below this until the term reserves more.
+    pub grant_ceiling: u64,
+}
+
+impl Default for Term {
+    fn default() -> Self {
+        Term {
+            leadership: Arc::new(Leadership::always()),
+            grant_floor: 0,
+            grant_ceiling: u64::MAX,
+        }
+    }
+}
 
 /// A master running on the current tokio runtime.
 pub struct RunningMaster {
@@ -38,6 +62,16 @@ impl RunningMaster {
         config: MasterConfig,
         clock: Arc<dyn Clock>,
     ) -> std::io::Result<RunningMaster> {
+        Self::start_term(config, clock, Term::default()).await
+    }
+
+    /// Starts serving one leadership term (see `ha`): answers only while `term.leadership`
+    /// holds, and issues put ids from `term.grant_floor` up to `term.grant_ceiling`.
+    pub async fn start_term(
+        config: MasterConfig,
+        clock: Arc<dyn Clock>,
+        term: Term,
+    ) -> std::io::Result<RunningMaster> {
         config
             .validate()
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -45,18 +79,29 @@ impl RunningMaster {
         let http = bind(&config.bind_address, config.metrics_port).await?;
         let (rpc_addr, http_addr) = (rpc.local_addr()?, http.local_addr()?);
         let mut state = MasterState::new(config.policy());
-        state.raise_grants(wall_clock_micros());
+        state.raise_grants(wall_clock_micros().max(term.grant_floor));
+        state.reserve_grants(term.grant_ceiling);
         // Owners of an earlier master process remount and report what they hold.
         state.started(clock.now());
-        let shared = Arc::new(Shared::new(state, clock));
+        let shared = Arc::new(Shared::new(state, clock, term.leadership));
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
         let service = Arc::new(MasterService::new(shared.clone()));
         let grpc = GrpcMaster(service.clone());
-        let svc = MasterServer::new(grpc.clone())
-            .max_decoding_message_size(256 << 20)
-            .max_encoding_message_size(256 << 20);
+        let leader = service.clone();
+        let svc = tonic::service::interceptor::InterceptedService::new(
+            MasterServer::new(grpc.clone())
+                .max_decoding_message_size(256 << 20)
+                .max_encoding_message_size(256 << 20),
+            move |req: tonic::Request<()>| {
+                if leader.leading() {
+                    Ok(req)
+                } else {
+                    Err(tonic::Status::unavailable(NOT_LEADING))
+                }
+            },
+        );
         // One port, two protocols: framed-RPC connections are served here, the rest go to tonic.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
         tasks.push(tokio::spawn(split_connections(
@@ -132,6 +177,11 @@ impl RunningMaster {
     /// the same process.
     pub fn in_process(&self) -> InProcessMaster {
         InProcessMaster(self.service.clone())
+    }
+
+    /// Runs `f` on the state under its lock (the HA loop raises the grant reservation).
+    pub fn with_state_mut<R>(&self, f: impl FnOnce(&mut MasterState) -> R) -> R {
+        f(&mut self.shared.state.lock())
     }
 
     /// Read access to the state, for tests and tools in the same process.

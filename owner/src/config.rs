@@ -11,8 +11,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OwnerConfig {
-    /// The master's gRPC address, "host:port".
+    /// The master: "host:port", or "etcd://host:port;host:port" to follow the cluster's elected
+    /// master through etcd.
     pub master: String,
+    /// The cluster's name in etcd, with an `etcd://` master (`MC_STORE_CLUSTER_ID`).
+    pub cluster_id: String,
     /// Address the data plane binds to and that clients connect to; it names the segment.
     pub host: String,
     /// Data-plane port; 0 picks a free one.
@@ -57,6 +60,7 @@ impl Default for OwnerConfig {
     fn default() -> Self {
         OwnerConfig {
             master: "127.0.0.1:50051".into(),
+            cluster_id: mooncake_common::leader::DEFAULT_CLUSTER_ID.into(),
             host: "127.0.0.1".into(),
             port: 0,
             segment_size: ByteSize::gib(4),
@@ -80,11 +84,14 @@ impl Default for OwnerConfig {
 
 impl OwnerConfig {
     /// The environment applied over this config, `env` answering a variable's value: the one
-    /// place the owner reads it (`MOONCAKE_SOCKET_DIR`, which clients read too). Binaries apply
-    /// it between the config file and their flags.
+    /// place the owner reads it (`MOONCAKE_SOCKET_DIR` and `MC_STORE_CLUSTER_ID`, which clients
+    /// read too). Binaries apply it between the config file and their flags.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Self {
         if let Some(dir) = env(mooncake_common::local::SOCKET_DIR_ENV) {
             self.socket_dir = PathBuf::from(dir);
+        }
+        if let Some(id) = env("MC_STORE_CLUSTER_ID") {
+            self.cluster_id = id.trim().to_string();
         }
         self
     }
@@ -96,9 +103,7 @@ impl OwnerConfig {
                 self.segment_size
             ));
         }
-        if self.master.is_empty() {
-            return Err("master address is empty: pass --master HOST:PORT".into());
-        }
+        mooncake_common::leader::MasterAddress::parse(&self.master)?;
         if let Ok(ip) = self.host.parse::<std::net::IpAddr>() {
             if ip.is_unspecified() {
                 return Err(format!(

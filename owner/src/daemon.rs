@@ -124,6 +124,7 @@ impl RunningOwner {
         };
         let link = MasterLink::new(
             &config.master,
+            &config.cluster_id,
             client_id,
             segment.clone(),
             size,

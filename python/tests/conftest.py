@@ -58,9 +58,9 @@ def start_master():
     return m, fields["rpc"]
 
 
-def start_owner(master, size="128MiB"):
+def start_owner(master, size="128MiB", extra=()):
     o = Proc([bin_path("mooncake_ownerd"), "--master", master, "--host", "127.0.0.1", "--port", "0",
-              "--segment-size", size, "--no-mlock"])
+              "--segment-size", size, "--no-mlock", *extra])
     seg = o.wait_line("mooncake_ownerd ready").split("segment=")[1]
     return o, seg
 

@@ -15,6 +15,17 @@ use mooncake_common::ByteSize;
 use mooncake_master::{clock::Clock, MasterConfig, RunningMaster};
 use mooncake_owner::{OwnerConfig, RunningOwner};
 
+pub mod etcd;
+
+/// A free loopback port (bound and released: fine for tests, where nothing else races for it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .expect("local address")
+        .port()
+}
+
 /// A master config for tests: loopback, free ports.
 pub fn master_config() -> MasterConfig {
     MasterConfig {

@@ -8,15 +8,7 @@
 use std::time::Duration;
 
 use mooncake_client::{Client, ClientConfig, PutOutcome, ReplicateConfig};
-use mooncake_tests::{get_code, payload, spawn_owner, ChildGuard};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use mooncake_tests::{free_port, get_code, payload, spawn_owner, ChildGuard};
 
 fn master_on(port: u16) -> ChildGuard {
     let port = port.to_string();

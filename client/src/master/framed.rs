@@ -257,6 +257,11 @@ impl FramedPool {
             let text = String::from_utf8_lossy(&out);
             return Err(if status == rpc_wire::STATUS_BAD_REQUEST {
                 ApiError::new(Code::InvalidParams, text.into_owned())
+            } else if status == rpc_wire::STATUS_UNAVAILABLE {
+                ApiError::new(
+                    Code::UnavailableInCurrentStatus,
+                    format!("master {}: {text}", self.addr),
+                )
             } else {
                 ApiError::rpc(format!("master {}: {text}", self.addr))
             });

@@ -68,6 +68,10 @@ fn status_error(s: &Status, timeout: Duration) -> ApiError {
             format!("master call timed out after {timeout:?}"),
         ),
         tonic::Code::InvalidArgument => ApiError::new(Code::InvalidParams, s.message()),
+        // A master that is not (or no longer) the elected leader.
+        tonic::Code::Unavailable if s.message().contains("not the elected leader") => {
+            ApiError::new(Code::UnavailableInCurrentStatus, s.message())
+        }
         c => ApiError::rpc(format!("{c}: {}", s.message())),
     }
 }

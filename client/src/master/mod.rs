@@ -5,14 +5,19 @@
 //! RPC_FAIL / RPC_TIMEOUT. The in-process implementation lives with the master.
 
 mod answers;
+mod following;
 mod framed;
 mod grpc;
 mod patient;
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use mooncake_common::{ApiError, Code, MasterApi};
+use mooncake_common::{
+    leader::{LeaderLookup, MasterAddress},
+    ApiError, Code, MasterApi,
+};
 
+pub use following::Following;
 pub use framed::FramedMaster;
 pub use grpc::GrpcMaster;
 pub use patient::Patient;
@@ -22,9 +27,27 @@ use crate::{
     error::ClientError,
 };
 
-/// The `MasterApi` the config asks for (no connection is made yet).
+/// The `MasterApi` the config asks for (no connection is made yet): the master at a fixed
+/// address, or the elected one of an `etcd://` cluster; lookups wait out a catalog rebuild.
 pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError> {
-    let addr = config.master.as_str();
+    let wire: Arc<dyn MasterApi> = match MasterAddress::parse(&config.master)
+        .map_err(ClientError::Config)?
+    {
+        MasterAddress::Fixed(addr) => wire_adapter(config, &addr)?,
+        MasterAddress::Etcd(endpoints) => {
+            let lookup = LeaderLookup::new(endpoints, &config.cluster_id, config.connect_timeout);
+            let c = config.clone();
+            let connect = Box::new(move |addr: &str| {
+                wire_adapter(&c, addr).map_err(|e| format!("the leader key names {e}"))
+            });
+            Arc::new(Following::new(lookup, connect, config.rpc_timeout))
+        }
+    };
+    Ok(Arc::new(Patient::new(wire, config.rpc_timeout)))
+}
+
+/// The wire adapter for one master address.
+fn wire_adapter(config: &ClientConfig, addr: &str) -> Result<Arc<dyn MasterApi>, ClientError> {
     let bad = || {
         ClientError::Config(format!(
             "invalid master address {addr:?}: expected HOST:PORT"
@@ -36,7 +59,7 @@ pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError>
     {
         return Err(bad());
     }
-    let wire: Arc<dyn MasterApi> = match config.master_protocol {
+    Ok(match config.master_protocol {
         MasterProtocol::Framed => Arc::new(FramedMaster::new(
             addr,
             config.rpc_timeout,
@@ -46,8 +69,7 @@ pub fn connect(config: &ClientConfig) -> Result<Arc<dyn MasterApi>, ClientError>
         MasterProtocol::Grpc => Arc::new(
             GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout).ok_or_else(bad)?,
         ),
-    };
-    Ok(Arc::new(Patient::new(wire, config.rpc_timeout)))
+    })
 }
 
 /// `call` under the RPC deadline.

@@ -61,6 +61,21 @@ struct Args {
     /// The longest that goes on while owners are still reporting (seconds).
     #[arg(long = "rebuild_window_sec", value_parser = secs)]
     rebuild_window: Option<Duration>,
+    /// Campaign for leadership in etcd (with --etcd_endpoints); standbys take over on failure.
+    #[arg(long = "enable_ha", alias = "enable-ha")]
+    enable_ha: bool,
+    /// etcd endpoints, "host:port;host:port".
+    #[arg(long = "etcd_endpoints", alias = "etcd-endpoints")]
+    etcd_endpoints: Option<String>,
+    /// The cluster's name in etcd (masters, owners and clients of one cluster share it).
+    #[arg(long = "cluster_id", alias = "cluster-id")]
+    cluster_id: Option<String>,
+    /// The leader's etcd lease, in seconds (or a duration such as "5s").
+    #[arg(long = "ha_lease_ttl", value_parser = secs)]
+    ha_lease_ttl: Option<Duration>,
+    /// The address published to clients and owners when this master leads.
+    #[arg(long = "advertise_address", alias = "advertise-address")]
+    advertise_address: Option<String>,
 }
 
 fn ms(s: &str) -> Result<Duration, String> {
@@ -95,9 +110,16 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         promote_after_hits <- args.promote_after_hits,
         rebuild_grace <- args.rebuild_grace,
         rebuild_window <- args.rebuild_window,
+        etcd_endpoints <- args.etcd_endpoints,
+        cluster_id <- args.cluster_id,
+        ha_lease_ttl <- args.ha_lease_ttl,
+        advertise_address <- args.advertise_address,
     );
     if args.eager_offload {
         c.eager_offload = true;
+    }
+    if args.enable_ha {
+        c.enable_ha = true;
     }
     c.validate()
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -113,6 +135,15 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = config(Args::parse())?;
+    if config.enable_ha {
+        let ha = config.ha().map_err(|e| anyhow::anyhow!(e))?;
+        println!(
+            "mooncake_master standby cluster={} etcd={}",
+            ha.cluster_id,
+            ha.endpoints.join(";")
+        );
+        return mooncake_master::ha::run(config, ha, &Announce, shutdown_signal()).await;
+    }
     let master = RunningMaster::start(config)
         .await
         .context("cannot start the master")?;
@@ -122,6 +153,25 @@ async fn main() -> anyhow::Result<()> {
     );
     master.run_until(shutdown_signal()).await;
     Ok(())
+}
+
+/// Prints each change of role on stdout (scripts and tests wait for these lines).
+struct Announce;
+
+impl mooncake_master::ha::Events for Announce {
+    fn leading(&self, master: &RunningMaster, term: i64) {
+        println!(
+            "mooncake_master ready rpc={} http={} term={term}",
+            master.rpc_addr, master.http_addr
+        );
+    }
+
+    fn standing_by(&self, leader: Option<&str>) {
+        println!(
+            "mooncake_master standby leader={}",
+            leader.unwrap_or("unknown")
+        );
+    }
 }
 
 async fn shutdown_signal() {

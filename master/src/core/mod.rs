@@ -113,13 +113,20 @@ struct Owner {
 /// process issued, so owners can tell a stale write from a current one by comparing ids.
 struct Grants {
     next: u64,
+    /// Ids from here on are not reserved (with HA: not yet published to etcd, so a successor
+    /// might issue them too); u64::MAX without HA.
+    ceiling: u64,
 }
 
 impl Grants {
-    fn next(&mut self) -> u64 {
+    /// The next id, or None when the reservation is used up (until the next one is published).
+    fn next(&mut self) -> Option<u64> {
+        if self.next >= self.ceiling {
+            return None;
+        }
         let id = self.next;
         self.next += 1;
-        id
+        Some(id)
     }
 }
 
@@ -216,6 +223,11 @@ impl MasterState {
         self.grants.next
     }
 
+    /// Issues no put id at or above `ceiling` (with HA: the reservation published to etcd).
+    pub fn reserve_grants(&mut self, ceiling: u64) {
+        self.grants.ceiling = ceiling;
+    }
+
     /// Deterministic placement for tests.
     pub fn with_seed(policy: Policy, seed: u64) -> Self {
         let rng = StdRng::seed_from_u64(seed);
@@ -227,7 +239,10 @@ impl MasterState {
             objects: HashMap::default(),
             pending: Vec::new(),
             next_segment: 1,
-            grants: Grants { next: 1 },
+            grants: Grants {
+                next: 1,
+                ceiling: u64::MAX,
+            },
             rng,
             counters: Counters::default(),
             tasks_queued: false,

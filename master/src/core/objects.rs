@@ -147,7 +147,10 @@ impl MasterState {
             return Err(MasterError::NoSpace { size });
         }
         self.offload_early(now);
-        let put_id = self.grants.next();
+        let Some(put_id) = self.grants.next() else {
+            self.free_replicas(replicas);
+            return Err(MasterError::GrantsExhausted);
+        };
         let pin = if config.hard_pin {
             Pin::Hard
         } else if config.soft_pin {

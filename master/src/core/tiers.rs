@@ -358,10 +358,16 @@ impl MasterState {
         if seg.allocator.free_bytes() < obj.size || seg.report.is_some() {
             return;
         }
+        if self.grants.next >= self.grants.ceiling {
+            return;
+        }
         let Some(allocation) = seg.allocator.allocate(obj.size) else {
             return;
         };
-        let grant = self.grants.next();
+        let grant = self
+            .grants
+            .next()
+            .expect("below the ceiling, checked above");
         let task = OwnerTask {
             kind: TaskKind::Promote,
             key: key.clone(),

@@ -17,6 +17,7 @@ use crate::{
     clock::Clock,
     core::{MasterState, PutGrant, SegmentStat},
     error::MasterError,
+    ha::Leadership,
     metrics::{Metrics, Op},
 };
 
@@ -29,11 +30,14 @@ pub struct Shared {
     pub owner_work: tokio::sync::Notify,
     /// Wakes puts waiting for offloads to free memory.
     pub offload_progress: tokio::sync::Notify,
+    /// Whether this process may answer (with HA: while its etcd lease is alive).
+    pub leadership: Arc<Leadership>,
 }
 
 impl Shared {
-    pub fn new(state: MasterState, clock: Arc<dyn Clock>) -> Shared {
+    pub fn new(state: MasterState, clock: Arc<dyn Clock>, leadership: Arc<Leadership>) -> Shared {
         Shared {
+            leadership,
             state: Mutex::new(state),
             clock,
             metrics: Metrics::default(),
@@ -68,6 +72,11 @@ fn validated(k: &str) -> Result<&str, MasterError> {
 }
 
 impl MasterService {
+    /// Whether this master may answer now: every adapter asks before it dispatches a call.
+    pub fn leading(&self) -> bool {
+        self.shared.leadership.holds(self.shared.clock.now())
+    }
+
     pub fn new(shared: Arc<Shared>) -> Self {
         MasterService { shared }
     }

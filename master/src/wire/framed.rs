@@ -68,6 +68,10 @@ pub async fn serve(
                 io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame")
             })??;
         let (status, out) = match Method::from_u32(method) {
+            Some(_) if !svc.0.leading() => (
+                rpc_wire::STATUS_UNAVAILABLE,
+                crate::server::NOT_LEADING.as_bytes().to_vec(),
+            ),
             Some(m) => dispatch(&svc, m, &body).await,
             None => (
                 rpc_wire::STATUS_BAD_REQUEST,

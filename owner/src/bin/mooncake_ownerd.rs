@@ -20,9 +20,12 @@ struct Args {
     /// TOML config file; flags given on the command line override its values.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// The master's RPC address, HOST:PORT.
+    /// The master: HOST:PORT, or etcd://HOST:PORT;HOST:PORT to follow the elected one.
     #[arg(long)]
     master: Option<String>,
+    /// The cluster's name in etcd (with an etcd:// master).
+    #[arg(long = "cluster-id", alias = "cluster_id")]
+    cluster_id: Option<String>,
     /// Address clients reach this owner at; the data plane binds to it.
     #[arg(long)]
     host: Option<String>,
@@ -72,6 +75,7 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     }
     set!(
         master <- args.master,
+        cluster_id <- args.cluster_id,
         host <- args.host,
         port <- args.port,
         segment_size <- args.segment_size,

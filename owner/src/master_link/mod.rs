@@ -6,6 +6,7 @@
 //! module and that one talk to the master, the `ssd` module below them never does.
 
 pub mod ssd_tasks;
+mod target;
 
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,9 @@ use std::sync::Arc;
 use mooncake_common::{ClientId, Code, ObjectKey, SegmentName};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
+
+use target::Target;
 
 use crate::{catalog::Catalog, ssd::SsdStore};
 
@@ -23,7 +26,7 @@ const REPORT_CHUNK: usize = 8192;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    #[error("invalid master address {0:?}: expected HOST:PORT")]
+    #[error("invalid master address {0:?}: expected HOST:PORT or etcd://HOST:PORT;HOST:PORT")]
     BadAddress(String),
     #[error("master {master} did not answer: {message}")]
     Unreachable { master: String, message: String },
@@ -49,8 +52,7 @@ impl LinkError {
 
 #[derive(Clone)]
 pub struct MasterLink {
-    master: String,
-    client: MasterClient<Channel>,
+    target: Arc<Target>,
     owner: ClientId,
     segment: SegmentName,
     size: u64,
@@ -60,8 +62,10 @@ pub struct MasterLink {
 }
 
 impl MasterLink {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         master: &str,
+        cluster_id: &str,
         owner: ClientId,
         segment: SegmentName,
         size: u64,
@@ -69,14 +73,8 @@ impl MasterLink {
         ssd: Option<Arc<SsdStore>>,
         catalog: Arc<Catalog>,
     ) -> Result<Self, LinkError> {
-        let endpoint = Endpoint::from_shared(format!("http://{master}"))
-            .map_err(|_| LinkError::BadAddress(master.to_string()))?
-            .connect_timeout(rpc_timeout)
-            .timeout(rpc_timeout)
-            .tcp_nodelay(true);
         Ok(MasterLink {
-            master: master.to_string(),
-            client: MasterClient::new(endpoint.connect_lazy()),
+            target: Arc::new(Target::new(master, cluster_id, rpc_timeout)?),
             owner,
             segment,
             size,
@@ -86,11 +84,28 @@ impl MasterLink {
         })
     }
 
-    fn unreachable(&self, message: impl ToString) -> LinkError {
+    /// A call to the master at `addr` got no answer: with etcd, the leader is looked up again.
+    fn unreachable(&self, addr: &str, message: impl ToString) -> LinkError {
+        self.target.forget(addr);
         LinkError::Unreachable {
-            master: self.master.clone(),
+            master: addr.to_string(),
             message: message.to_string(),
         }
+    }
+
+    /// Runs one call on the current master under the RPC deadline (plus `extra`, for long polls).
+    async fn call<T, F, Fut>(&self, extra: Duration, f: F) -> Result<T, LinkError>
+    where
+        F: FnOnce(MasterClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let (addr, client) = self.target.client().await?;
+        let after = self.rpc_timeout + extra;
+        tokio::time::timeout(after, f(client))
+            .await
+            .map_err(|_| self.unreachable(&addr, format!("no answer within {after:?}")))?
+            .map(|r| r.into_inner())
+            .map_err(|s| self.unreachable(&addr, s.message()))
     }
 
     /// Mounts the segment and reports what the pool holds (a remount after the master lost
@@ -106,14 +121,15 @@ impl MasterLink {
             newest_grant: self.catalog.newest_grant(),
             catalog_objects: entries.len() as u64,
         };
-        let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().mount_segment(req))
-            .await
-            .map_err(|_| self.unreachable(format!("no answer within {:?}", self.rpc_timeout)))?
-            .map_err(|s| self.unreachable(s.message()))?
-            .into_inner();
+        let resp = self
+            .call(
+                Duration::ZERO,
+                |mut c| async move { c.mount_segment(req).await },
+            )
+            .await?;
         if resp.code != 0 {
             return Err(LinkError::Refused {
-                master: self.master.clone(),
+                master: self.target.given().to_string(),
                 segment: self.segment.clone(),
                 code: Code::from_i32(resp.code),
                 message: resp.message,
@@ -150,11 +166,13 @@ impl MasterLink {
                 done: i + 1 == chunks.len(),
             };
             outcome = self
-                .call(Duration::ZERO, self.client.clone().report_catalog(req))
+                .call(Duration::ZERO, |mut c| async move {
+                    c.report_catalog(req).await
+                })
                 .await?;
             if outcome.code != 0 {
                 return Err(LinkError::Refused {
-                    master: self.master.clone(),
+                    master: self.target.given().to_string(),
                     segment: self.segment.clone(),
                     code: Code::from_i32(outcome.code),
                     message: outcome.message,
@@ -190,11 +208,13 @@ impl MasterLink {
             client_id: self.owner.to_string(),
             disk: self.ssd.as_ref().map(|s| s.stats().into()),
         };
-        let resp = tokio::time::timeout(self.rpc_timeout, self.client.clone().heartbeat(req))
-            .await
-            .map_err(|_| self.unreachable(format!("no answer within {:?}", self.rpc_timeout)))?
-            .map_err(|s| self.unreachable(s.message()))?;
-        Ok(resp.into_inner().remount)
+        let resp = self
+            .call(
+                Duration::ZERO,
+                |mut c| async move { c.heartbeat(req).await },
+            )
+            .await?;
+        Ok(resp.remount)
     }
 
     pub async fn unmount(&self) -> Result<(), LinkError> {
@@ -202,25 +222,11 @@ impl MasterLink {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),
         };
-        tokio::time::timeout(self.rpc_timeout, self.client.clone().unmount_segment(req))
-            .await
-            .map_err(|_| self.unreachable(format!("no answer within {:?}", self.rpc_timeout)))?
-            .map_err(|s| self.unreachable(s.message()))?;
+        self.call(Duration::ZERO, |mut c| async move {
+            c.unmount_segment(req).await
+        })
+        .await?;
         Ok(())
-    }
-
-    /// Runs one call under the RPC deadline (plus `extra`, for long polls).
-    async fn call<T>(
-        &self,
-        extra: Duration,
-        f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    ) -> Result<T, LinkError> {
-        let after = self.rpc_timeout + extra;
-        tokio::time::timeout(after, f)
-            .await
-            .map_err(|_| self.unreachable(format!("no answer within {after:?}")))?
-            .map(|r| r.into_inner())
-            .map_err(|s| self.unreachable(s.message()))
     }
 
     /// Waits up to `wait` for SSD-tier work.
@@ -235,7 +241,8 @@ impl MasterLink {
             max_tasks,
             wait_ms: wait.as_millis() as u64,
         };
-        self.call(wait, self.client.clone().poll_tasks(req)).await
+        self.call(wait, |mut c| async move { c.poll_tasks(req).await })
+            .await
     }
 
     /// Reports finished tasks; returns the master's code for each.
@@ -246,7 +253,10 @@ impl MasterLink {
             results,
         };
         Ok(self
-            .call(Duration::ZERO, self.client.clone().report_tasks(req))
+            .call(
+                Duration::ZERO,
+                |mut c| async move { c.report_tasks(req).await },
+            )
             .await?
             .codes)
     }
@@ -268,9 +278,12 @@ impl MasterLink {
             segment: self.segment.to_string(),
             items,
         };
-        self.call(Duration::ZERO, self.client.clone().disk_dropped(req))
-            .await
-            .map(|_| ())
+        self.call(
+            Duration::ZERO,
+            |mut c| async move { c.disk_dropped(req).await },
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Registers records found on disk; the master answers a code and a version for each.
@@ -283,8 +296,11 @@ impl MasterLink {
             segment: self.segment.to_string(),
             items,
         };
-        self.call(Duration::ZERO, self.client.clone().register_disk(req))
-            .await
+        self.call(
+            Duration::ZERO,
+            |mut c| async move { c.register_disk(req).await },
+        )
+        .await
     }
 
     /// Registers every record on disk at the master (after a mount); records the master refuses

@@ -26,6 +26,8 @@ pub const MAX_BODY: usize = 256 << 20;
 pub const STATUS_OK: i32 = 0;
 pub const STATUS_BAD_REQUEST: i32 = 1;
 pub const STATUS_INTERNAL: i32 = 2;
+/// This master may not answer (not the elected leader): ask etcd for the leader and retry there.
+pub const STATUS_UNAVAILABLE: i32 = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]

@@ -1,0 +1,173 @@
+//! Following the elected master through etcd (`etcd://h:p;h:p`): the leader's address is read
+//! from the cluster's leader key, calls go to it over the configured wire adapter, and a call
+//! that fails because the master is gone or no longer leads is tried again on whoever leads
+//! now, within the caller's deadline (the RPC timeout). Lookups are always tried again; a call
+//! that changes state only when the master refused it unexecuted ("not the leader") or when the
+//! leader changed meanwhile (the old one is gone, so what it did is gone with it: the owners'
+//! reports rebuild only what landed). A call to a master that went silent (paused, cut off) is
+//! not waited out: while it is in flight the leader key is read every half second, and once it
+//! names another master the call is abandoned and goes to the new one.
+
+use std::{sync::Arc, time::Duration};
+
+use mooncake_common::{
+    leader::{Leader, LeaderLookup},
+    master_api::{Call, Grants, Lookup, SegmentUsage},
+    ApiError, Code, MasterApi, ReplicateConfig,
+};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+/// Builds the wire adapter for a leader's address (or says why the address is no good).
+pub type Connector = Box<dyn Fn(&str) -> Result<Arc<dyn MasterApi>, String> + Send + Sync>;
+
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+/// How often the leader key is read while a call is in flight.
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+const LONGEST_PAUSE: Duration = Duration::from_millis(500);
+
+pub struct Following {
+    lookup: LeaderLookup,
+    connect: Connector,
+    deadline: Duration,
+    current: Mutex<Option<(Leader, Arc<dyn MasterApi>)>>,
+}
+
+impl Following {
+    pub fn new(lookup: LeaderLookup, connect: Connector, deadline: Duration) -> Self {
+        Following {
+            lookup,
+            connect,
+            deadline,
+            current: Mutex::new(None),
+        }
+    }
+
+    /// The leader's adapter (asking etcd when none is known).
+    async fn leader(&self) -> Result<(Leader, Arc<dyn MasterApi>), ApiError> {
+        if let Some((l, m)) = self.current.lock().clone() {
+            return Ok((l, m));
+        }
+        let leader = self.lookup.leader().await.map_err(ApiError::rpc)?;
+        let master = (self.connect)(&leader.address).map_err(ApiError::rpc)?;
+        tracing::info!(leader = %leader.address, term = leader.term, "following the elected master");
+        *self.current.lock() = Some((leader.clone(), master.clone()));
+        Ok((leader, master))
+    }
+
+    /// Finishes once etcd names a leader other than `called` (never while it still leads).
+    async fn moved_from(&self, called: &Leader) {
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            if let Ok(now) = self.lookup.leader().await {
+                if now != *called {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Forgets `failed` as the leader, so the next call asks etcd again.
+    fn forget(&self, failed: &Leader) {
+        let mut current = self.current.lock();
+        if current.as_ref().is_some_and(|(l, _)| l == failed) {
+            *current = None;
+        }
+    }
+}
+
+/// Whether an error says the master that answered is gone or does not lead.
+fn leader_trouble(e: &ApiError) -> bool {
+    matches!(e.code, Code::RpcFail | Code::UnavailableInCurrentStatus)
+}
+
+/// Runs `$call` (an expression using `$m`, the leader's adapter) against the leader, trying
+/// again on a new leader as described in the module's doc.
+macro_rules! on_leader {
+    ($self:ident, $idempotent:expr, |$m:ident| $call:expr) => {
+        Box::pin(async move {
+            let give_up = Instant::now() + $self.deadline;
+            let mut pause = FIRST_PAUSE;
+            let mut tried: Option<Leader> = None;
+            loop {
+                let (leader, $m) = match $self.leader().await {
+                    Ok(x) => x,
+                    Err(e) if Instant::now() + pause < give_up => {
+                        tracing::debug!(error = %e, "no leader yet");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(LONGEST_PAUSE);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                // A state-changing call that failed in flight goes again only to a new leader.
+                if !$idempotent && tried.as_ref().is_some_and(|t| *t == leader) {
+                    if Instant::now() + pause >= give_up {
+                        return Err(ApiError::rpc("the master failed mid-call and no new leader took over within the deadline"));
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(LONGEST_PAUSE);
+                    $self.forget(&leader);
+                    continue;
+                }
+                let res = tokio::select! {
+                    r = $call => r,
+                    _ = $self.moved_from(&leader) => Err(ApiError::rpc(format!(
+                        "master {} stopped leading during the call", leader.address
+                    ))),
+                };
+                match &res {
+                    Err(e) if leader_trouble(e) && Instant::now() + pause < give_up => {
+                        tracing::debug!(error = %e, leader = %leader.address, "master call failed; asking etcd for the leader");
+                        $self.forget(&leader);
+                        // Refused unexecuted: as good as never sent.
+                        if e.code != Code::UnavailableInCurrentStatus {
+                            tried = Some(leader);
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(LONGEST_PAUSE);
+                    }
+                    _ => return res,
+                }
+            }
+        })
+    };
+}
+
+impl MasterApi for Following {
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants> {
+        on_leader!(self, false, |m| m.put_start(items, config))
+    }
+
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        on_leader!(self, false, |m| m.put_end(puts))
+    }
+
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        on_leader!(self, false, |m| m.put_revoke(puts))
+    }
+
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+        on_leader!(self, true, |m| m.get_replicas(keys))
+    }
+
+    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+        on_leader!(self, true, |m| m.exists(keys))
+    }
+
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
+        on_leader!(self, false, |m| m.remove(keys, force))
+    }
+
+    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+        on_leader!(self, false, |m| m.remove_all(force))
+    }
+
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+        on_leader!(self, true, |m| m.list_segments())
+    }
+}

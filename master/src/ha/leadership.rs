@@ -1,0 +1,67 @@
+//! Whether this process may answer: always without HA; with HA, only while its etcd lease is
+//! known to be alive. The election loop moves `valid_until` forward on every acknowledged
+//! keepalive (from the moment the keepalive was sent, so the local view never outlives etcd's),
+//! and every request checks it: a leader that was paused past its lease, or cut off from etcd,
+//! refuses to answer from the instant its lease may have lapsed, before it even notices.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::clock::Millis;
+
+#[derive(Debug)]
+pub struct Leadership {
+    /// Master-clock milliseconds until which this process leads; u64::MAX: no election.
+    valid_until: AtomicU64,
+}
+
+impl Default for Leadership {
+    fn default() -> Self {
+        Leadership::always()
+    }
+}
+
+impl Leadership {
+    /// A master without HA: it always answers.
+    pub fn always() -> Self {
+        Leadership {
+            valid_until: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// A leader whose lease is known alive until `until`.
+    pub fn until(until: Millis) -> Self {
+        Leadership {
+            valid_until: AtomicU64::new(until.0),
+        }
+    }
+
+    pub fn extend_to(&self, until: Millis) {
+        self.valid_until.fetch_max(until.0, Ordering::SeqCst);
+    }
+
+    /// Stops answering at once (the lease was lost or given up).
+    pub fn revoke(&self) {
+        self.valid_until.store(0, Ordering::SeqCst);
+    }
+
+    pub fn holds(&self, now: Millis) -> bool {
+        now.0 < self.valid_until.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_holds_until_it_lapses_or_is_revoked() {
+        assert!(Leadership::always().holds(Millis(u64::MAX - 1)));
+        let l = Leadership::until(Millis(100));
+        assert!(l.holds(Millis(99)) && !l.holds(Millis(100)));
+        l.extend_to(Millis(200));
+        l.extend_to(Millis(150));
+        assert!(l.holds(Millis(199)));
+        l.revoke();
+        assert!(!l.holds(Millis(1)));
+    }
+}

@@ -1,0 +1,152 @@
+//! High availability with a real etcd and real processes: two masters campaign, the leader is
+//! killed with SIGKILL under a running client and the standby takes over (owners follow and
+//! report, the client follows, nothing committed is lost); a leader paused for three lease TTLs
+//! loses its lease, refuses to answer once it resumes, and campaigns again as a standby.
+
+use std::time::{Duration, Instant};
+
+use mooncake_client::{Client, ClientConfig, PutOutcome, ReplicateConfig};
+use mooncake_tests::{etcd::Etcd, free_port, get_code, payload, spawn_owner, ChildGuard};
+
+const TTL: &str = "2";
+const SIZE: usize = 32 << 10;
+
+struct Master {
+    guard: ChildGuard,
+    addr: String,
+}
+
+fn ha_master(etcd: &Etcd) -> Master {
+    let port = free_port().to_string();
+    let guard = ChildGuard::spawn(
+        "mooncake_master",
+        &[
+            "--enable_ha",
+            "--etcd_endpoints",
+            &etcd.endpoint,
+            "--cluster_id",
+            "ha-test",
+            "--ha_lease_ttl",
+            TTL,
+            "--rpc_address",
+            "127.0.0.1",
+            "--rpc_port",
+            &port,
+            "--metrics_port",
+            "0",
+        ],
+    );
+    Master {
+        guard,
+        addr: format!("127.0.0.1:{port}"),
+    }
+}
+
+fn client_config(master: &str) -> ClientConfig {
+    ClientConfig {
+        cluster_id: "ha-test".into(),
+        rpc_timeout: Duration::from_secs(10),
+        ..ClientConfig::new(master)
+    }
+}
+
+async fn put_all(client: &Client, keys: &[String]) {
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(vals.iter().map(|v| v.as_slice()))
+        .collect();
+    for (k, r) in keys
+        .iter()
+        .zip(client.batch_put(&items, &ReplicateConfig::default()).await)
+    {
+        assert_eq!(r.unwrap_or_else(|e| panic!("{k}: {e}")), PutOutcome::Stored);
+    }
+}
+
+async fn all_exact(client: &Client, keys: &[String]) {
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SIZE]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    for (i, r) in client
+        .batch_get(&refs, &mut slices)
+        .await
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(get_code(r), SIZE as i64, "{}: {r:?}", keys[i]);
+        assert!(
+            bufs[i] == payload(&keys[i], SIZE),
+            "wrong bytes for {}",
+            keys[i]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_killed_or_paused_leader_and_nothing_is_lost() {
+    let etcd = Etcd::start().await;
+    let mut a = ha_master(&etcd);
+    a.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let b = ha_master(&etcd);
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+
+    let url = etcd.master_url();
+    let beat = ["--heartbeat-interval", "200ms", "--cluster-id", "ha-test"];
+    let (_o1, _) = spawn_owner(&url, "32MiB", &beat);
+    let (_o2, _) = spawn_owner(&url, "32MiB", &beat);
+    let client = Client::connect(client_config(&url)).await.unwrap();
+    let old: Vec<String> = (0..100).map(|i| format!("old/{i}")).collect();
+    put_all(&client, &old).await;
+    all_exact(&client, &old).await;
+
+    // Failover 1: SIGKILL of the leader. The client's next get waits through the election and
+    // the rebuild, and finds every committed object.
+    a.guard.signal(libc::SIGKILL);
+    a.guard.wait_exit(Duration::from_secs(5));
+    let killed = Instant::now();
+    let mut buf = vec![0u8; SIZE];
+    assert_eq!(get_code(&client.get(&old[0], &mut buf).await), SIZE as i64);
+    let took = killed.elapsed();
+    assert!(buf == payload(&old[0], SIZE));
+    assert!(took < Duration::from_secs(10), "failover took {took:?}");
+    b.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(1));
+    all_exact(&client, &old).await;
+    let new: Vec<String> = (0..50).map(|i| format!("new/{i}")).collect();
+    put_all(&client, &new).await;
+
+    // The killed master comes back as a standby.
+    let a2 = ha_master(&etcd);
+    a2.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+
+    // Failover 2: the leader is paused for three TTLs; the standby takes over meanwhile.
+    b.guard.stop();
+    a2.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    all_exact(&client, &old).await;
+    all_exact(&client, &new).await;
+    // Resumed, the old leader refuses to answer (its lease lapsed while it was paused) and
+    // campaigns again as a standby.
+    b.guard.signal(libc::SIGCONT);
+    let direct = Client::connect(ClientConfig {
+        rpc_timeout: Duration::from_secs(2),
+        ..ClientConfig::new(&b.addr)
+    })
+    .await;
+    if let Ok(direct) = direct {
+        let err = direct.exists(&old[0]).await.unwrap_err();
+        assert!(
+            matches!(err.code().as_i32(), -1010 | -900 | -901),
+            "a deposed leader answered: {err}"
+        );
+    }
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(10));
+    all_exact(&client, &old).await;
+    all_exact(&client, &new).await;
+}
