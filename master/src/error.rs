@@ -32,6 +32,8 @@ pub enum MasterError {
     NotSegmentOwner { segment: SegmentName },
     #[error("object {0} is not known yet: the master is rebuilding its catalog from the owners' reports; retry shortly")]
     Rebuilding(ObjectKey),
+    #[error("put {put_id} of {key} was started under an earlier master (it restarted or the leader changed): put again; it succeeds, or finds the object the owners reported already stored")]
+    EarlierMaster { key: ObjectKey, put_id: u64 },
     #[error("this master's reserved put ids are used up until its next reservation reaches etcd; retry shortly")]
     GrantsExhausted,
 }
@@ -50,9 +52,9 @@ impl MasterError {
             MasterError::SegmentNotFound(_) | MasterError::NotSegmentOwner { .. } => {
                 Code::SegmentNotFound
             }
-            MasterError::Rebuilding(_) | MasterError::GrantsExhausted => {
-                Code::UnavailableInCurrentStatus
-            }
+            MasterError::Rebuilding(_)
+            | MasterError::GrantsExhausted
+            | MasterError::EarlierMaster { .. } => Code::UnavailableInCurrentStatus,
         }
     }
 }

@@ -30,6 +30,8 @@ pub struct Term {
     pub grant_floor: u64,
     /// Put ids stay below this until the term reserves more.
     pub grant_ceiling: u64,
+    /// Segments the previous leader had mounted: the rebuild waits for their reports.
+    pub expected_segments: Vec<mooncake_common::SegmentName>,
 }
 
 impl Default for Term {
@@ -38,6 +40,7 @@ impl Default for Term {
             leadership: Arc::new(Leadership::always()),
             grant_floor: 0,
             grant_ceiling: u64::MAX,
+            expected_segments: Vec::new(),
         }
     }
 }
@@ -83,6 +86,7 @@ impl RunningMaster {
         state.reserve_grants(term.grant_ceiling);
         // Owners of an earlier master process remount and report what they hold.
         state.started(clock.now());
+        state.expect_segments(term.expected_segments, clock.now());
         let shared = Arc::new(Shared::new(state, clock, term.leadership));
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();

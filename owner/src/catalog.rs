@@ -30,8 +30,12 @@ pub struct Catalog {
 
 impl Catalog {
     /// Records that `[offset, offset + len)` now holds `key` as written under `grant`,
-    /// forgetting every range it overlaps.
+    /// forgetting every range it overlaps. An empty range holds nothing and is not recorded
+    /// (the walks below rely on every recorded range having bytes).
     pub fn record(&self, offset: u64, len: u64, key: ObjectKey, stamp: Stamp, grant: u64) {
+        if len == 0 {
+            return;
+        }
         let entry = Entry {
             key,
             len,
@@ -100,6 +104,21 @@ impl Catalog {
             .map(|start| ranges[&start].grant)
             .max()
             .filter(|newest| *newest > grant)
+    }
+
+    /// Claims `[offset, offset + len)` for a write under `grant` whose range is already held
+    /// (so nobody else records over it meanwhile): forgets what it held, or, when a newer grant's
+    /// bytes are there, leaves it alone and returns that grant (the write is stale). One lock.
+    pub fn claim(&self, offset: u64, len: u64, grant: u64) -> Option<u64> {
+        let mut ranges = self.ranges.lock();
+        let newest = Self::overlapping(&ranges, offset, len)
+            .map(|start| ranges[&start].grant)
+            .max();
+        if let Some(newer) = newest.filter(|n| *n > grant) {
+            return Some(newer);
+        }
+        Self::remove_overlapping(&mut ranges, offset, len);
+        None
     }
 
     /// Notes a grant a write arrived with.

@@ -181,14 +181,12 @@ impl LocalServer {
                     match self.pool.lock_range(offset, len, Some(item.grant)) {
                         Err(e) => e.code(),
                         // Holding the range, nobody else records over it: a newer grant's bytes
-                        // already there make this write stale.
-                        Ok(_) if self.catalog.newer_than(offset, len, item.grant).is_some() => {
+                        // already there make this write stale; otherwise, as on TCP, the range
+                        // stops naming its old key before any byte changes.
+                        Ok(_) if self.catalog.claim(offset, len, item.grant).is_some() => {
                             Code::TransferFail
                         }
                         Ok(lock) => {
-                            // As on TCP: the range stops naming its old key before any byte
-                            // changes.
-                            self.catalog.forget(offset, len);
                             let stamp = Stamp::from_flags(item.grant, item.flags);
                             held.writes.insert((offset, len), (lock, key, stamp));
                             Code::Ok

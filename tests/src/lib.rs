@@ -16,6 +16,7 @@ use mooncake_master::{clock::Clock, MasterConfig, RunningMaster};
 use mooncake_owner::{OwnerConfig, RunningOwner};
 
 pub mod etcd;
+pub mod netns;
 
 /// A free loopback port (bound and released: fine for tests, where nothing else races for it).
 pub fn free_port() -> u16 {

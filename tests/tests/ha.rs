@@ -23,7 +23,7 @@ fn ha_master(etcd: &Etcd) -> Master {
         &[
             "--enable_ha",
             "--etcd_endpoints",
-            &etcd.endpoint,
+            etcd.endpoint(),
             "--cluster_id",
             "ha-test",
             "--ha_lease_ttl",

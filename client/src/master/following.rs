@@ -4,7 +4,9 @@
 //! now, within the caller's deadline (the RPC timeout). Lookups are always tried again; a call
 //! that changes state only when the master refused it unexecuted ("not the leader") or when the
 //! leader changed meanwhile (the old one is gone, so what it did is gone with it: the owners'
-//! reports rebuild only what landed). A call to a master that went silent (paused, cut off) is
+//! reports rebuild only what landed). Ending or revoking a put is never carried over to a new
+//! leader, which never heard of the put: the caller gets UNAVAILABLE_IN_CURRENT_STATUS and puts
+//! again (the put then succeeds, or finds the object the owners reported already there). A call to a master that went silent (paused, cut off) is
 //! not waited out: while it is in flight the leader key is read every half second, and once it
 //! names another master the call is abandoned and goes to the new one.
 
@@ -76,6 +78,17 @@ impl Following {
     }
 }
 
+/// Which calls go again after a failure on the leader.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Lookups: always (they change nothing).
+    Always,
+    /// Calls that change state: on a new leader only.
+    NewLeader,
+    /// A put's end or revoke: never (a new leader did not start the put).
+    Never,
+}
+
 /// Whether an error says the master that answered is gone or does not lead.
 fn leader_trouble(e: &ApiError) -> bool {
     matches!(e.code, Code::RpcFail | Code::UnavailableInCurrentStatus)
@@ -84,7 +97,7 @@ fn leader_trouble(e: &ApiError) -> bool {
 /// Runs `$call` (an expression using `$m`, the leader's adapter) against the leader, trying
 /// again on a new leader as described in the module's doc.
 macro_rules! on_leader {
-    ($self:ident, $idempotent:expr, |$m:ident| $call:expr) => {
+    ($self:ident, $retry:expr, |$m:ident| $call:expr) => {
         Box::pin(async move {
             let give_up = Instant::now() + $self.deadline;
             let mut pause = FIRST_PAUSE;
@@ -101,7 +114,7 @@ macro_rules! on_leader {
                     Err(e) => return Err(e),
                 };
                 // A state-changing call that failed in flight goes again only to a new leader.
-                if !$idempotent && tried.as_ref().is_some_and(|t| *t == leader) {
+                if $retry != Retry::Always && tried.as_ref().is_some_and(|t| *t == leader) {
                     if Instant::now() + pause >= give_up {
                         return Err(ApiError::rpc("the master failed mid-call and no new leader took over within the deadline"));
                     }
@@ -117,6 +130,14 @@ macro_rules! on_leader {
                     ))),
                 };
                 match &res {
+                    // A put's end or revoke means nothing to a leader that did not start it.
+                    Err(e) if leader_trouble(e) && $retry == Retry::Never => {
+                        $self.forget(&leader);
+                        return Err(ApiError::new(
+                            Code::UnavailableInCurrentStatus,
+                            format!("the master changed before the put ended ({}): put again (it succeeds, or finds the object already stored)", e.message),
+                        ));
+                    }
                     Err(e) if leader_trouble(e) && Instant::now() + pause < give_up => {
                         tracing::debug!(error = %e, leader = %leader.address, "master call failed; asking etcd for the leader");
                         $self.forget(&leader);
@@ -140,34 +161,34 @@ impl MasterApi for Following {
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
     ) -> Call<'a, Grants> {
-        on_leader!(self, false, |m| m.put_start(items, config))
+        on_leader!(self, Retry::NewLeader, |m| m.put_start(items, config))
     }
 
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        on_leader!(self, false, |m| m.put_end(puts))
+        on_leader!(self, Retry::Never, |m| m.put_end(puts))
     }
 
     fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        on_leader!(self, false, |m| m.put_revoke(puts))
+        on_leader!(self, Retry::Never, |m| m.put_revoke(puts))
     }
 
     fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
-        on_leader!(self, true, |m| m.get_replicas(keys))
+        on_leader!(self, Retry::Always, |m| m.get_replicas(keys))
     }
 
     fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
-        on_leader!(self, true, |m| m.exists(keys))
+        on_leader!(self, Retry::Always, |m| m.exists(keys))
     }
 
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
-        on_leader!(self, false, |m| m.remove(keys, force))
+        on_leader!(self, Retry::NewLeader, |m| m.remove(keys, force))
     }
 
     fn remove_all(&self, force: bool) -> Call<'_, u64> {
-        on_leader!(self, false, |m| m.remove_all(force))
+        on_leader!(self, Retry::NewLeader, |m| m.remove_all(force))
     }
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
-        on_leader!(self, true, |m| m.list_segments())
+        on_leader!(self, Retry::Always, |m| m.list_segments())
     }
 }

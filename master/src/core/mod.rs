@@ -7,6 +7,8 @@ mod evict;
 mod objects;
 pub mod placement;
 mod rebuild;
+#[cfg(test)]
+mod rebuild_tests;
 mod segments;
 #[cfg(test)]
 mod tests;
@@ -203,6 +205,10 @@ pub struct MasterState {
     rebuild: rebuild::Rebuild,
     /// When the server started this state machine.
     born: Option<Millis>,
+    /// Segments a previous leader had mounted that have not reported yet (see `rebuild`).
+    awaited: Vec<SegmentName>,
+    /// The first put id this process issued (`started`): smaller ones are an earlier master's.
+    first_grant: u64,
 }
 
 impl MasterState {
@@ -255,6 +261,8 @@ impl MasterState {
             last_tick: None,
             rebuild: rebuild::Rebuild::Over,
             born: None,
+            awaited: Vec::new(),
+            first_grant: 0,
         }
     }
 

@@ -271,8 +271,14 @@ impl MasterState {
         key: &str,
         put_id: u64,
     ) -> Result<&mut super::objects::Object, MasterError> {
+        let first = self.first_grant;
         match self.objects.get_mut(key) {
             Some(obj) if obj.put_id == put_id => Ok(obj),
+            // Started under an earlier master process or leader: this one never heard of it.
+            _ if put_id < first => Err(MasterError::EarlierMaster {
+                key: ObjectKey::new(key)?,
+                put_id,
+            }),
             _ => Err(MasterError::StalePut {
                 key: ObjectKey::new(key)?,
                 put_id,

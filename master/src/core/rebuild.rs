@@ -62,9 +62,35 @@ impl MasterState {
     /// The master starts: it may follow another one until an owner says otherwise.
     pub fn started(&mut self, now: Millis) {
         self.born = Some(now);
+        self.first_grant = self.grants.next;
         if !self.policy.rebuild_grace.is_zero() {
             self.rebuild = Rebuild::Unknown { since: now };
         }
+    }
+
+    /// A new leader's start: `names` are the segments the previous leader had mounted (as it
+    /// published them in etcd); until each has remounted and reported, or the window closes,
+    /// keys not known yet stay "not known yet".
+    pub fn expect_segments(&mut self, names: Vec<SegmentName>, now: Millis) {
+        if names.is_empty() || self.policy.rebuild_grace.is_zero() {
+            return;
+        }
+        tracing::info!(
+            segments = names.len(),
+            "rebuilding the catalog from the owners the previous leader had"
+        );
+        self.awaited = names;
+        self.rebuild = Rebuild::Confirmed { since: now };
+    }
+
+    /// Segment `name` has nothing (more) to report.
+    pub(super) fn reported(&mut self, name: &SegmentName) {
+        self.awaited.retain(|n| n != name);
+    }
+
+    /// Names of the mounted segments.
+    pub fn segment_names(&self) -> Vec<SegmentName> {
+        self.segments.values().map(|s| s.name.clone()).collect()
     }
 
     /// An owner mounts; `returning`: it served an earlier master.
@@ -92,6 +118,7 @@ impl MasterState {
             Rebuild::Confirmed { since } => {
                 now < since.plus(self.policy.rebuild_window)
                     && (now < since.plus(self.policy.rebuild_grace)
+                        || !self.awaited.is_empty()
                         || self.segments.values().any(|s| s.report.is_some()))
             }
         }
@@ -185,6 +212,7 @@ impl MasterState {
             }
         }
         let name = self.segment_name(segment).clone();
+        self.reported(&name);
         tracing::info!(segment = %name, registered = outcome.registered, refused = outcome.refused,
             "catalog rebuilt from the owner's report");
         outcome

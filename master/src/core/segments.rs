@@ -90,6 +90,8 @@ impl MasterState {
         );
         if report.objects > 0 {
             self.expect_report(id);
+        } else {
+            self.reported(&name);
         }
         self.by_name.insert(name.clone(), id);
         self.owners

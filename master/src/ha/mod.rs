@@ -5,7 +5,8 @@
 //! lapsed: killed, paused, cut off from etcd, or stepped down).
 //!
 //! A term starts a fresh master: the owners remount and report what they hold (see
-//! `core::rebuild`), so nothing but the leader key and the put-id reservation lives in etcd, and
+//! `core::rebuild`), so nothing but the leader key, the put-id reservation and the names of the
+//! mounted segments (so the next leader knows whose reports to wait for) lives in etcd, and
 //! nothing on a per-object path touches it. The leader keeps its lease alive every third of the
 //! TTL; `Leadership` refuses every call from the instant the lease may have lapsed, and the term
 //! ends (the master is shut down and the process campaigns again) when a keepalive fails.
@@ -16,7 +17,9 @@
 
 mod leadership;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{collections::BTreeSet, future::Future, sync::Arc, time::Duration};
+
+use mooncake_common::SegmentName;
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
@@ -55,6 +58,10 @@ fn ceiling_key(cluster: &str) -> String {
     format!("mooncake-store/{cluster}/grant_ceiling")
 }
 
+fn segments_prefix(cluster: &str) -> String {
+    format!("mooncake-store/{cluster}/segments/")
+}
+
 /// What a term reports to whoever runs the loop (the binary prints it; tests wait for it).
 pub trait Events: Send + Sync {
     fn leading(&self, master: &RunningMaster, term: i64);
@@ -73,8 +80,13 @@ pub async fn run(
     loop {
         let attempt = async {
             let mut etcd = connect(&ha).await?;
-            let won = campaign(&mut etcd, &ha, events).await?;
-            lead(&mut etcd, &config, &ha, clock.clone(), won, events).await
+            let won = campaign(&mut etcd, &ha, clock.as_ref(), events).await?;
+            let lease = won.lease;
+            let outcome = lead(&mut etcd, &config, &ha, clock.clone(), won, events).await;
+            // Give the key up at once if etcd still listens (a clean hand-over, also when the
+            // term failed to start); a lapsed lease is gone anyway.
+            let _ = tokio::time::timeout(Duration::from_secs(1), etcd.lease_revoke(lease)).await;
+            outcome
         };
         tokio::select! {
             r = attempt => {
@@ -106,14 +118,23 @@ async fn connect(ha: &HaConfig) -> anyhow::Result<Client> {
 struct Won {
     lease: i64,
     term: i64,
+    /// When the lease was asked for: etcd counts its TTL from about then, so the local view of
+    /// the lease must too.
+    granted_at: crate::clock::Millis,
 }
 
 /// Tries to create the leader key under a fresh lease; while another master holds it, waits for
 /// the key to go and tries again.
-async fn campaign(etcd: &mut Client, ha: &HaConfig, events: &dyn Events) -> anyhow::Result<Won> {
+async fn campaign(
+    etcd: &mut Client,
+    ha: &HaConfig,
+    clock: &dyn Clock,
+    events: &dyn Events,
+) -> anyhow::Result<Won> {
     let key = leader_key(&ha.cluster_id);
     loop {
         let ttl = ha.lease_ttl.as_secs().max(1) as i64;
+        let granted_at = clock.now();
         let lease = etcd.lease_grant(ttl, None).await?.id();
         let txn = Txn::new()
             .when([Compare::version(key.as_str(), CompareOp::Equal, 0)])
@@ -126,7 +147,11 @@ async fn campaign(etcd: &mut Client, ha: &HaConfig, events: &dyn Events) -> anyh
         let resp = etcd.txn(txn).await?;
         if resp.succeeded() {
             let term = resp.header().map_or(0, |h| h.revision());
-            return Ok(Won { lease, term });
+            return Ok(Won {
+                lease,
+                term,
+                granted_at,
+            });
         }
         let _ = etcd.lease_revoke(lease).await;
         let current = etcd.get(key.as_str(), None).await?;
@@ -166,8 +191,7 @@ async fn lead(
     won: Won,
     events: &dyn Events,
 ) -> anyhow::Result<()> {
-    let started = clock.now();
-    let leadership = Arc::new(Leadership::until(started.plus(ha.lease_ttl)));
+    let leadership = Arc::new(Leadership::until(won.granted_at.plus(ha.lease_ttl)));
     let ceiling_key = ceiling_key(&ha.cluster_id);
     let floor = etcd
         .get(ceiling_key.as_str(), Some(GetOptions::new()))
@@ -178,47 +202,111 @@ async fn lead(
         .unwrap_or(0);
     // Reserve the first block before issuing anything.
     let first_floor = floor.max(wall_clock_micros());
-    let mut ceiling = first_floor + RESERVE;
+    let ceiling = first_floor + RESERVE;
     etcd.put(ceiling_key.as_str(), ceiling.to_string(), None)
         .await?;
+    // The segments the previous leader had: the rebuild waits for their reports.
+    let prefix = segments_prefix(&ha.cluster_id);
+    let published: BTreeSet<String> = etcd
+        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .await?
+        .kvs()
+        .iter()
+        .filter_map(|kv| {
+            kv.key_str()
+                .ok()?
+                .strip_prefix(prefix.as_str())
+                .map(str::to_string)
+        })
+        .collect();
     let term = Term {
         leadership: leadership.clone(),
         grant_floor: first_floor,
         grant_ceiling: ceiling,
+        expected_segments: published
+            .iter()
+            .filter_map(|n| SegmentName::parse(n).ok())
+            .collect(),
     };
     let master = RunningMaster::start_term(config.clone(), clock.clone(), term).await?;
     tracing::info!(term = won.term, rpc = %master.rpc_addr, "elected leader");
     events.leading(&master, won.term);
 
+    let mut books = Books {
+        ceiling_key,
+        ceiling,
+        prefix,
+        published,
+    };
     let outcome = keep_leading(
         etcd,
         ha,
         &clock,
         &leadership,
         &master,
-        &ceiling_key,
-        &mut ceiling,
+        &mut books,
         won.lease,
     )
     .await;
     leadership.revoke();
     tracing::warn!(term = won.term, reason = ?outcome.as_ref().err(), "leadership lost; stepping down");
     master.shutdown().await;
-    // Give the key up at once if etcd still listens (a clean hand-over); a lapsed lease is gone
-    // anyway.
-    let _ = tokio::time::timeout(Duration::from_secs(1), etcd.lease_revoke(won.lease)).await;
     outcome
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What a leader keeps in etcd besides its key: the put-id reservation and the segment names.
+struct Books {
+    ceiling_key: String,
+    ceiling: u64,
+    prefix: String,
+    published: BTreeSet<String>,
+}
+
+impl Books {
+    /// Keeps the reservation a block ahead of what is issued.
+    async fn reserve(&mut self, etcd: &mut Client, master: &RunningMaster) -> anyhow::Result<()> {
+        let next = master.with_state(|s| s.next_grant());
+        if next + RESERVE / 2 > self.ceiling {
+            let wanted = next + RESERVE;
+            etcd.put(self.ceiling_key.as_str(), wanted.to_string(), None)
+                .await?;
+            self.ceiling = wanted;
+            master.with_state_mut(|s| s.reserve_grants(wanted));
+        }
+        Ok(())
+    }
+
+    /// Publishes the mounted segments' names (only the changes; none while a rebuild may still
+    /// bring back segments of the previous leader).
+    async fn publish_segments(
+        &mut self,
+        etcd: &mut Client,
+        master: &RunningMaster,
+        now: crate::clock::Millis,
+    ) -> anyhow::Result<()> {
+        let (rebuilding, names) = master.with_state(|s| (s.rebuilding(now), s.segment_names()));
+        if rebuilding {
+            return Ok(());
+        }
+        let mounted: BTreeSet<String> = names.iter().map(|n| n.to_string()).collect();
+        for gone in self.published.difference(&mounted) {
+            etcd.delete(format!("{}{gone}", self.prefix), None).await?;
+        }
+        for new in mounted.difference(&self.published) {
+            etcd.put(format!("{}{new}", self.prefix), "", None).await?;
+        }
+        self.published = mounted;
+        Ok(())
+    }
+}
+
 async fn keep_leading(
     etcd: &mut Client,
     ha: &HaConfig,
     clock: &Arc<dyn Clock>,
     leadership: &Leadership,
     master: &RunningMaster,
-    ceiling_key: &str,
-    ceiling: &mut u64,
+    books: &mut Books,
     lease: i64,
 ) -> anyhow::Result<()> {
     let (mut keeper, mut acks) = etcd.lease_keep_alive(lease).await?;
@@ -237,17 +325,11 @@ async fn keep_leading(
         if !leadership.holds(clock.now()) {
             anyhow::bail!("the lease may have lapsed (this process was paused or etcd was slow)");
         }
-        // Keep the put-id reservation a block ahead of what is issued.
         if last_reserve.elapsed() >= Duration::from_secs(1) {
-            let next = master.with_state(|s| s.next_grant());
-            if next + RESERVE / 2 > *ceiling {
-                let wanted = next + RESERVE;
-                etcd.put(ceiling_key, wanted.to_string(), None).await?;
-                *ceiling = wanted;
-                master.with_state_mut(|s| s.reserve_grants(wanted));
-            }
+            books.reserve(etcd, master).await?;
             last_reserve = Instant::now();
         }
+        books.publish_segments(etcd, master, clock.now()).await?;
         tokio::time::sleep(period.saturating_sub(Duration::from_millis(10))).await;
         if !leadership.holds(clock.now()) {
             anyhow::bail!("the lease may have lapsed (this process was paused)");

@@ -99,8 +99,16 @@ impl MasterLink {
         F: FnOnce(MasterClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
+        self.call_within(self.rpc_timeout + extra, f).await
+    }
+
+    /// Runs one call on the current master, giving up after `after`.
+    async fn call_within<T, F, Fut>(&self, after: Duration, f: F) -> Result<T, LinkError>
+    where
+        F: FnOnce(MasterClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         let (addr, client) = self.target.client().await?;
-        let after = self.rpc_timeout + extra;
         tokio::time::timeout(after, f(client))
             .await
             .map_err(|_| self.unreachable(&addr, format!("no answer within {after:?}")))?
@@ -202,17 +210,18 @@ impl MasterLink {
         }
     }
 
-    /// Returns whether the master asked for a remount.
-    pub async fn heartbeat(&self) -> Result<bool, LinkError> {
+    /// Returns whether the master asked for a remount. A heartbeat gives up after `patience`
+    /// (shorter than other calls): a master that cannot answer one soon is treated as gone, so
+    /// the link looks for the leader again instead of waiting on a paused one.
+    pub async fn heartbeat(&self, patience: Duration) -> Result<bool, LinkError> {
         let req = pb::HeartbeatRequest {
             client_id: self.owner.to_string(),
             disk: self.ssd.as_ref().map(|s| s.stats().into()),
         };
         let resp = self
-            .call(
-                Duration::ZERO,
-                |mut c| async move { c.heartbeat(req).await },
-            )
+            .call_within(patience.min(self.rpc_timeout), |mut c| async move {
+                c.heartbeat(req).await
+            })
             .await?;
         Ok(resp.remount)
     }
@@ -352,7 +361,9 @@ impl MasterLink {
                 _ = tick.tick() => {}
                 _ = stop.changed() => return,
             }
-            match self.heartbeat().await {
+            // Two intervals, at least half a second.
+            let patience = (interval * 2).max(Duration::from_millis(500));
+            match self.heartbeat(patience).await {
                 Ok(false) => {}
                 Ok(true) => {
                     tracing::warn!(segment = %self.segment, "master does not know this owner; mounting again");

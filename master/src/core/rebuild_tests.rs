@@ -1,0 +1,230 @@
+//! The catalog rebuild, on an injected clock: when unknown keys are "not known yet", how a
+//! report becomes objects and allocations, and what a report may not do.
+
+use std::time::Duration;
+
+use mooncake_common::{ClientId, ObjectKey, ReplicateConfig, SegmentName, Stamp};
+
+use super::*;
+use crate::{clock::Millis, error::MasterError};
+
+const MIB: u64 = 1 << 20;
+
+fn seg(i: u16) -> SegmentName {
+    SegmentName::parse(&format!("127.0.0.1:{}", 2000 + i)).unwrap()
+}
+
+fn owner(i: u16) -> ClientId {
+    ClientId::from_u128(i as u128 + 100)
+}
+
+fn item(key: &str, offset: u64, size: u64, put_id: u64, replicas: u8) -> Reported {
+    Reported {
+        key: ObjectKey::new(key).unwrap(),
+        offset,
+        size,
+        stamp: Stamp {
+            put_id,
+            replica_num: replicas,
+            hard_pin: key.starts_with("pinned"),
+            ..Stamp::default()
+        },
+    }
+}
+
+fn fresh() -> MasterState {
+    let mut s = MasterState::with_seed(
+        Policy {
+            client_ttl: Duration::from_secs(3600),
+            ..Policy::default()
+        },
+        7,
+    );
+    // As the server does: ids of this process start above the earlier one's (the wall clock).
+    s.raise_grants(1000);
+    s.started(Millis(0));
+    s
+}
+
+fn returning(newest_grant: u64, objects: u64) -> MountReport {
+    MountReport {
+        newest_grant,
+        objects,
+    }
+}
+
+fn lookup(s: &mut MasterState, key: &str, now: u64) -> Result<usize, MasterError> {
+    s.get_replicas(&ObjectKey::new(key).unwrap(), Millis(now))
+        .map(|(_, r)| r.len())
+}
+
+#[test]
+fn a_fresh_cluster_answers_not_found_as_soon_as_an_owner_says_it_is_fresh() {
+    let mut s = fresh();
+    assert!(matches!(
+        lookup(&mut s, "k", 10),
+        Err(MasterError::Rebuilding(_))
+    ));
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(0, 0), Millis(20))
+        .unwrap();
+    assert!(matches!(
+        lookup(&mut s, "k", 30),
+        Err(MasterError::NotFound(_))
+    ));
+    // Without any owner, the grace alone bounds it.
+    let s = fresh();
+    assert!(s.rebuilding(Millis(1_999)) && !s.rebuilding(Millis(2_000)));
+}
+
+#[test]
+fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
+    let mut s = fresh();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        returning(1900, 3),
+        Millis(100),
+    )
+    .unwrap();
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        4 * MIB,
+        0,
+        returning(1950, 1),
+        Millis(100),
+    )
+    .unwrap();
+    assert!(
+        s.next_grant() > 1950,
+        "ids continue above every grant the owners saw"
+    );
+    // Reporting segments take no allocation; unknown keys are not known yet, also past the
+    // grace, while a report is open.
+    assert!(matches!(
+        s.put_start(
+            &ObjectKey::new("new").unwrap(),
+            1000,
+            &ReplicateConfig::default(),
+            Millis(150)
+        ),
+        Err(MasterError::NoSpace { .. })
+    ));
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![
+            item("a", 0, 1000, 700, 2),
+            item("pinned/b", 1024, 10, 800, 1),
+        ],
+        false,
+        Millis(200),
+    )
+    .unwrap();
+    assert!(matches!(
+        lookup(&mut s, "a", 2_500),
+        Err(MasterError::Rebuilding(_))
+    ));
+    let done = s
+        .catalog_reported(
+            owner(0),
+            &seg(0),
+            vec![item("c", 4096, 64, 900, 1)],
+            true,
+            Millis(2_600),
+        )
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.registered, done.refused), (3, 0));
+    assert!(
+        matches!(
+            lookup(&mut s, "zzz", 2_700),
+            Err(MasterError::Rebuilding(_))
+        ),
+        "segment 1 still reports"
+    );
+    // The second replica of "a", and a stale older version of "c" that loses to the current one.
+    let done = s
+        .catalog_reported(
+            owner(1),
+            &seg(1),
+            vec![item("a", 64, 1000, 700, 2), item("c", 8192, 64, 850, 1)],
+            true,
+            Millis(2_800),
+        )
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.registered, done.refused), (1, 1));
+    assert_eq!(lookup(&mut s, "a", 2_900), Ok(2));
+    assert_eq!(lookup(&mut s, "c", 2_900), Ok(1));
+    assert!(matches!(
+        lookup(&mut s, "zzz", 2_900),
+        Err(MasterError::NotFound(_))
+    ));
+    // The allocator holds exactly the adopted ranges: new puts land beside them.
+    let stats = s.segment_stats();
+    let seg0 = stats.iter().find(|x| x.name == seg(0)).unwrap();
+    assert_eq!(seg0.allocated, 1024 + 64 + 64);
+    let g = s
+        .put_start(
+            &ObjectKey::new("new").unwrap(),
+            100,
+            &ReplicateConfig::default(),
+            Millis(3_000),
+        )
+        .unwrap();
+    assert!(g.put_id > 1950);
+    // A put started by the earlier master ends with a retryable answer, not "not found".
+    assert!(matches!(
+        s.put_end("lost", 500, Millis(3_000)),
+        Err(MasterError::EarlierMaster { .. })
+    ));
+}
+
+#[test]
+fn a_report_may_not_lay_out_what_cannot_be() {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), MIB, 0, returning(10, 4), Millis(0))
+        .unwrap();
+    let done = s
+        .catalog_reported(
+            owner(0),
+            &seg(0),
+            vec![
+                item("ok", 0, 100, 5, 1),
+                item("overlaps", 64, 100, 6, 1),
+                item("misaligned", 300, 10, 7, 1),
+                item("outside", MIB - 64, 128, 8, 1),
+            ],
+            true,
+            Millis(10),
+        )
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.registered, done.refused), (1, 3));
+    // Only the mounting owner may report, and only while a report is open.
+    assert!(s
+        .catalog_reported(owner(9), &seg(0), vec![], true, Millis(20))
+        .is_err());
+    assert!(s
+        .catalog_reported(owner(0), &seg(0), vec![], true, Millis(20))
+        .is_err());
+}
+
+#[test]
+fn a_new_leader_waits_for_the_segments_the_previous_one_had_within_the_window() {
+    let mut s = fresh();
+    s.expect_segments(vec![seg(0), seg(1)], Millis(0));
+    s.mount_segment(owner(0), seg(0), MIB, 0, returning(5, 0), Millis(100))
+        .unwrap();
+    assert!(s.rebuilding(Millis(5_000)), "seg(1) has not come back");
+    s.mount_segment(owner(1), seg(1), MIB, 0, returning(5, 0), Millis(5_100))
+        .unwrap();
+    assert!(!s.rebuilding(Millis(5_200)));
+    // A segment that never comes back holds the rebuild only until the window closes.
+    let mut s = fresh();
+    s.expect_segments(vec![seg(3)], Millis(0));
+    assert!(s.rebuilding(Millis(29_999)) && !s.rebuilding(Millis(30_000)));
+}

@@ -1,0 +1,266 @@
+//! A small lab of "hosts" on one machine, for fault tests that need real partitions: each host is
+//! a network namespace with its own address on a bridge (veth pairs), made and removed by the
+//! test as root with iproute2; processes run inside with `ip netns exec`; a link is cut both ways
+//! with iptables in the hosts at its ends. The test process stays in the root namespace and
+//! reaches every host through the bridge's address.
+
+use std::{
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use crate::ChildGuard;
+
+/// Runs a command that sets the lab up or down; panics with its output if it fails.
+fn run(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {args:?}: {e} (install iproute2 and iptables)"));
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Whether this process may build a lab (root, with `ip` and `iptables`).
+pub fn available() -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("network namespaces need root".into());
+    }
+    for tool in [["ip", "-V"], ["iptables", "--version"]] {
+        let ok = Command::new(tool[0])
+            .arg(tool[1])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            return Err(format!(
+                "{} is missing (install iproute2 and iptables)",
+                tool[0]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the kernel can delay packets (`tc qdisc ... netem`).
+pub fn netem_available(lab: &Lab, host: &Host) -> bool {
+    let ok = Command::new("ip")
+        .args([
+            "netns", "exec", &host.ns, "tc", "qdisc", "add", "dev", &host.dev,
+        ])
+        .args(["root", "netem", "delay", "1ms"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        lab.undelay(host);
+    }
+    ok
+}
+
+pub struct Host {
+    pub name: String,
+    pub ns: String,
+    pub ip: String,
+    /// The host's end of its veth pair.
+    dev: String,
+}
+
+pub struct Lab {
+    id: u32,
+    bridge: String,
+    /// The root namespace's address on the bridge.
+    pub gateway: String,
+    hosts: Vec<String>,
+    next: u8,
+}
+
+impl Lab {
+    pub fn new() -> Lab {
+        available().unwrap_or_else(|e| panic!("the fault lab cannot run here: {e}"));
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        // Unique per process and lab, short enough for interface names (15 bytes).
+        let id = (std::process::id() % 4000) * 16 + SEQ.fetch_add(1, Ordering::Relaxed) % 16;
+        let bridge = format!("mcb{id}");
+        let subnet = format!("10.{}.{}", 100 + id / 256 % 100, id % 256);
+        let gateway = format!("{subnet}.1");
+        // A leftover of a killed run with the same id goes first.
+        let _ = Command::new("ip").args(["link", "del", &bridge]).output();
+        run(&["ip", "link", "add", &bridge, "type", "bridge"]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{gateway}/24"),
+            "dev",
+            &bridge,
+        ]);
+        run(&["ip", "link", "set", &bridge, "up"]);
+        Lab {
+            id,
+            bridge,
+            gateway,
+            hosts: Vec::new(),
+            next: 2,
+        }
+    }
+
+    fn subnet(&self) -> String {
+        self.gateway.rsplit_once('.').expect("dotted").0.to_string()
+    }
+
+    /// A new host on the bridge.
+    pub fn host(&mut self, name: &str) -> Host {
+        let k = self.next;
+        self.next += 1;
+        let ns = format!("mc{}-{name}", self.id);
+        let outer = format!("mcv{}x{k}", self.id);
+        let dev = "eth0".to_string();
+        let ip = format!("{}.{k}", self.subnet());
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        run(&["ip", "netns", "add", &ns]);
+        self.hosts.push(ns.clone());
+        run(&[
+            "ip",
+            "link",
+            "add",
+            &outer,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("mci{}x{k}", self.id),
+        ]);
+        run(&[
+            "ip",
+            "link",
+            "set",
+            &format!("mci{}x{k}", self.id),
+            "netns",
+            &ns,
+        ]);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns,
+            "ip",
+            "link",
+            "set",
+            &format!("mci{}x{k}", self.id),
+            "name",
+            &dev,
+        ]);
+        run(&["ip", "link", "set", &outer, "master", &self.bridge]);
+        run(&["ip", "link", "set", &outer, "up"]);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns,
+            "ip",
+            "addr",
+            "add",
+            &format!("{ip}/24"),
+            "dev",
+            &dev,
+        ]);
+        run(&["ip", "netns", "exec", &ns, "ip", "link", "set", &dev, "up"]);
+        run(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns,
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            &self.gateway,
+        ]);
+        Host {
+            name: name.to_string(),
+            ns,
+            ip,
+            dev,
+        }
+    }
+
+    /// Starts `bin` (a path) with `args` inside `host`.
+    pub fn spawn(&self, host: &Host, bin: &std::path::Path, args: &[&str]) -> ChildGuard {
+        ChildGuard::spawn_cmd(
+            Command::new("ip")
+                .args(["netns", "exec", &host.ns])
+                .arg(bin)
+                .args(args),
+        )
+    }
+
+    /// Drops every packet between `host` and `peer_ip`, both ways.
+    pub fn cut(&self, host: &Host, peer_ip: &str) {
+        for (chain, dir) in [("INPUT", "-s"), ("OUTPUT", "-d")] {
+            run(&[
+                "ip", "netns", "exec", &host.ns, "iptables", "-I", chain, dir, peer_ip, "-j",
+                "DROP",
+            ]);
+        }
+    }
+
+    /// Undoes `cut`.
+    pub fn heal(&self, host: &Host, peer_ip: &str) {
+        for (chain, dir) in [("INPUT", "-s"), ("OUTPUT", "-d")] {
+            run(&[
+                "ip", "netns", "exec", &host.ns, "iptables", "-D", chain, dir, peer_ip, "-j",
+                "DROP",
+            ]);
+        }
+    }
+
+    /// Delays every packet leaving `host` by `ms` (needs netem in the kernel).
+    pub fn delay(&self, host: &Host, ms: u32) {
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &host.ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            &host.dev,
+            "root",
+            "netem",
+            "delay",
+            &format!("{ms}ms"),
+        ]);
+    }
+
+    pub fn undelay(&self, host: &Host) {
+        let _ = Command::new("ip")
+            .args([
+                "netns", "exec", &host.ns, "tc", "qdisc", "del", "dev", &host.dev, "root",
+            ])
+            .output();
+    }
+}
+
+impl Default for Lab {
+    fn default() -> Self {
+        Lab::new()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes its veth end and the peer with it.
+        for ns in &self.hosts {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge])
+            .output();
+    }
+}
