@@ -25,7 +25,8 @@ use serde::Serialize;
     about = "Put/get workload against the KV store, verified byte for byte"
 )]
 struct Args {
-    /// Master to run against, HOST:PORT. Without it: an embedded master and owner on loopback.
+    /// Master to run against, HOST:PORT or etcd://HOST:PORT;HOST:PORT (the cluster from
+    /// MC_STORE_CLUSTER_ID). Without it: an embedded master and owner on loopback.
     #[arg(long)]
     master: Option<String>,
     /// Value sizes, comma separated.

@@ -28,6 +28,9 @@ const SIZE: usize = 16 << 10;
 /// No call may take longer: a put is a put start, the writes and a put end, each under its own
 /// deadline (5 s RPC, 2 s transfer), plus a leader change.
 const HANG: Duration = Duration::from_secs(15);
+/// Objects a load commits at most, well below what the owners hold (2 x 256 MiB), so nothing is
+/// evicted and every committed object must still be there; past it the load only reads.
+const BUDGET: usize = 12_000;
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -87,7 +90,7 @@ impl World {
                     "--port",
                     "0",
                     "--segment-size",
-                    "128MiB",
+                    "256MiB",
                     "--no-mlock",
                     "--no-shm",
                     "--heartbeat-interval",
@@ -192,60 +195,75 @@ struct Tally {
     failed_puts: Vec<String>,
 }
 
-/// Puts fresh keys and gets committed ones, in batches of 8, until `until`.
+/// Puts fresh keys and gets committed ones, in batches of 8, until `until`. Puts are spread over
+/// the whole load (the budget is reached only at its end), so a fault meets writes too.
 async fn load(client: &Client, tag: &str, until: Instant, tally: &Mutex<Tally>) {
+    let start = Instant::now();
+    let span = until
+        .saturating_duration_since(start)
+        .as_secs_f64()
+        .max(0.001);
     let mut n = 0u64;
     while Instant::now() < until {
-        let keys: Vec<String> = (0..8).map(|i| format!("{tag}/{n}/{i}")).collect();
         n += 1;
-        let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .map(|k| k.as_str())
-            .zip(vals.iter().map(|v| v.as_slice()))
-            .collect();
-        let t = Instant::now();
-        let res = client.batch_put(&items, &ReplicateConfig::default()).await;
-        let took = t.elapsed();
-        {
-            let mut s = tally.lock().unwrap();
-            s.calls += 1;
-            s.worst = s.worst.max(took);
-            for (k, r) in keys.iter().zip(&res) {
-                match r {
-                    Ok(_) => s.committed.push(k.clone()),
-                    Err(e) => {
-                        *s.errors.entry(("put", e.code().as_i32())).or_default() += 1;
-                        s.failed_puts.push(k.clone());
-                    }
-                }
+        let allowed = (BUDGET as f64 * start.elapsed().as_secs_f64() / span) as usize;
+        if tally.lock().unwrap().committed.len() <= allowed {
+            put_batch(client, tag, n, tally).await;
+        }
+        get_batch(client, n, tally).await;
+    }
+}
+
+async fn put_batch(client: &Client, tag: &str, n: u64, tally: &Mutex<Tally>) {
+    let keys: Vec<String> = (0..8).map(|i| format!("{tag}/{n}/{i}")).collect();
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(vals.iter().map(|v| v.as_slice()))
+        .collect();
+    let t = Instant::now();
+    let res = client.batch_put(&items, &ReplicateConfig::default()).await;
+    let took = t.elapsed();
+    let mut s = tally.lock().unwrap();
+    s.calls += 1;
+    s.worst = s.worst.max(took);
+    for (k, r) in keys.iter().zip(&res) {
+        match r {
+            Ok(_) => s.committed.push(k.clone()),
+            Err(e) => {
+                *s.errors.entry(("put", e.code().as_i32())).or_default() += 1;
+                s.failed_puts.push(k.clone());
             }
         }
-        let sample: Vec<String> = {
-            let s = tally.lock().unwrap();
-            let c = &s.committed;
-            (0..8.min(c.len()))
-                .map(|i| c[(n as usize * 7 + i * 13) % c.len()].clone())
-                .collect()
-        };
-        if sample.is_empty() {
-            continue;
-        }
-        let refs: Vec<&str> = sample.iter().map(|k| k.as_str()).collect();
-        let mut bufs: Vec<Vec<u8>> = sample.iter().map(|_| vec![0u8; SIZE]).collect();
-        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-        let t = Instant::now();
-        let res = client.batch_get(&refs, &mut slices).await;
-        let took = t.elapsed();
-        let mut s = tally.lock().unwrap();
-        s.calls += 1;
-        s.worst = s.worst.max(took);
-        for (i, r) in res.iter().enumerate() {
-            match r {
-                Ok(len) if *len == SIZE && bufs[i] == payload(&sample[i], SIZE) => {}
-                Ok(_) => s.wrong_bytes += 1,
-                Err(e) => *s.errors.entry(("get", e.code().as_i32())).or_default() += 1,
-            }
+    }
+}
+
+async fn get_batch(client: &Client, n: u64, tally: &Mutex<Tally>) {
+    let sample: Vec<String> = {
+        let s = tally.lock().unwrap();
+        let c = &s.committed;
+        (0..8.min(c.len()))
+            .map(|i| c[(n as usize * 7 + i * 13) % c.len()].clone())
+            .collect()
+    };
+    if sample.is_empty() {
+        return;
+    }
+    let refs: Vec<&str> = sample.iter().map(|k| k.as_str()).collect();
+    let mut bufs: Vec<Vec<u8>> = sample.iter().map(|_| vec![0u8; SIZE]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let t = Instant::now();
+    let res = client.batch_get(&refs, &mut slices).await;
+    let took = t.elapsed();
+    let mut s = tally.lock().unwrap();
+    s.calls += 1;
+    s.worst = s.worst.max(took);
+    for (i, r) in res.iter().enumerate() {
+        match r {
+            Ok(len) if *len == SIZE && bufs[i] == payload(&sample[i], SIZE) => {}
+            Ok(_) => s.wrong_bytes += 1,
+            Err(e) => *s.errors.entry(("get", e.code().as_i32())).or_default() += 1,
         }
     }
 }
@@ -337,8 +355,13 @@ async fn the_leader_killed_under_load() {
     let mut w = World::start(1).await;
     let failovers = env_u64("FAULTS_FAILOVERS", 1);
     let probe = format!("probe/{}", std::process::id());
+    // Pinned: whatever the load does, the probe stays in memory.
+    let pinned = ReplicateConfig {
+        hard_pin: true,
+        ..ReplicateConfig::default()
+    };
     w.client
-        .put(&probe, &payload(&probe, SIZE), &ReplicateConfig::default())
+        .put(&probe, &payload(&probe, SIZE), &pinned)
         .await
         .unwrap();
     let mut times = Vec::new();
