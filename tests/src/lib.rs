@@ -18,6 +18,45 @@ use mooncake_owner::{OwnerConfig, RunningOwner};
 pub mod etcd;
 pub mod netns;
 
+/// Puts `payload(key, size)` under every key in one batch; panics unless each is stored.
+pub async fn put_payloads(
+    client: &Client,
+    keys: &[String],
+    size: usize,
+    config: &mooncake_client::ReplicateConfig,
+) {
+    let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, size)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(vals.iter().map(|v| v.as_slice()))
+        .collect();
+    for (k, r) in keys.iter().zip(client.batch_put(&items, config).await) {
+        let outcome = r.unwrap_or_else(|e| panic!("{k}: {e}"));
+        assert_eq!(outcome, mooncake_client::PutOutcome::Stored, "{k}");
+    }
+}
+
+/// Gets every key in one batch; panics unless each comes back as `payload(key, size)`.
+pub async fn check_payloads(client: &Client, keys: &[String], size: usize) {
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; size]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    for (i, r) in client
+        .batch_get(&refs, &mut slices)
+        .await
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(get_code(r), size as i64, "{}: {r:?}", keys[i]);
+        assert!(
+            bufs[i] == payload(&keys[i], size),
+            "wrong bytes for {}",
+            keys[i]
+        );
+    }
+}
+
 /// A free loopback port (bound and released: fine for tests, where nothing else races for it).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

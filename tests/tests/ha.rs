@@ -5,8 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use mooncake_client::{Client, ClientConfig, PutOutcome, ReplicateConfig};
-use mooncake_tests::{etcd::Etcd, free_port, get_code, payload, spawn_owner, ChildGuard};
+use mooncake_client::{Client, ClientConfig, ReplicateConfig};
+use mooncake_tests::{
+    check_payloads, etcd::Etcd, free_port, get_code, payload, put_payloads, spawn_owner, ChildGuard,
+};
 
 const TTL: &str = "2";
 const SIZE: usize = 32 << 10;
@@ -51,37 +53,11 @@ fn client_config(master: &str) -> ClientConfig {
 }
 
 async fn put_all(client: &Client, keys: &[String]) {
-    let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .map(|k| k.as_str())
-        .zip(vals.iter().map(|v| v.as_slice()))
-        .collect();
-    for (k, r) in keys
-        .iter()
-        .zip(client.batch_put(&items, &ReplicateConfig::default()).await)
-    {
-        assert_eq!(r.unwrap_or_else(|e| panic!("{k}: {e}")), PutOutcome::Stored);
-    }
+    put_payloads(client, keys, SIZE, &ReplicateConfig::default()).await
 }
 
 async fn all_exact(client: &Client, keys: &[String]) {
-    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SIZE]).collect();
-    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    for (i, r) in client
-        .batch_get(&refs, &mut slices)
-        .await
-        .iter()
-        .enumerate()
-    {
-        assert_eq!(get_code(r), SIZE as i64, "{}: {r:?}", keys[i]);
-        assert!(
-            bufs[i] == payload(&keys[i], SIZE),
-            "wrong bytes for {}",
-            keys[i]
-        );
-    }
+    check_payloads(client, keys, SIZE).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use mooncake_client::{Client, ClientConfig, PutOutcome, ReplicateConfig};
-use mooncake_tests::{free_port, get_code, payload, spawn_owner, ChildGuard};
+use mooncake_tests::{
+    check_payloads, free_port, get_code, payload, put_payloads, spawn_owner, ChildGuard,
+};
 
 fn master_on(port: u16) -> ChildGuard {
     let port = port.to_string();
@@ -30,18 +32,7 @@ fn master_on(port: u16) -> ChildGuard {
 const SIZE: usize = 64 << 10;
 
 async fn read_back(client: &Client, keys: &[String]) {
-    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SIZE]).collect();
-    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    let res = client.batch_get(&refs, &mut slices).await;
-    for (i, r) in res.iter().enumerate() {
-        assert_eq!(get_code(r), SIZE as i64, "{}: {r:?}", keys[i]);
-        assert!(
-            bufs[i] == payload(&keys[i], SIZE),
-            "wrong bytes for {}",
-            keys[i]
-        );
-    }
+    check_payloads(client, keys, SIZE).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,17 +52,8 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
 
     let one: Vec<String> = (0..120).map(|i| format!("one/{i}")).collect();
     let two: Vec<String> = (0..20).map(|i| format!("two/{i}")).collect();
-    let put = async |keys: &[String], cfg: &ReplicateConfig| {
-        let vals: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, SIZE)).collect();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .map(|k| k.as_str())
-            .zip(vals.iter().map(|v| v.as_slice()))
-            .collect();
-        for r in client.batch_put(&items, cfg).await {
-            assert_eq!(r.unwrap(), PutOutcome::Stored);
-        }
-    };
+    let put =
+        async |keys: &[String], cfg: &ReplicateConfig| put_payloads(&client, keys, SIZE, cfg).await;
     put(&one, &ReplicateConfig::default()).await;
     let twice = ReplicateConfig {
         replica_num: 2,

@@ -91,8 +91,45 @@ pub(super) struct Object {
 }
 
 impl Object {
+    /// A new object with no lease, no disk copy and no SSD work, last accessed `now`.
+    pub fn new(
+        size: u64,
+        put_id: u64,
+        phase: Phase,
+        replicas: Replicas,
+        pin: Pin,
+        now: Millis,
+    ) -> Self {
+        Object {
+            size,
+            put_id,
+            phase,
+            replicas,
+            disk: Vec::new(),
+            offload: Offload::Idle,
+            disk_hits: 0,
+            promoting: None,
+            lease_until: Millis(0),
+            last_access: now,
+            pin,
+        }
+    }
+
     pub fn is_leased(&self, now: Millis) -> bool {
         self.lease_until > now
+    }
+}
+
+impl Pin {
+    /// The pin a put asks for: hard, or soft until `soft_until`, or none.
+    pub fn asked(hard: bool, soft: bool, soft_until: Millis) -> Pin {
+        if hard {
+            Pin::Hard
+        } else if soft {
+            Pin::Soft { until: soft_until }
+        } else {
+            Pin::None
+        }
     }
 }
 
@@ -151,34 +188,25 @@ impl MasterState {
             self.free_replicas(replicas);
             return Err(MasterError::GrantsExhausted);
         };
-        let pin = if config.hard_pin {
-            Pin::Hard
-        } else if config.soft_pin {
-            Pin::Soft {
-                until: now.plus(self.policy.soft_pin_ttl),
-            }
-        } else {
-            Pin::None
-        };
+        let pin = Pin::asked(
+            config.hard_pin,
+            config.soft_pin,
+            now.plus(self.policy.soft_pin_ttl),
+        );
         let views = replicas
             .iter()
             .map(|r| memory_view(&self.segments, r, size, put_id))
             .collect();
         self.objects.insert(
             key.clone(),
-            Box::new(Object {
+            Box::new(Object::new(
                 size,
                 put_id,
-                phase: Phase::Processing { started: now },
-                replicas: replicas.into_iter().collect(),
-                disk: Vec::new(),
-                offload: Offload::Idle,
-                disk_hits: 0,
-                promoting: None,
-                lease_until: Millis(0),
-                last_access: now,
+                Phase::Processing { started: now },
+                replicas.into_iter().collect(),
                 pin,
-            }),
+                now,
+            )),
         );
         Ok(PutGrant {
             put_id,

@@ -17,7 +17,7 @@ use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
 
 use super::{
     allocator::{Allocation, OffsetAllocator, GRANULE},
-    objects::{Object, Offload, Phase, Pin, Replica, Replicas},
+    objects::{Object, Phase, Pin, Replica, Replicas},
     MasterState, SegmentId,
 };
 use crate::{clock::Millis, error::MasterError};
@@ -242,32 +242,23 @@ impl MasterState {
             obj.replicas.push(replica);
             return Ok(());
         }
-        let pin = if r.stamp.hard_pin {
-            Pin::Hard
-        } else if r.stamp.soft_pin {
-            Pin::Soft {
-                until: now.plus(self.policy.soft_pin_ttl),
-            }
-        } else {
-            Pin::None
-        };
+        let pin = Pin::asked(
+            r.stamp.hard_pin,
+            r.stamp.soft_pin,
+            now.plus(self.policy.soft_pin_ttl),
+        );
         let mut replicas = Replicas::new();
         replicas.push(replica);
         self.objects.insert(
             r.key,
-            Box::new(Object {
-                size: r.size,
-                put_id: r.stamp.put_id,
-                phase: Phase::Complete,
+            Box::new(Object::new(
+                r.size,
+                r.stamp.put_id,
+                Phase::Complete,
                 replicas,
-                disk: Vec::new(),
-                offload: Offload::Idle,
-                disk_hits: 0,
-                promoting: None,
-                lease_until: Millis(0),
-                last_access: now,
                 pin,
-            }),
+                now,
+            )),
         );
         Ok(())
     }

@@ -529,17 +529,15 @@ impl MasterState {
         self.objects.insert(
             key.clone(),
             Box::new(Object {
-                size,
-                put_id,
-                phase: Phase::Complete,
-                replicas: Replicas::new(),
                 disk: vec![segment],
-                offload: Offload::Idle,
-                disk_hits: 0,
-                promoting: None,
-                lease_until: Millis(0),
-                last_access: now,
-                pin: Pin::None,
+                ..Object::new(
+                    size,
+                    put_id,
+                    Phase::Complete,
+                    Replicas::new(),
+                    Pin::None,
+                    now,
+                )
             }),
         );
         self.counters.disk_registered += 1;
