@@ -88,6 +88,13 @@ impl MasterState {
         self.awaited.retain(|n| n != name);
     }
 
+    /// This master's epoch: its first put id, larger for every later master process or leader
+    /// (the wall-clock floor and the etcd reservation see to it). Owners refuse work of any
+    /// other epoch than the one they mounted under.
+    pub fn epoch(&self) -> u64 {
+        self.first_grant
+    }
+
     /// Names of the mounted segments.
     pub fn segment_names(&self) -> Vec<SegmentName> {
         self.segments.values().map(|s| s.name.clone()).collect()

@@ -117,6 +117,13 @@ impl MasterService {
                     remount: true,
                 };
             };
+            // A long poll may outlive the term it began in: a deposed leader hands out nothing.
+            if !self.leading() {
+                return Polled {
+                    tasks: Vec::new(),
+                    remount: false,
+                };
+            }
             let tasks = self.shared.state.lock().take_tasks(id, max);
             if !tasks.is_empty() || tokio::time::timeout_at(deadline, work).await.is_err() {
                 return Polled {
@@ -214,5 +221,10 @@ impl MasterService {
             .metrics
             .record(Op::ReportCatalog, n.max(1), res.is_err() as usize);
         res
+    }
+
+    /// This master's epoch (see `MasterState::epoch`).
+    pub fn epoch(&self) -> u64 {
+        self.shared.state.lock().epoch()
     }
 }

@@ -86,7 +86,11 @@ impl pb::master_server::Master for GrpcMaster {
                     .0
                     .mount_segment(owner, name, r.size, r.disk_capacity, report),
             );
-        Ok(Response::new(pb::MountSegmentResponse { code, message }))
+        Ok(Response::new(pb::MountSegmentResponse {
+            code,
+            message,
+            epoch: self.0.epoch(),
+        }))
     }
 
     async fn unmount_segment(
@@ -106,6 +110,7 @@ impl pb::master_server::Master for GrpcMaster {
         Ok(Response::new(pb::HeartbeatResponse {
             code: 0,
             remount: reply == HeartbeatReply::Remount,
+            epoch: self.0.epoch(),
         }))
     }
 
@@ -228,6 +233,7 @@ impl pb::master_server::Master for GrpcMaster {
         Ok(Response::new(pb::PollTasksResponse {
             tasks: polled.tasks.into_iter().map(task_to_pb).collect(),
             remount: polled.remount,
+            epoch: self.0.epoch(),
         }))
     }
 

@@ -59,6 +59,9 @@ pub struct MasterLink {
     rpc_timeout: Duration,
     ssd: Option<Arc<SsdStore>>,
     catalog: Arc<Catalog>,
+    /// The epoch of the master this owner is mounted at (0: none yet): work of any other is
+    /// refused, and a heartbeat answered by another one means mounting again.
+    epoch: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl MasterLink {
@@ -81,6 +84,7 @@ impl MasterLink {
             rpc_timeout,
             ssd,
             catalog,
+            epoch: Arc::default(),
         })
     }
 
@@ -146,6 +150,8 @@ impl MasterLink {
         if !entries.is_empty() {
             self.report_catalog(&entries).await?;
         }
+        self.epoch
+            .store(resp.epoch, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
@@ -223,7 +229,9 @@ impl MasterLink {
                 c.heartbeat(req).await
             })
             .await?;
-        Ok(resp.remount)
+        // Another master answered than the one this owner mounted at (it restarted or the
+        // leader changed): mount there.
+        Ok(resp.remount || resp.epoch != self.epoch())
     }
 
     pub async fn unmount(&self) -> Result<(), LinkError> {
@@ -350,6 +358,11 @@ impl MasterLink {
         if !records.is_empty() {
             tracing::info!(registered, refused, "ssd records registered at the master");
         }
+    }
+
+    /// The epoch of the master this owner is mounted at (0: none yet).
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Heartbeats every `interval` until `stop`; remounts when the master asks for it.

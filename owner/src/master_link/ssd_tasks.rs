@@ -63,6 +63,20 @@ impl Worker {
                     // The heartbeat loop mounts again and registers the disk records.
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
+                Ok(resp) if resp.epoch != self.link.epoch() => {
+                    // Work of another master than the one this owner is mounted at (a deposed
+                    // leader's, or a new one's before the remount): refused; the heartbeat loop
+                    // mounts at the current one.
+                    if !resp.tasks.is_empty() {
+                        tracing::warn!(
+                            tasks = resp.tasks.len(),
+                            epoch = resp.epoch,
+                            mounted = self.link.epoch(),
+                            "refusing ssd work of another master"
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
                 Ok(resp) => {
                     backoff = Duration::from_millis(100);
                     for t in resp.tasks {
