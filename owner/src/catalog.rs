@@ -121,7 +121,8 @@ impl Catalog {
         None
     }
 
-    /// Notes a grant a write arrived with.
+    /// Notes a grant a write arrived with. Every write does, before it may record (the data
+    /// plane relies on it to skip `newer_than` while no newer grant was ever seen).
     pub fn saw_grant(&self, grant: u64) {
         self.newest_grant.fetch_max(grant, Ordering::Relaxed);
     }

@@ -269,8 +269,15 @@ impl Connection {
             }
         };
         // While the guard is held nobody else records over the range: if a newer grant's bytes
-        // are already there, this write is stale and must not land.
-        if let Some(newer) = catalog.newer_than(h.offset, h.length, h.grant) {
+        // are already there, this write is stale and must not land. Every write notes its grant
+        // before it records, so while no newer grant was ever seen (the usual case: grants
+        // arrive in increasing order) there is nothing to look up.
+        let newer = if catalog.newest_grant() > h.grant {
+            catalog.newer_than(h.offset, h.length, h.grant)
+        } else {
+            None
+        };
+        if let Some(newer) = newer {
             drop(guard);
             let why = format!(
                 "range [{}, +{}) already holds put {newer}, newer than this write's put {}; the write is stale",
@@ -395,35 +402,45 @@ impl Connection {
     /// Fills `dst` (a range of the pool) from the stream: what is buffered with streaming stores,
     /// and a large remainder straight from the socket (no stop in the buffer). Stops early when
     /// the write is superseded; returns how many payload bytes it left unread (0: all landed).
+    /// Only a wait on the socket listens for a supersession; between copies of what already
+    /// arrived the check is one atomic load.
     async fn receive_into(
         &mut self,
         mut dst: &mut [u8],
         supersession: Supersession<'_>,
     ) -> io::Result<u64> {
         while !dst.is_empty() {
-            let step = async {
-                if self.reader.buffer().is_empty() && dst.len() >= READ_BUF {
-                    // An empty buffer and a read at least its size: the reader bypasses the buffer.
+            if supersession.is_superseded() {
+                return Ok(dst.len() as u64);
+            }
+            let buffered = self.reader.buffer();
+            if !buffered.is_empty() {
+                let n = buffered.len().min(dst.len());
+                mooncake_common::memcopy::copy_streaming(&mut dst[..n], &buffered[..n]);
+                self.reader.consume(n);
+                dst = &mut std::mem::take(&mut dst)[n..];
+                continue;
+            }
+            // Nothing buffered: wait for the peer, or for a newer grant of the range.
+            let direct = dst.len() >= READ_BUF;
+            let wait = async {
+                if direct {
+                    // A read at least the buffer's size bypasses the buffer.
                     self.reader.read(dst).await
                 } else {
-                    let buf = self.reader.fill_buf().await?;
-                    let n = buf.len().min(dst.len());
-                    mooncake_common::memcopy::copy_streaming(&mut dst[..n], &buf[..n]);
-                    self.reader.consume(n);
-                    Ok(n)
+                    self.reader.fill_buf().await.map(|b| b.len())
                 }
             };
-            // Each step copies at most what already arrived, so a superseded write stops within
-            // one step of being told.
             let n = tokio::select! {
                 biased;
-                _ = supersession.superseded() => None,
-                n = step => Some(n?),
+                _ = supersession.superseded() => return Ok(dst.len() as u64),
+                n = wait => n?,
             };
-            match n {
-                None => return Ok(dst.len() as u64),
-                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Some(n) => dst = &mut std::mem::take(&mut dst)[n..],
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            if direct {
+                dst = &mut std::mem::take(&mut dst)[n..];
             }
         }
         Ok(0)

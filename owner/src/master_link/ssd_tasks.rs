@@ -243,6 +243,7 @@ impl Worker {
 
     async fn promote(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
         let value = self.store.read(key, t.put_id, t.size).await?;
+        self.catalog.saw_grant(t.grant);
         // The copy is written under the task's grant, so it is fenced like any write (a newer
         // grant's bytes in the range win), and keeps the object's put id as its version.
         let mut guard = self
