@@ -116,8 +116,12 @@ impl Etcd {
         for h in hosts {
             let dir = TempDir::new("etcd");
             let args = member_args(&h.name, &dir, &h.ip, CLIENT_PORT, PEER_PORT, &initial);
-            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            let guard = lab.spawn(h, &bin, &refs);
+            // etcd logs raft chatter to stderr whatever the level: keep it out of test output.
+            let guard = ChildGuard::spawn_cmd(
+                lab.command(h, &bin)
+                    .args(&args)
+                    .stderr(std::process::Stdio::null()),
+            );
             members.push(Member {
                 endpoint: format!("{}:{CLIENT_PORT}", h.ip),
                 guard,

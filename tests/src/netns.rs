@@ -189,14 +189,16 @@ impl Lab {
         }
     }
 
-    /// Starts `bin` (a path) with `args` inside `host`.
+    /// A command that runs `bin` (a path) inside `host`.
+    pub fn command(&self, host: &Host, bin: &std::path::Path) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &host.ns]).arg(bin);
+        c
+    }
+
+    /// Starts `bin` with `args` inside `host`.
     pub fn spawn(&self, host: &Host, bin: &std::path::Path, args: &[&str]) -> ChildGuard {
-        ChildGuard::spawn_cmd(
-            Command::new("ip")
-                .args(["netns", "exec", &host.ns])
-                .arg(bin)
-                .args(args),
-        )
+        ChildGuard::spawn_cmd(self.command(host, bin).args(args))
     }
 
     /// Drops every packet between `host` and `peer_ip`, both ways.
