@@ -280,7 +280,7 @@ async fn wait_stop(mut rx: watch::Receiver<bool>) {
 }
 
 /// Microseconds since the Unix epoch: the floor of this process's put ids.
-fn wall_clock_micros() -> u64 {
+pub(crate) fn wall_clock_micros() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_micros() as u64)

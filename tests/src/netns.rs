@@ -24,6 +24,13 @@ fn run(args: &[&str]) {
     );
 }
 
+/// `run` inside namespace `ns`.
+fn run_in(ns: &str, args: &[&str]) {
+    let mut all = vec!["ip", "netns", "exec", ns];
+    all.extend_from_slice(args);
+    run(&all);
+}
+
 /// Whether this process may build a lab (root, with `ip` and `iptables`).
 pub fn available() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
@@ -116,71 +123,29 @@ impl Lab {
         let k = self.next;
         self.next += 1;
         let ns = format!("mc{}-{name}", self.id);
-        let outer = format!("mcv{}x{k}", self.id);
+        let (outer, inner) = (format!("mcv{}x{k}", self.id), format!("mci{}x{k}", self.id));
         let dev = "eth0".to_string();
         let ip = format!("{}.{k}", self.subnet());
         let _ = Command::new("ip").args(["netns", "del", &ns]).output();
         run(&["ip", "netns", "add", &ns]);
         self.hosts.push(ns.clone());
         run(&[
-            "ip",
-            "link",
-            "add",
-            &outer,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &format!("mci{}x{k}", self.id),
+            "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner,
         ]);
-        run(&[
-            "ip",
-            "link",
-            "set",
-            &format!("mci{}x{k}", self.id),
-            "netns",
-            &ns,
-        ]);
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &ns,
-            "ip",
-            "link",
-            "set",
-            &format!("mci{}x{k}", self.id),
-            "name",
-            &dev,
-        ]);
+        run(&["ip", "link", "set", &inner, "netns", &ns]);
         run(&["ip", "link", "set", &outer, "master", &self.bridge]);
         run(&["ip", "link", "set", &outer, "up"]);
-        run(&[
-            "ip",
-            "netns",
-            "exec",
+        run_in(&ns, &["ip", "link", "set", &inner, "name", &dev]);
+        run_in(
             &ns,
-            "ip",
-            "addr",
-            "add",
-            &format!("{ip}/24"),
-            "dev",
-            &dev,
-        ]);
-        run(&["ip", "netns", "exec", &ns, "ip", "link", "set", &dev, "up"]);
-        run(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
-        run(&[
-            "ip",
-            "netns",
-            "exec",
+            &["ip", "addr", "add", &format!("{ip}/24"), "dev", &dev],
+        );
+        run_in(&ns, &["ip", "link", "set", &dev, "up"]);
+        run_in(&ns, &["ip", "link", "set", "lo", "up"]);
+        run_in(
             &ns,
-            "ip",
-            "route",
-            "add",
-            "default",
-            "via",
-            &self.gateway,
-        ]);
+            &["ip", "route", "add", "default", "via", &self.gateway],
+        );
         Host {
             name: name.to_string(),
             ns,
@@ -203,41 +168,33 @@ impl Lab {
 
     /// Drops every packet between `host` and `peer_ip`, both ways.
     pub fn cut(&self, host: &Host, peer_ip: &str) {
-        for (chain, dir) in [("INPUT", "-s"), ("OUTPUT", "-d")] {
-            run(&[
-                "ip", "netns", "exec", &host.ns, "iptables", "-I", chain, dir, peer_ip, "-j",
-                "DROP",
-            ]);
-        }
+        Self::drop_rules(host, peer_ip, "-I");
     }
 
     /// Undoes `cut`.
     pub fn heal(&self, host: &Host, peer_ip: &str) {
+        Self::drop_rules(host, peer_ip, "-D");
+    }
+
+    /// Inserts (`-I`) or deletes (`-D`) the rules dropping traffic with `peer_ip`.
+    fn drop_rules(host: &Host, peer_ip: &str, action: &str) {
         for (chain, dir) in [("INPUT", "-s"), ("OUTPUT", "-d")] {
-            run(&[
-                "ip", "netns", "exec", &host.ns, "iptables", "-D", chain, dir, peer_ip, "-j",
-                "DROP",
-            ]);
+            run_in(
+                &host.ns,
+                &["iptables", action, chain, dir, peer_ip, "-j", "DROP"],
+            );
         }
     }
 
     /// Delays every packet leaving `host` by `ms` (needs netem in the kernel).
     pub fn delay(&self, host: &Host, ms: u32) {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
+        let delay = format!("{ms}ms");
+        run_in(
             &host.ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            &host.dev,
-            "root",
-            "netem",
-            "delay",
-            &format!("{ms}ms"),
-        ]);
+            &[
+                "tc", "qdisc", "add", "dev", &host.dev, "root", "netem", "delay", &delay,
+            ],
+        );
     }
 
     pub fn undelay(&self, host: &Host) {

@@ -32,7 +32,7 @@ pub use leadership::Leadership;
 use crate::{
     clock::{Clock, SystemClock},
     config::MasterConfig,
-    server::{RunningMaster, Term},
+    server::{wall_clock_micros, RunningMaster, Term},
 };
 
 /// Ids reserved ahead of the next one to issue; a reservation is renewed every second, so it runs
@@ -48,10 +48,6 @@ pub struct HaConfig {
     pub lease_ttl: Duration,
     /// The address clients and owners reach this master at (published when it leads).
     pub advertise: String,
-}
-
-fn leader_key(cluster: &str) -> String {
-    mooncake_common::leader::leader_key(cluster)
 }
 
 fn ceiling_key(cluster: &str) -> String {
@@ -131,7 +127,7 @@ async fn campaign(
     clock: &dyn Clock,
     events: &dyn Events,
 ) -> anyhow::Result<Won> {
-    let key = leader_key(&ha.cluster_id);
+    let key = mooncake_common::leader::leader_key(&ha.cluster_id);
     loop {
         let ttl = ha.lease_ttl.as_secs().max(1) as i64;
         let granted_at = clock.now();
@@ -335,10 +331,4 @@ async fn keep_leading(
             anyhow::bail!("the lease may have lapsed (this process was paused)");
         }
     }
-}
-
-fn wall_clock_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| d.as_micros() as u64)
 }

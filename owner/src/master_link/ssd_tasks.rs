@@ -251,13 +251,12 @@ impl Worker {
             .write_range_granted(t.offset, t.size, t.grant, Duration::ZERO)
             .await
             .map_err(|e| Failure(e.code(), e.to_string()))?;
-        if let Some(newer) = self.catalog.newer_than(t.offset, t.size, t.grant) {
+        if let Some(newer) = self.catalog.claim(t.offset, t.size, t.grant) {
             return Err(Failure(
                 Code::TransferFail,
                 format!("the range to promote into already holds newer put {newer}"),
             ));
         }
-        self.catalog.forget(t.offset, t.size);
         guard.copy_from_slice(&value);
         // The disk record does not keep pins or the replica count: the copy gets the defaults.
         let stamp = Stamp {
