@@ -17,26 +17,27 @@ const MANTISSA_BITS: u32 = 3;
 const LEAF_BINS: usize = 1 << MANTISSA_BITS;
 const TOP_BINS: usize = 64;
 const BIN_COUNT: usize = TOP_BINS * LEAF_BINS;
-/// Slab index meaning "no node"; also why the slab holds at most `u32::MAX` nodes.
+/// Slab index meaning "no node"; also why the slab holds fewer than `u32::MAX - 1` nodes.
 const NIL: u32 = u32::MAX;
+/// `bin_prev` of a used block (used blocks sit in no bin): the used flag without a field of its
+/// own, which keeps a node at 32 bytes (one per live object on a master).
+const USED: u32 = u32::MAX - 1;
 
 /// A live allocation. Not Clone/Copy: freeing consumes it, so a range cannot be freed twice.
+/// Its size is the allocator's to tell (`OffsetAllocator::size_of`): a master keeps one of these
+/// per object, so it holds only what a lookup needs.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "dropping an Allocation leaks its range; hand it back with OffsetAllocator::free"]
 pub struct Allocation {
     offset: u64,
-    size: u64,
     node: u32,
+    /// Which allocator handed it out (in what would be padding): a foreign free is caught.
+    issuer: u32,
 }
 
 impl Allocation {
     pub fn offset(&self) -> u64 {
         self.offset
-    }
-
-    /// Bytes actually reserved (the request rounded up to GRANULE).
-    pub fn size(&self) -> u64 {
-        self.size
     }
 }
 
@@ -48,13 +49,24 @@ struct Node {
     size: u64,
     phys_prev: u32,
     phys_next: u32,
+    /// The previous free block of the same bin, or USED.
     bin_prev: u32,
     bin_next: u32,
-    used: bool,
+}
+
+// One node per live allocation: the memory budget of a master's objects counts on 32 bytes.
+const _: () = assert!(std::mem::size_of::<Node>() == 32);
+
+impl Node {
+    fn used(&self) -> bool {
+        self.bin_prev == USED
+    }
 }
 
 #[derive(Debug)]
 pub struct OffsetAllocator {
+    /// Tells this allocator's allocations from others' (process-wide counter, wraps).
+    id: u32,
     capacity: u64,
     allocated: u64,
     live: usize,
@@ -99,7 +111,9 @@ impl OffsetAllocator {
     /// Manages [0, capacity rounded down to GRANULE).
     pub fn new(capacity: u64) -> Self {
         let capacity = capacity - capacity % GRANULE;
+        static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let mut this = OffsetAllocator {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             capacity,
             allocated: 0,
             live: 0,
@@ -134,7 +148,7 @@ impl OffsetAllocator {
                 this.nodes[prev as usize].phys_next = node;
             }
             if used {
-                this.nodes[node as usize].used = true;
+                this.nodes[node as usize].bin_prev = USED;
             } else {
                 this.insert_free(node);
             }
@@ -155,8 +169,8 @@ impl OffsetAllocator {
             this.live += 1;
             allocations.push(Allocation {
                 offset,
-                size: granules * GRANULE,
                 node,
+                issuer: this.id,
             });
             at = first + granules;
         }
@@ -195,33 +209,40 @@ impl OffsetAllocator {
         } else {
             self.remove_free(node);
         }
-        self.nodes[node as usize].used = true;
-        let size = granules * GRANULE;
-        self.allocated += size;
+        self.nodes[node as usize].bin_prev = USED;
+        self.allocated += granules * GRANULE;
         self.live += 1;
         let offset = block.offset * GRANULE;
-        Some(Allocation { offset, size, node })
+        Some(Allocation {
+            offset,
+            node,
+            issuer: self.id,
+        })
     }
 
     /// Returns the range, merging it with free physical neighbours (O(1)).
     pub fn free(&mut self, allocation: Allocation) {
-        let Allocation { offset, size, node } = allocation;
+        let Allocation {
+            offset,
+            node,
+            issuer,
+        } = allocation;
         // Allocation is not Clone, so a mismatch means it came from another allocator; acting
         // on it would corrupt the neighbour links, so release builds drop it.
         let valid = self
             .nodes
             .get(node as usize)
-            .is_some_and(|n| n.used && n.offset * GRANULE == offset && n.size * GRANULE == size);
+            .is_some_and(|n| issuer == self.id && n.used() && n.offset * GRANULE == offset);
         debug_assert!(valid, "free of a foreign allocation at {offset:#x}");
         if !valid {
             return;
         }
-        self.allocated -= size;
-        self.live -= 1;
         let mut block = self.nodes[node as usize];
-        block.used = false;
+        self.allocated -= block.size * GRANULE;
+        self.live -= 1;
+        block.bin_prev = NIL;
         let prev = block.phys_prev;
-        if prev != NIL && !self.nodes[prev as usize].used {
+        if prev != NIL && !self.nodes[prev as usize].used() {
             self.remove_free(prev);
             let p = self.nodes[prev as usize];
             block.offset = p.offset;
@@ -230,7 +251,7 @@ impl OffsetAllocator {
             self.spare.push(prev);
         }
         let next = block.phys_next;
-        if next != NIL && !self.nodes[next as usize].used {
+        if next != NIL && !self.nodes[next as usize].used() {
             self.remove_free(next);
             let n = self.nodes[next as usize];
             block.size += n.size;
@@ -249,6 +270,14 @@ impl OffsetAllocator {
 
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// Bytes `allocation` reserves (its request rounded up to GRANULE).
+    pub fn size_of(&self, allocation: &Allocation) -> u64 {
+        match self.nodes.get(allocation.node as usize) {
+            Some(n) if allocation.issuer == self.id && n.used() => n.size * GRANULE,
+            _ => 0,
+        }
     }
 
     pub fn allocated(&self) -> u64 {
@@ -308,7 +337,7 @@ impl OffsetAllocator {
 
     /// A free, not yet binned node; None only when the u32 slab indices are exhausted.
     fn new_node(&mut self, offset: u64, size: u64, phys_prev: u32, phys_next: u32) -> Option<u32> {
-        let (bin_prev, bin_next, used) = (NIL, NIL, false);
+        let (bin_prev, bin_next) = (NIL, NIL);
         let node = Node {
             offset,
             size,
@@ -316,13 +345,12 @@ impl OffsetAllocator {
             phys_next,
             bin_prev,
             bin_next,
-            used,
         };
         if let Some(index) = self.spare.pop() {
             self.nodes[index as usize] = node;
             return Some(index);
         }
-        let index = u32::try_from(self.nodes.len()).ok().filter(|&i| i != NIL)?;
+        let index = u32::try_from(self.nodes.len()).ok().filter(|&i| i < USED)?;
         self.nodes.push(node);
         Some(index)
     }
@@ -379,7 +407,7 @@ mod tests {
             let (mut prev, mut cursor) = (NIL, a.bin_heads[bin]);
             while cursor != NIL {
                 let n = a.nodes[cursor as usize];
-                assert!(!n.used && bin_round_down(n.size) == bin && n.bin_prev == prev);
+                assert!(!n.used() && bin_round_down(n.size) == bin && n.bin_prev == prev);
                 (in_bins, prev, cursor) = (in_bins + 1, cursor, n.bin_next);
             }
         }
@@ -394,9 +422,9 @@ mod tests {
         while cursor != NIL {
             let n = a.nodes[cursor as usize];
             assert!(n.offset == end && n.phys_prev == prev && n.size > 0);
-            let coalesced = n.used || prev == NIL || a.nodes[prev as usize].used;
+            let coalesced = n.used() || prev == NIL || a.nodes[prev as usize].used();
             assert!(coalesced, "adjacent free blocks at {end}");
-            free += usize::from(!n.used);
+            free += usize::from(!n.used());
             (prev, end, walked, cursor) = (cursor, end + n.size, walked + 1, n.phys_next);
         }
         assert_eq!((end * GRANULE, free), (a.capacity, in_bins));
@@ -409,8 +437,8 @@ mod tests {
         assert_eq!(a.allocate(0), None);
         let x = a.allocate(1).unwrap();
         let y = a.allocate(GRANULE + 1).unwrap();
-        assert_eq!((x.offset(), x.size()), (0, GRANULE));
-        assert_eq!((y.offset(), y.size()), (GRANULE, 2 * GRANULE));
+        assert_eq!((x.offset(), a.size_of(&x)), (0, GRANULE));
+        assert_eq!((y.offset(), a.size_of(&y)), (GRANULE, 2 * GRANULE));
         assert_eq!(a.allocated(), 3 * GRANULE);
     }
 
@@ -431,7 +459,7 @@ mod tests {
         let mut a = OffsetAllocator::new(1000 * GRANULE);
         assert_ne!(bin_round_down(1000), bin_round_up(1000));
         let all = a.allocate(a.capacity()).unwrap();
-        assert_eq!((all.offset(), all.size()), (0, a.capacity()));
+        assert_eq!((all.offset(), a.size_of(&all)), (0, a.capacity()));
         assert_eq!((a.free_bytes(), a.largest_free()), (0, 0));
         assert_eq!(a.allocate(1), None);
         assert_eq!(a.allocate(u64::MAX), None);
@@ -464,7 +492,7 @@ mod tests {
             .map(|i| a.allocate((i * 7919 % 4096 + 1) * 1024).unwrap())
             .collect();
         held.push(a.allocate(16 << 30).unwrap());
-        assert!(held.iter().all(|h| h.offset() + h.size() <= cap));
+        assert!(held.iter().all(|h| h.offset() + a.size_of(h) <= cap));
         let (even, odd): (Vec<_>, Vec<_>) =
             held.into_iter().enumerate().partition(|e| e.0 % 2 == 0);
         even.into_iter().for_each(|(_, h)| a.free(h));
@@ -491,7 +519,7 @@ mod tests {
     }
 
     fn check(a: &OffsetAllocator, live: &[Allocation]) {
-        let mut spans: Vec<(u64, u64)> = live.iter().map(|l| (l.offset(), l.size())).collect();
+        let mut spans: Vec<(u64, u64)> = live.iter().map(|l| (l.offset(), a.size_of(l))).collect();
         spans.sort_unstable();
         let (mut end, mut gap) = (0, 0);
         for &(offset, size) in &spans {
@@ -530,8 +558,8 @@ mod tests {
                 let largest = a.largest_free();
                 match op.map(|size| (size, a.allocate(size))) {
                     Some((size, Some(got))) => {
-                        prop_assert_eq!(got.size(), size.div_ceil(GRANULE) * GRANULE);
-                        prop_assert!(got.size() <= largest);
+                        prop_assert_eq!(a.size_of(&got), size.div_ceil(GRANULE) * GRANULE);
+                        prop_assert!(a.size_of(&got) <= largest);
                         live.push(got);
                     }
                     // Failing is only allowed when no free block is guaranteed to fit.
@@ -544,7 +572,7 @@ mod tests {
             }
             live.into_iter().for_each(|l| a.free(l));
             prop_assert_eq!((a.allocated(), a.largest_free()), (0, a.capacity()));
-            let all = a.allocate(a.capacity()).map(|all| (all.offset(), all.size()));
+            let all = a.allocate(a.capacity()).map(|all| (all.offset(), a.size_of(&all)));
             prop_assert_eq!(all, (a.capacity() > 0).then_some((0, a.capacity())));
         }
     }
@@ -557,7 +585,7 @@ mod tests {
             .iter()
             .enumerate()
             .filter(|(i, _)| i % 3 != 0)
-            .map(|(_, x)| (x.offset(), x.size()))
+            .map(|(_, x)| (x.offset(), a.size_of(x)))
             .collect();
         ranges.sort();
         let (mut b, allocations) = OffsetAllocator::with_used(1 << 20, &ranges).unwrap();
@@ -569,7 +597,7 @@ mod tests {
         let fresh: Vec<Allocation> = (0..40).filter_map(|i| b.allocate(64 + i * 11)).collect();
         for f in &fresh {
             for &(o, s) in &ranges {
-                assert!(f.offset() + f.size() <= o || o + s <= f.offset());
+                assert!(f.offset() + b.size_of(f) <= o || o + s <= f.offset());
             }
         }
         for x in allocations.into_iter().chain(fresh) {

@@ -6,11 +6,7 @@
 
 use mooncake_common::ObjectKey;
 
-use super::{
-    objects::{Offload, Phase, Pin},
-    tiers::WhenDiskBehind,
-    MasterState,
-};
+use super::{objects::Offload, tiers::WhenDiskBehind, MasterState};
 use crate::clock::Millis;
 
 impl MasterState {
@@ -36,14 +32,14 @@ impl MasterState {
         let stale: Vec<ObjectKey> = self
             .objects
             .iter()
-            .filter(|(_, o)| matches!(o.phase, Phase::Processing { started } if started.plus(timeout) <= now))
-            .map(|(k, _)| k.clone())
+            .filter(|o| o.phase.started().is_some_and(|s| s.plus(timeout) <= now))
+            .map(|o| o.key().clone())
             .collect();
         for key in stale {
             let obj = self.objects.remove(&key).expect("listed above");
             tracing::info!(%key, put_id = obj.put_id, "releasing an abandoned put's space");
             self.counters.expired_puts += 1;
-            self.discard(&key, *obj, now);
+            self.discard(*obj, now);
         }
     }
 
@@ -81,9 +77,9 @@ impl MasterState {
         }
         // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
         let mut candidates: Vec<(bool, Millis, ObjectKey)> = Vec::new();
-        for (k, o) in &self.objects {
+        for o in self.objects.iter() {
             if matches!(
-                o.offload,
+                o.offload(),
                 Offload::Pending {
                     evict_after: true,
                     ..
@@ -91,15 +87,13 @@ impl MasterState {
             ) {
                 continue;
             }
-            if o.phase != Phase::Complete || o.is_leased(now) || o.replicas.is_empty() {
+            if !o.phase.is_complete() || o.is_leased(now) || o.replicas.is_empty() {
                 continue;
             }
-            let soft = match o.pin {
-                Pin::Hard => continue,
-                Pin::Soft { until } => until > now,
-                Pin::None => false,
-            };
-            candidates.push((soft, o.last_access, k.clone()));
+            if o.pin.is_hard() {
+                continue;
+            }
+            candidates.push((o.pin.is_soft_at(now), o.last_access, o.key().clone()));
         }
         candidates.sort_unstable();
         let mut freed = 0u64;
@@ -110,20 +104,26 @@ impl MasterState {
             }
             let obj = self.objects.get_mut(&key).expect("candidate exists");
             if let Offload::Pending {
-                evict_after: after @ false,
+                evict_after: false,
                 bytes,
-                ..
-            } = &mut obj.offload
+                segment,
+                since,
+            } = obj.offload()
             {
                 // An eager offload is on its way already: its memory goes when it lands.
-                *after = true;
-                self.offload_freeing += *bytes;
+                obj.tier_mut().offload = Offload::Pending {
+                    evict_after: true,
+                    bytes,
+                    segment,
+                    since,
+                };
+                self.offload_freeing += bytes;
                 pending = self.offload_freeing;
                 continue;
             }
             let obj = &self.objects[&key];
-            let size: u64 = obj.replicas.iter().map(|r| r.allocation.size()).sum();
-            if !obj.disk.is_empty() {
+            let size: u64 = obj.replicas.iter().map(|r| self.reserved(r)).sum();
+            if !obj.disk().is_empty() {
                 // A disk copy exists: the memory goes, the object stays readable from disk.
                 let obj = self.objects.get_mut(&key).expect("candidate exists");
                 let replicas = std::mem::take(&mut obj.replicas);
@@ -133,7 +133,7 @@ impl MasterState {
                 continue;
             }
             if self.has_disk_tier(obj) {
-                let failed_lately = matches!(obj.offload, Offload::Failed { at }
+                let failed_lately = matches!(obj.offload(), Offload::Failed { at }
                     if now < at.plus(self.policy.offload_timeout));
                 if !failed_lately && self.start_offload(&key, true, now) {
                     pending = self.offload_freeing;
@@ -148,7 +148,7 @@ impl MasterState {
             let obj = self.objects.remove(&key).expect("candidate exists");
             freed += size;
             count += 1;
-            self.discard(&key, *obj, now);
+            self.discard(*obj, now);
         }
         self.counters.eviction_rounds += 1;
         self.counters.evicted_objects += count;

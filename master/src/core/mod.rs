@@ -10,6 +10,7 @@ mod rebuild;
 #[cfg(test)]
 mod rebuild_tests;
 mod segments;
+mod table;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -178,11 +179,7 @@ pub struct MasterState {
     segments: BTreeMap<SegmentId, Segment>,
     by_name: HashMap<SegmentName, SegmentId>,
     owners: HashMap<ClientId, Owner>,
-    // Keys are ~100-byte strings looked up thousands of times per batch: a fast seeded hasher
-    // (foldhash) instead of SipHash, still randomised per process against crafted collisions.
-    /// Boxed: the table's buckets then hold a key and a pointer (24 bytes), not the whole
-    /// object, so the power-of-two slack of the table costs little (issue 13's memory target).
-    objects: HashMap<ObjectKey, Box<objects::Object>, foldhash::fast::RandomState>,
+    objects: table::ObjectTable,
     pending: Vec<PendingRelease>,
     next_segment: u64,
     grants: Grants,
@@ -242,7 +239,7 @@ impl MasterState {
             segments: BTreeMap::new(),
             by_name: HashMap::new(),
             owners: HashMap::new(),
-            objects: HashMap::default(),
+            objects: table::ObjectTable::new(),
             pending: Vec::new(),
             next_segment: 1,
             grants: Grants {
@@ -296,8 +293,8 @@ impl MasterState {
     pub fn segment_stats(&self) -> Vec<SegmentStat> {
         let mut disk_objects: HashMap<SegmentId, u64> = HashMap::new();
         if self.segments.values().any(|s| s.disk.is_some()) {
-            for obj in self.objects.values() {
-                for seg in &obj.disk {
+            for obj in self.objects.iter() {
+                for seg in obj.disk() {
                     *disk_objects.entry(*seg).or_default() += 1;
                 }
             }
@@ -322,7 +319,8 @@ impl MasterState {
     /// distinct live segments, and no two live ranges overlap.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut per_segment: HashMap<SegmentId, Vec<(u64, u64)>> = HashMap::new();
-        for (key, obj) in &self.objects {
+        for obj in self.objects.iter() {
+            let key = obj.key();
             let mut seen = Vec::new();
             for r in &obj.replicas {
                 if !self.segments.contains_key(&r.segment) {
@@ -334,36 +332,40 @@ impl MasterState {
                 if seen.contains(&r.segment) {
                     return Err(format!("{key}: two replicas on segment {:?}", r.segment));
                 }
-                if r.allocation.size() < obj.size {
+                if self.reserved(r) < obj.size {
                     return Err(format!("{key}: replica smaller than the object"));
                 }
                 seen.push(r.segment);
                 per_segment
                     .entry(r.segment)
                     .or_default()
-                    .push((r.allocation.offset(), r.allocation.size()));
+                    .push((r.allocation.offset(), self.reserved(r)));
             }
-            if let Some(p) = &obj.promoting {
+            if let Some(p) = obj.promoting() {
                 per_segment
                     .entry(p.replica.segment)
                     .or_default()
-                    .push((p.replica.allocation.offset(), p.replica.allocation.size()));
+                    .push((p.replica.allocation.offset(), self.reserved(&p.replica)));
             }
-            for d in &obj.disk {
+            for d in obj.disk() {
                 match self.segments.get(d) {
                     Some(s) if s.disk.is_some() => {}
                     _ => return Err(format!("{key}: disk replica on a segment without SSD tier")),
                 }
             }
-            if obj.replicas.is_empty() && obj.disk.is_empty() {
+            if obj.replicas.is_empty() && obj.disk().is_empty() {
                 return Err(format!("{key}: object without any replica"));
             }
         }
         for p in &self.pending {
+            let size = self
+                .segments
+                .get(&p.segment)
+                .map_or(0, |s| s.allocator.size_of(&p.allocation));
             per_segment
                 .entry(p.segment)
                 .or_default()
-                .push((p.allocation.offset(), p.allocation.size()));
+                .push((p.allocation.offset(), size));
         }
         for (id, seg) in &self.segments {
             let mut ranges = per_segment.remove(id).unwrap_or_default();
@@ -387,8 +389,8 @@ impl MasterState {
         }
         let freeing: u64 = self
             .objects
-            .values()
-            .map(|o| match o.offload {
+            .iter()
+            .map(|o| match o.offload() {
                 objects::Offload::Pending {
                     evict_after: true,
                     bytes,
@@ -407,8 +409,8 @@ impl MasterState {
             let Some(d) = &seg.disk else { continue };
             let pending = self
                 .objects
-                .values()
-                .filter(|o| matches!(o.offload, objects::Offload::Pending { segment, .. } if segment == *id))
+                .iter()
+                .filter(|o| matches!(o.offload(), objects::Offload::Pending { segment, .. } if segment == *id))
                 .count();
             if pending != d.offloads {
                 return Err(format!(

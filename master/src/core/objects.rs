@@ -20,7 +20,7 @@ pub struct PutGrant {
     pub replicas: Vec<ReplicaLocation>,
 }
 
-/// An object's memory replicas.
+/// An object's memory replicas (the usual single one inline, without an allocation of its own).
 pub(super) type Replicas = smallvec::SmallVec<[Replica; 1]>;
 
 pub(super) struct Replica {
@@ -28,25 +28,61 @@ pub(super) struct Replica {
     pub allocation: Allocation,
 }
 
+/// PROCESSING since an instant, or COMPLETE; a word, not an enum's two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Phase {
-    Processing { started: Millis },
-    Complete,
+pub(super) struct Phase(u64);
+
+impl Phase {
+    pub const COMPLETE: Phase = Phase(u64::MAX);
+
+    pub fn processing(started: Millis) -> Phase {
+        Phase(started.0.min(u64::MAX - 1))
+    }
+
+    pub fn is_complete(self) -> bool {
+        self == Self::COMPLETE
+    }
+
+    /// When the put started, while it is PROCESSING.
+    pub fn started(self) -> Option<Millis> {
+        (!self.is_complete()).then_some(Millis(self.0))
+    }
 }
 
+/// Unpinned, hard-pinned, or soft-pinned until an instant (evicted only when nothing unpinned
+/// is left, until then); a word, not an enum's two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Pin {
-    None,
-    /// Evicted only when nothing unpinned is left, until the soft-pin TTL runs out.
-    Soft {
-        until: Millis,
-    },
-    Hard,
+pub(super) struct Pin(u64);
+
+impl Pin {
+    pub const NONE: Pin = Pin(0);
+    pub const HARD: Pin = Pin(u64::MAX);
+
+    /// The pin a put asks for: hard, or soft until `soft_until`, or none.
+    pub fn asked(hard: bool, soft: bool, soft_until: Millis) -> Pin {
+        if hard {
+            Pin::HARD
+        } else if soft {
+            Pin(soft_until.0.clamp(1, u64::MAX - 1))
+        } else {
+            Pin::NONE
+        }
+    }
+
+    pub fn is_hard(self) -> bool {
+        self == Self::HARD
+    }
+
+    /// Whether a soft pin still holds at `now`.
+    pub fn is_soft_at(self, now: Millis) -> bool {
+        !self.is_hard() && self.0 > now.0
+    }
 }
 
 /// Where an object stands with its owner's SSD tier.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) enum Offload {
+    #[default]
     Idle,
     /// Queued for (or being written by) the SSD tier of `segment`; with `evict_after`, its
     /// memory is freed once the disk copy is reported.
@@ -59,9 +95,7 @@ pub(super) enum Offload {
     },
     /// The SSD tier could not take it at `at`; until the offload timeout has passed since,
     /// eviction treats the object as if its SSD were behind.
-    Failed {
-        at: Millis,
-    },
+    Failed { at: Millis },
 }
 
 /// Memory reserved for copying a disk-only object back, since `since`.
@@ -70,66 +104,109 @@ pub(super) struct Promotion {
     pub since: Millis,
 }
 
-pub(super) struct Object {
-    pub size: u64,
-    pub put_id: u64,
-    pub phase: Phase,
-    /// Memory replicas (the usual single one inline, without an allocation of its own).
-    pub replicas: Replicas,
+/// An object's state with the SSD tiers. Boxed apart from the object: most objects never have
+/// any, and a master holds millions of objects.
+#[derive(Default)]
+pub(super) struct TierState {
     /// Segments whose SSD tier holds a copy.
     pub disk: Vec<SegmentId>,
     pub offload: Offload,
     /// Reads served from disk since the object was last in memory.
     pub disk_hits: u32,
     /// Memory reserved for a promotion from disk, not readable until the owner reports it.
-    pub promoting: Option<Box<Promotion>>,
+    pub promoting: Option<Promotion>,
+}
+
+/// One object: 104 bytes (a 112-byte heap block) plus its key, so that a master holds a
+/// million objects in under 250 MB.
+pub(super) struct Object {
+    /// Never changes: the table finds the object by it.
+    key: ObjectKey,
+    pub size: u64,
+    pub put_id: u64,
+    pub phase: Phase,
+    pub pin: Pin,
+    pub replicas: Replicas,
     /// The object may be read until this instant: no eviction, no non-forced removal.
     pub lease_until: Millis,
     /// Last put or lease grant: eviction takes the least recently used first.
     pub last_access: Millis,
-    pub pin: Pin,
+    tier: Option<Box<TierState>>,
 }
+
+// The memory budget above, held at compile time.
+const _: () = assert!(std::mem::size_of::<Object>() <= 104);
 
 impl Object {
     /// A new object with no lease, no disk copy and no SSD work, last accessed `now`.
     pub fn new(
+        key: ObjectKey,
         size: u64,
         put_id: u64,
         phase: Phase,
         replicas: Replicas,
         pin: Pin,
         now: Millis,
-    ) -> Self {
-        Object {
+    ) -> Box<Self> {
+        Box::new(Object {
+            key,
             size,
             put_id,
             phase,
+            pin,
             replicas,
-            disk: Vec::new(),
-            offload: Offload::Idle,
-            disk_hits: 0,
-            promoting: None,
             lease_until: Millis(0),
             last_access: now,
-            pin,
-        }
+            tier: None,
+        })
+    }
+
+    pub fn key(&self) -> &ObjectKey {
+        &self.key
     }
 
     pub fn is_leased(&self, now: Millis) -> bool {
         self.lease_until > now
     }
-}
 
-impl Pin {
-    /// The pin a put asks for: hard, or soft until `soft_until`, or none.
-    pub fn asked(hard: bool, soft: bool, soft_until: Millis) -> Pin {
-        if hard {
-            Pin::Hard
-        } else if soft {
-            Pin::Soft { until: soft_until }
-        } else {
-            Pin::None
+    /// Segments whose SSD tier holds a copy.
+    pub fn disk(&self) -> &[SegmentId] {
+        self.tier.as_ref().map_or(&[], |t| &t.disk)
+    }
+
+    pub fn offload(&self) -> Offload {
+        self.tier.as_ref().map_or(Offload::Idle, |t| t.offload)
+    }
+
+    pub fn disk_hits(&self) -> u32 {
+        self.tier.as_ref().map_or(0, |t| t.disk_hits)
+    }
+
+    pub fn promoting(&self) -> Option<&Promotion> {
+        self.tier.as_ref().and_then(|t| t.promoting.as_ref())
+    }
+
+    /// The SSD-tier state to change, made if the object had none.
+    pub fn tier_mut(&mut self) -> &mut TierState {
+        self.tier.get_or_insert_with(Default::default)
+    }
+
+    /// Gives back the SSD-tier state's memory once there is nothing left in it.
+    pub fn tidy_tier(&mut self) {
+        let empty = self.tier.as_ref().is_some_and(|t| {
+            t.disk.is_empty()
+                && t.offload == Offload::Idle
+                && t.disk_hits == 0
+                && t.promoting.is_none()
+        });
+        if empty {
+            self.tier = None;
         }
+    }
+
+    /// Takes the whole SSD-tier state out (the object is being discarded).
+    pub fn take_tier(&mut self) -> TierState {
+        self.tier.take().map(|t| *t).unwrap_or_default()
     }
 }
 
@@ -152,20 +229,18 @@ impl MasterState {
             return Err(MasterError::TooLarge { size, largest });
         }
         if let Some(old) = self.objects.get(key) {
-            match old.phase {
-                Phase::Complete => return Err(MasterError::Exists(key.clone())),
-                Phase::Processing { started } => {
-                    if now < started.plus(self.policy.put_discard_timeout) {
-                        return Err(MasterError::PutInFlight(key.clone()));
-                    }
-                    // Taken over: the abandoned writer may still be writing, so its space
-                    // waits for the release timeout before anyone else may get it.
-                    let release_at = started.plus(self.policy.put_release_timeout).max(now);
-                    let old = self.objects.remove(key).expect("checked above");
-                    tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
-                    self.defer_release(old.replicas, release_at);
-                }
+            let Some(started) = old.phase.started() else {
+                return Err(MasterError::Exists(key.clone()));
+            };
+            if now < started.plus(self.policy.put_discard_timeout) {
+                return Err(MasterError::PutInFlight(key.clone()));
             }
+            // Taken over: the abandoned writer may still be writing, so its space waits for
+            // the release timeout before anyone else may get it.
+            let release_at = started.plus(self.policy.put_release_timeout).max(now);
+            let old = self.objects.remove(key).expect("checked above");
+            tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
+            self.defer_release(old.replicas, release_at);
         }
 
         let mut replicas = self.allocate_replicas(size, config);
@@ -197,17 +272,15 @@ impl MasterState {
             .iter()
             .map(|r| memory_view(&self.segments, r, size, put_id))
             .collect();
-        self.objects.insert(
+        self.objects.insert(Object::new(
             key.clone(),
-            Box::new(Object::new(
-                size,
-                put_id,
-                Phase::Processing { started: now },
-                replicas.into_iter().collect(),
-                pin,
-                now,
-            )),
-        );
+            size,
+            put_id,
+            Phase::processing(now),
+            replicas.into_iter().collect(),
+            pin,
+            now,
+        ));
         Ok(PutGrant {
             put_id,
             replicas: views,
@@ -272,10 +345,11 @@ impl MasterState {
 
     /// Phase two: the bytes landed on every replica; the object becomes readable.
     pub fn put_end(&mut self, key: &str, put_id: u64, now: Millis) -> Result<(), MasterError> {
+        let eager = self.policy.eager_offload;
         let obj = self.current_put(key, put_id)?;
-        obj.phase = Phase::Complete;
-        if self.policy.eager_offload {
-            let key = self.stored_key(key);
+        obj.phase = Phase::COMPLETE;
+        if eager {
+            let key = obj.key().clone();
             self.eager_offload(&key, now);
         }
         Ok(())
@@ -286,19 +360,15 @@ impl MasterState {
     /// read that the range was last written under the key being read.
     pub fn put_revoke(&mut self, key: &str, put_id: u64) -> Result<(), MasterError> {
         let obj = self.current_put(key, put_id)?;
-        if obj.phase == Phase::Complete {
-            return Err(MasterError::Exists(self.stored_key(key)));
+        if obj.phase.is_complete() {
+            return Err(MasterError::Exists(obj.key().clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");
         self.free_replicas(obj.replicas);
         Ok(())
     }
 
-    fn current_put(
-        &mut self,
-        key: &str,
-        put_id: u64,
-    ) -> Result<&mut super::objects::Object, MasterError> {
+    fn current_put(&mut self, key: &str, put_id: u64) -> Result<&mut Object, MasterError> {
         let first = self.first_grant;
         match self.objects.get_mut(key) {
             Some(obj) if obj.put_id == put_id => Ok(obj),
@@ -312,15 +382,6 @@ impl MasterState {
                 put_id,
             }),
         }
-    }
-
-    /// The map's own key for a stored object (a shared string, no copy).
-    fn stored_key(&self, key: &str) -> ObjectKey {
-        let (k, _) = self
-            .objects
-            .get_key_value(key)
-            .expect("the object is stored");
-        k.clone()
     }
 
     /// Looks up a readable object and leases it to the caller for the lease TTL.
@@ -347,7 +408,7 @@ impl MasterState {
             }
             return Err(MasterError::NotFound(owned()?));
         };
-        if obj.phase != Phase::Complete {
+        if !obj.phase.is_complete() {
             return Err(MasterError::NotReady(owned()?));
         }
         obj.lease_until = obj.lease_until.max(lease);
@@ -356,23 +417,21 @@ impl MasterState {
             // The usual case: one lookup of the key (the segments are a different field).
             return Ok((obj.size, views_of(&self.segments, obj)));
         }
-        obj.disk_hits = obj.disk_hits.saturating_add(1);
+        let hits = &mut obj.tier_mut().disk_hits;
+        *hits = hits.saturating_add(1);
         self.counters.disk_hits += 1;
-        self.maybe_promote(&owned()?, now);
-        let obj = &self.objects[key];
+        let key = obj.key().clone();
+        self.maybe_promote(&key, now);
+        let obj = &self.objects[&key];
         Ok((obj.size, views_of(&self.segments, obj)))
     }
 
     /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
     /// by a get of the same keys.
-    pub fn exists<Q>(&mut self, key: &Q, now: Millis) -> bool
-    where
-        ObjectKey: std::borrow::Borrow<Q>,
-        Q: std::hash::Hash + Eq + ?Sized,
-    {
+    pub fn exists<K: std::borrow::Borrow<str> + ?Sized>(&mut self, key: &K, now: Millis) -> bool {
         let lease = now.plus(self.policy.lease_ttl);
         match self.objects.get_mut(key) {
-            Some(obj) if obj.phase == Phase::Complete => {
+            Some(obj) if obj.phase.is_complete() => {
                 obj.lease_until = obj.lease_until.max(lease);
                 obj.last_access = obj.last_access.max(now);
                 true
@@ -391,7 +450,7 @@ impl MasterState {
             .get(key)
             .ok_or_else(|| MasterError::NotFound(key.clone()))?;
         if !force {
-            if obj.phase != Phase::Complete {
+            if !obj.phase.is_complete() {
                 return Err(MasterError::NotReady(key.clone()));
             }
             if obj.is_leased(now) {
@@ -399,7 +458,7 @@ impl MasterState {
             }
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.discard(key, *obj, now);
+        self.discard(*obj, now);
         Ok(())
     }
 
@@ -408,8 +467,8 @@ impl MasterState {
         let keys: Vec<ObjectKey> = self
             .objects
             .iter()
-            .filter(|(_, o)| force || (o.phase == Phase::Complete && !o.is_leased(now)))
-            .map(|(k, _)| k.clone())
+            .filter(|o| force || (o.phase.is_complete() && !o.is_leased(now)))
+            .map(|o| o.key().clone())
             .collect();
         let mut removed = 0;
         for key in keys {
@@ -446,13 +505,13 @@ impl MasterState {
 /// Where `obj` can be read: its memory replicas, then its disk copies.
 fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<ReplicaLocation> {
     let (size, put_id) = (obj.size, obj.put_id);
-    let mut views = Vec::with_capacity(obj.replicas.len() + obj.disk.len());
+    let mut views = Vec::with_capacity(obj.replicas.len() + obj.disk().len());
     views.extend(
         obj.replicas
             .iter()
             .map(|r| memory_view(segments, r, size, put_id)),
     );
-    views.extend(obj.disk.iter().map(|d| ReplicaLocation {
+    views.extend(obj.disk().iter().map(|d| ReplicaLocation {
         segment: segments[d].name.clone(),
         offset: 0,
         size,

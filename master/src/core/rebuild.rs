@@ -241,7 +241,7 @@ impl MasterState {
         if let Some(obj) = self.objects.get_mut(&r.key) {
             let same = obj.put_id == r.stamp.put_id
                 && obj.size == r.size
-                && obj.phase == Phase::Complete
+                && obj.phase.is_complete()
                 && !obj.replicas.iter().any(|x| x.segment == segment);
             if !same {
                 return Err(replica.allocation);
@@ -256,17 +256,15 @@ impl MasterState {
         );
         let mut replicas = Replicas::new();
         replicas.push(replica);
-        self.objects.insert(
+        self.objects.insert(Object::new(
             r.key,
-            Box::new(Object::new(
-                r.size,
-                r.stamp.put_id,
-                Phase::Complete,
-                replicas,
-                pin,
-                now,
-            )),
-        );
+            r.size,
+            r.stamp.put_id,
+            Phase::COMPLETE,
+            replicas,
+            pin,
+            now,
+        ));
         Ok(())
     }
 }

@@ -194,6 +194,13 @@ impl MasterState {
         &self.segments[&id].name
     }
 
+    /// Bytes a memory replica reserves in its segment (its object's size rounded up).
+    pub(super) fn reserved(&self, r: &super::objects::Replica) -> u64 {
+        self.segments
+            .get(&r.segment)
+            .map_or(0, |s| s.allocator.size_of(&r.allocation))
+    }
+
     /// Removes a segment and every replica, disk copy and pending release on it; objects left
     /// without a replica are gone.
     fn drop_segment(&mut self, id: SegmentId) {
@@ -210,29 +217,29 @@ impl MasterState {
         self.pending.retain(|p| p.segment != id);
         let mut forgotten = Vec::new();
         let mut abandoned = Vec::new();
-        self.objects.retain(|_, obj| {
+        self.objects.retain(|obj| {
             obj.replicas.retain(|r| r.segment != id);
-            obj.disk.retain(|s| *s != id);
-            if obj
-                .promoting
-                .as_ref()
-                .is_some_and(|p| p.replica.segment == id)
-            {
-                obj.promoting = None;
+            if obj.disk().contains(&id) {
+                obj.tier_mut().disk.retain(|s| *s != id);
             }
-            let keep = !obj.replicas.is_empty() || !obj.disk.is_empty();
-            let on_dropped =
-                matches!(obj.offload, Offload::Pending { segment, .. } if segment == id);
-            if on_dropped || (!keep && matches!(obj.offload, Offload::Pending { .. })) {
-                forgotten.push(std::mem::replace(&mut obj.offload, Offload::Idle));
+            if obj.promoting().is_some_and(|p| p.replica.segment == id) {
+                obj.tier_mut().promoting = None;
             }
-            if !keep {
+            let keep = !obj.replicas.is_empty() || !obj.disk().is_empty();
+            let offload = obj.offload();
+            let on_dropped = matches!(offload, Offload::Pending { segment, .. } if segment == id);
+            if on_dropped || (!keep && matches!(offload, Offload::Pending { .. })) {
+                forgotten.push(std::mem::replace(
+                    &mut obj.tier_mut().offload,
+                    Offload::Idle,
+                ));
+            }
+            if !keep && obj.promoting().is_some() {
                 // A promotion lives on the segment of the disk copy, so an object without one
                 // has none; should one remain, its space waits like any abandoned writer's.
-                if let Some(p) = obj.promoting.take() {
-                    abandoned.push(p);
-                }
+                abandoned.extend(obj.tier_mut().promoting.take());
             }
+            obj.tidy_tier();
             keep
         });
         for offload in forgotten {

@@ -69,9 +69,11 @@ impl MasterState {
     /// memory reserved for a promotion waits (the owner may still be writing it); owners holding
     /// a disk copy are told to drop it, and until they confirm, a tombstone keeps that record
     /// from being registered again after a restart.
-    pub(super) fn discard(&mut self, key: &ObjectKey, obj: Object, now: Millis) {
-        self.forget_offload(&obj.offload);
-        for seg in &obj.disk {
+    pub(super) fn discard(&mut self, mut obj: Object, now: Millis) {
+        let tier = obj.take_tier();
+        let key = obj.key();
+        self.forget_offload(&tier.offload);
+        for seg in &tier.disk {
             self.queue_task(
                 *seg,
                 OwnerTask {
@@ -86,10 +88,10 @@ impl MasterState {
             let name = self.segment_name(*seg).clone();
             self.add_tombstone(name, key.clone(), obj.put_id);
         }
-        if let Some(p) = obj.promoting {
-            self.abandon_promotion(*p, now);
+        if let Some(p) = tier.promoting {
+            self.abandon_promotion(p, now);
         }
-        self.free_replicas(obj.replicas);
+        self.free_replicas(std::mem::take(&mut obj.replicas));
     }
 
     /// A promotion's memory is given back only after the longest a writer may take.
@@ -249,8 +251,8 @@ impl MasterState {
         let Some(obj) = self.objects.get_mut(key) else {
             return false;
         };
-        let ready = matches!(obj.offload, Offload::Idle | Offload::Failed { .. });
-        if !ready || !obj.disk.is_empty() {
+        let ready = matches!(obj.offload(), Offload::Idle | Offload::Failed { .. });
+        if !ready || !obj.disk().is_empty() {
             return false;
         }
         let target = obj.replicas.iter().find(|r| {
@@ -262,7 +264,7 @@ impl MasterState {
             return false;
         };
         let (segment, offset) = (r.segment, r.allocation.offset());
-        obj.offload = Offload::Pending {
+        obj.tier_mut().offload = Offload::Pending {
             segment,
             since: now,
             evict_after,
@@ -295,7 +297,7 @@ impl MasterState {
     pub(super) fn eager_offload(&mut self, key: &ObjectKey, now: Millis) {
         if !self.start_offload(key, false, now) {
             let eligible = self.objects.get(key).is_some_and(|o| {
-                o.offload == Offload::Idle && o.disk.is_empty() && self.has_disk_tier(o)
+                o.offload() == Offload::Idle && o.disk().is_empty() && self.has_disk_tier(o)
             });
             if eligible && self.eager_backlog.len() < MAX_EAGER_BACKLOG {
                 self.eager_backlog.push_back(key.clone());
@@ -319,9 +321,9 @@ impl MasterState {
                 return;
             }
             let eligible = self.objects.get(&key).is_some_and(|o| {
-                o.phase == Phase::Complete
-                    && o.offload == Offload::Idle
-                    && o.disk.is_empty()
+                o.phase.is_complete()
+                    && o.offload() == Offload::Idle
+                    && o.disk().is_empty()
                     && self.has_disk_tier(o)
             });
             if eligible && !self.start_offload(&key, false, now) {
@@ -346,10 +348,10 @@ impl MasterState {
         let Some(obj) = self.objects.get_mut(key) else {
             return;
         };
-        if after == 0 || obj.disk_hits < after || obj.promoting.is_some() {
+        if after == 0 || obj.disk_hits() < after || obj.promoting().is_some() {
             return;
         }
-        let Some(&segment) = obj.disk.first() else {
+        let Some(&segment) = obj.disk().first() else {
             return;
         };
         let Some(seg) = self.segments.get_mut(&segment) else {
@@ -376,13 +378,13 @@ impl MasterState {
             size: obj.size,
             grant,
         };
-        obj.promoting = Some(Box::new(Promotion {
+        obj.tier_mut().promoting = Some(Promotion {
             replica: Replica {
                 segment,
                 allocation,
             },
             since: now,
-        }));
+        });
         self.queue_task(segment, task);
     }
 
@@ -410,12 +412,12 @@ impl MasterState {
         let Some(obj) = self.objects.get_mut(key) else {
             return Err(stale());
         };
-        if obj.put_id != put_id || obj.phase != Phase::Complete {
+        if obj.put_id != put_id || !obj.phase.is_complete() {
             return Err(stale());
         }
         match kind {
             TaskKind::Offload => {
-                let pending = obj.offload;
+                let pending = obj.offload();
                 let (matched, evict_after) = match pending {
                     Offload::Pending {
                         segment: s,
@@ -425,23 +427,25 @@ impl MasterState {
                     _ => (false, false),
                 };
                 if matched {
-                    obj.offload = if ok {
+                    obj.tier_mut().offload = if ok {
                         Offload::Idle
                     } else {
                         Offload::Failed { at: now }
                     };
                 }
                 if !ok {
+                    obj.tidy_tier();
                     self.counters.offloads_failed += 1;
                     if matched {
                         self.forget_offload(&pending);
                     }
                     return Ok(());
                 }
-                if !obj.disk.contains(&segment) {
-                    obj.disk.push(segment);
+                let tier = obj.tier_mut();
+                if !tier.disk.contains(&segment) {
+                    tier.disk.push(segment);
                 }
-                let free_now = evict_after && !obj.is_leased(now) && obj.pin != Pin::Hard;
+                let free_now = evict_after && !obj.is_leased(now) && !obj.pin.is_hard();
                 let freed = if free_now {
                     std::mem::take(&mut obj.replicas)
                 } else {
@@ -456,14 +460,15 @@ impl MasterState {
                 Ok(())
             }
             TaskKind::Promote => {
-                let reserved = match &obj.promoting {
-                    Some(p) if p.replica.segment == segment => obj.promoting.take(),
+                let reserved = match obj.promoting() {
+                    Some(p) if p.replica.segment == segment => obj.tier_mut().promoting.take(),
                     _ => return Err(stale()),
                 };
                 let reserved = reserved.expect("matched above").replica;
                 if ok {
                     obj.replicas.push(reserved);
-                    obj.disk_hits = 0;
+                    obj.tier_mut().disk_hits = 0;
+                    obj.tidy_tier();
                     self.counters.promotions += 1;
                 } else {
                     // The owner is done with the range (it reports after its attempt ended).
@@ -481,15 +486,16 @@ impl MasterState {
         let Some(obj) = self.objects.get_mut(key) else {
             return;
         };
-        if obj.put_id != put_id || !obj.disk.contains(&segment) {
+        if obj.put_id != put_id || !obj.disk().contains(&segment) {
             return;
         }
-        obj.disk.retain(|s| *s != segment);
+        obj.tier_mut().disk.retain(|s| *s != segment);
+        obj.tidy_tier();
         self.counters.disk_dropped += 1;
-        if obj.replicas.is_empty() && obj.disk.is_empty() {
+        if obj.replicas.is_empty() && obj.disk().is_empty() {
             let obj = self.objects.remove(key).expect("checked above");
             // Nothing is left on disk to drop; only a reserved promotion may need releasing.
-            self.discard(key, *obj, now);
+            self.discard(*obj, now);
         }
     }
 
@@ -518,28 +524,26 @@ impl MasterState {
             });
         }
         if let Some(obj) = self.objects.get_mut(key) {
-            if obj.put_id == put_id && obj.size == size && obj.phase == Phase::Complete {
-                if !obj.disk.contains(&segment) {
-                    obj.disk.push(segment);
+            if obj.put_id == put_id && obj.size == size && obj.phase.is_complete() {
+                let tier = obj.tier_mut();
+                if !tier.disk.contains(&segment) {
+                    tier.disk.push(segment);
                 }
                 return Ok(put_id);
             }
             return Err(MasterError::Exists(key.clone()));
         }
-        self.objects.insert(
+        let mut obj = Object::new(
             key.clone(),
-            Box::new(Object {
-                disk: vec![segment],
-                ..Object::new(
-                    size,
-                    put_id,
-                    Phase::Complete,
-                    Replicas::new(),
-                    Pin::None,
-                    now,
-                )
-            }),
+            size,
+            put_id,
+            Phase::COMPLETE,
+            Replicas::new(),
+            Pin::NONE,
+            now,
         );
+        obj.tier_mut().disk.push(segment);
+        self.objects.insert(obj);
         self.counters.disk_registered += 1;
         Ok(put_id)
     }
@@ -561,20 +565,20 @@ impl MasterState {
         let timeout = self.policy.offload_timeout;
         let mut expired = Vec::new();
         let mut promotions = Vec::new();
-        for (key, obj) in self.objects.iter_mut() {
-            if let Offload::Pending { since, .. } = obj.offload {
+        for obj in self.objects.iter_mut() {
+            if let Offload::Pending { since, .. } = obj.offload() {
                 if since.plus(timeout) <= now {
-                    expired.push((key.clone(), obj.offload));
-                    obj.offload = Offload::Idle;
+                    expired.push((obj.key().clone(), obj.offload()));
+                    obj.tier_mut().offload = Offload::Idle;
                 }
             }
             if obj
-                .promoting
-                .as_ref()
+                .promoting()
                 .is_some_and(|p| p.since.plus(timeout) <= now)
             {
-                promotions.push(obj.promoting.take().expect("checked"));
+                promotions.push(obj.tier_mut().promoting.take().expect("checked"));
             }
+            obj.tidy_tier();
         }
         for (key, pending) in expired {
             tracing::warn!(%key, "offload not reported in time; giving it up");
@@ -582,7 +586,7 @@ impl MasterState {
             self.forget_offload(&pending);
         }
         for p in promotions {
-            self.abandon_promotion(*p, now);
+            self.abandon_promotion(p, now);
         }
     }
 }
