@@ -15,6 +15,7 @@ use mooncake_common::ByteSize;
 use mooncake_master::{clock::Clock, MasterConfig, RunningMaster};
 use mooncake_owner::{OwnerConfig, RunningOwner};
 
+pub mod delay;
 pub mod etcd;
 pub mod netns;
 

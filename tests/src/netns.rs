@@ -9,7 +9,7 @@ use std::{
     sync::atomic::{AtomicU32, Ordering},
 };
 
-use crate::ChildGuard;
+use crate::{delay::DelayRelay, ChildGuard};
 
 /// Runs a command that sets the lab up or down; panics with its output if it fails.
 fn run(args: &[&str]) {
@@ -50,21 +50,6 @@ pub fn available() -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Whether the kernel can delay packets (`tc qdisc ... netem`).
-pub fn netem_available(lab: &Lab, host: &Host) -> bool {
-    let ok = Command::new("ip")
-        .args([
-            "netns", "exec", &host.ns, "tc", "qdisc", "add", "dev", &host.dev,
-        ])
-        .args(["root", "netem", "delay", "1ms"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        lab.undelay(host);
-    }
-    ok
 }
 
 pub struct Host {
@@ -186,23 +171,94 @@ impl Lab {
         }
     }
 
-    /// Delays every packet leaving `host` by `ms` (needs netem in the kernel).
-    pub fn delay(&self, host: &Host, ms: u32) {
-        let delay = format!("{ms}ms");
+    /// Delays what `host` sends by `ms` until the returned guard is dropped: every packet
+    /// leaving it (netem), or, where the kernel has no netem, what it sends on new connections
+    /// to its TCP `port` (a relay in the host, see `delay`).
+    pub fn delay(&self, host: &Host, port: u16, ms: u32) -> Delay {
+        let netem = [
+            "tc", "qdisc", "add", "dev", &host.dev, "root", "netem", "delay",
+        ];
+        let ok = Command::new("ip")
+            .args(["netns", "exec", &host.ns])
+            .args(netem)
+            .arg(format!("{ms}ms"))
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return Delay {
+                ns: host.ns.clone(),
+                undo: vec!["tc", "qdisc", "del", "dev", &host.dev, "root"]
+                    .into_iter()
+                    .map(String::from)
+                    .collect(),
+                relay: None,
+            };
+        }
+        let target = format!("{}:{port}", host.ip).parse().expect("an address");
+        let relay = DelayRelay::start(
+            &host.ns,
+            target,
+            std::time::Duration::from_millis(ms.into()),
+        );
+        let rule = |action: &str| -> Vec<String> {
+            let (port, to) = (port.to_string(), relay.port.to_string());
+            [
+                "iptables",
+                "-t",
+                "nat",
+                action,
+                "PREROUTING",
+                "-p",
+                "tcp",
+                "--dport",
+                &port,
+                "-j",
+                "REDIRECT",
+                "--to-ports",
+                &to,
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect()
+        };
+        let add = rule("-A");
         run_in(
             &host.ns,
-            &[
-                "tc", "qdisc", "add", "dev", &host.dev, "root", "netem", "delay", &delay,
-            ],
+            &add.iter().map(String::as_str).collect::<Vec<_>>(),
         );
+        Delay {
+            ns: host.ns.clone(),
+            undo: rule("-D"),
+            relay: Some(relay),
+        }
     }
+}
 
-    pub fn undelay(&self, host: &Host) {
+/// A delay on a host's link (see `Lab::delay`); removed when dropped.
+pub struct Delay {
+    ns: String,
+    undo: Vec<String>,
+    relay: Option<DelayRelay>,
+}
+
+impl Delay {
+    /// How the delay is made, for the table: "netem" or "relay".
+    pub fn how(&self) -> &'static str {
+        if self.relay.is_some() {
+            "relay"
+        } else {
+            "netem"
+        }
+    }
+}
+
+impl Drop for Delay {
+    fn drop(&mut self) {
         let _ = Command::new("ip")
-            .args([
-                "netns", "exec", &host.ns, "tc", "qdisc", "del", "dev", &host.dev, "root",
-            ])
+            .args(["netns", "exec", &self.ns])
+            .args(&self.undo)
             .output();
+        self.relay.take();
     }
 }
 
