@@ -64,6 +64,17 @@ impl Catalog {
         Self::remove_overlapping(&mut self.ranges.lock(), offset, len);
     }
 
+    /// Forgets the range at `offset` if it still holds version `put_id` (the master says that
+    /// object is gone); a newer write there stays.
+    pub fn forget_version(&self, offset: u64, put_id: u64) -> bool {
+        let mut ranges = self.ranges.lock();
+        let held = matches!(ranges.get(&offset), Some(e) if e.stamp.put_id == put_id);
+        if held {
+            ranges.remove(&offset);
+        }
+        held
+    }
+
     fn remove_overlapping(ranges: &mut BTreeMap<u64, Entry>, offset: u64, len: u64) {
         loop {
             let Some(start) = Self::overlapping(ranges, offset, len).next() else {
@@ -200,5 +211,20 @@ mod tests {
         c.saw_grant(12);
         c.saw_grant(4);
         assert_eq!(c.newest_grant(), 12);
+    }
+
+    #[test]
+    fn a_freed_range_is_forgotten_only_while_it_holds_that_version() {
+        let c = Catalog::default();
+        c.record(0, 100, k("a"), v(7), 7);
+        assert!(!c.forget_version(0, 6), "another version");
+        assert!(!c.forget_version(64, 7), "another offset");
+        assert!(c.holds(0, 100, &k("a"), 7));
+        assert!(c.forget_version(0, 7));
+        assert!(c.snapshot().is_empty());
+        // Rewritten by a newer put before the note arrived: the newer object stays.
+        c.record(0, 100, k("b"), v(9), 9);
+        assert!(!c.forget_version(0, 7));
+        assert!(c.holds(0, 100, &k("b"), 9));
     }
 }

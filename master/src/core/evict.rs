@@ -126,8 +126,8 @@ impl MasterState {
             if !obj.disk().is_empty() {
                 // A disk copy exists: the memory goes, the object stays readable from disk.
                 let obj = self.objects.get_mut(&key).expect("candidate exists");
-                let replicas = std::mem::take(&mut obj.replicas);
-                self.free_replicas(replicas);
+                let (replicas, put_id) = (std::mem::take(&mut obj.replicas), obj.put_id);
+                self.drop_replicas(replicas, put_id);
                 freed += size;
                 count += 1;
                 continue;

@@ -109,7 +109,21 @@ struct DiskTier {
 struct Owner {
     last_seen: Millis,
     segments: Vec<SegmentId>,
+    /// Ranges whose objects are gone, for the owner to forget at its next heartbeat.
+    freed: VecDeque<Freed>,
 }
+
+/// A memory range of an owner's segment whose object (version `put_id`) is gone: the owner
+/// forgets it, so that a catalog report to a later master does not bring the object back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Freed {
+    pub offset: u64,
+    pub put_id: u64,
+}
+
+/// Freed ranges kept per owner until its next heartbeat, at most (16 bytes each); the oldest go
+/// first beyond it, and those objects may come back after a master restart.
+const MAX_FREED_NOTES: usize = 1 << 16;
 
 /// Put ids (an object's version, and the grant its writes are fenced by): increasing for the
 /// master's lifetime and, through `MasterState::raise_grants`, beyond every id an earlier master

@@ -364,7 +364,7 @@ impl MasterState {
             return Err(MasterError::Exists(obj.key().clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");
-        self.free_replicas(obj.replicas);
+        self.drop_replicas(obj.replicas, put_id);
         Ok(())
     }
 
@@ -477,6 +477,21 @@ impl MasterState {
             }
         }
         removed
+    }
+
+    /// Frees the memory replicas of version `put_id` of an object that is gone, and tells their
+    /// owners to forget them.
+    pub(super) fn drop_replicas(
+        &mut self,
+        replicas: impl IntoIterator<Item = Replica>,
+        put_id: u64,
+    ) {
+        for r in replicas {
+            self.note_freed(&r, put_id);
+            if let Some(seg) = self.segments.get_mut(&r.segment) {
+                seg.allocator.free(r.allocation);
+            }
+        }
     }
 
     pub(super) fn free_replicas(&mut self, replicas: impl IntoIterator<Item = Replica>) {

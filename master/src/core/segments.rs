@@ -6,8 +6,8 @@ use mooncake_common::{ClientId, SegmentName};
 use std::collections::VecDeque;
 
 use super::{
-    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, MasterState, Owner, Segment,
-    SegmentId,
+    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, MasterState, Owner, Segment,
+    SegmentId, MAX_FREED_NOTES,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -99,6 +99,7 @@ impl MasterState {
             .or_insert(Owner {
                 last_seen: now,
                 segments: Vec::new(),
+                freed: VecDeque::new(),
             })
             .segments
             .push(id);
@@ -131,6 +132,30 @@ impl MasterState {
             HeartbeatReply::Ok
         } else {
             HeartbeatReply::Remount
+        }
+    }
+
+    /// The ranges `owner` should forget (see `Freed`), handed out once.
+    pub fn take_freed(&mut self, owner: ClientId) -> Vec<Freed> {
+        self.owners
+            .get_mut(&owner)
+            .map(|o| o.freed.drain(..).collect())
+            .unwrap_or_default()
+    }
+
+    /// Notes that the range `r` held version `put_id` of an object that is gone.
+    pub(super) fn note_freed(&mut self, r: &super::objects::Replica, put_id: u64) {
+        let Some(seg) = self.segments.get(&r.segment) else {
+            return;
+        };
+        if let Some(o) = self.owners.get_mut(&seg.owner) {
+            if o.freed.len() >= MAX_FREED_NOTES {
+                o.freed.pop_front();
+            }
+            o.freed.push_back(Freed {
+                offset: r.allocation.offset(),
+                put_id,
+            });
         }
     }
 

@@ -69,6 +69,29 @@ fn put(
 }
 
 #[test]
+fn owners_are_told_which_ranges_to_forget_when_objects_go() {
+    let mut s = state_with(&[64 * MIB]);
+    let a = put(&mut s, "a", 1000, &cfg(1), 0).unwrap();
+    let b = put(&mut s, "b", 1000, &cfg(1), 0).unwrap();
+    let c = s.put_start(&k("c"), 1000, &cfg(1), Millis(0)).unwrap();
+    // Nothing went yet; a heartbeat hands out nothing.
+    assert_eq!(s.take_freed(owner(0)), vec![]);
+    s.remove(&k("a"), false, Millis(1)).unwrap();
+    s.put_revoke("c", c.put_id).unwrap();
+    let note = |g: &PutGrant| Freed {
+        offset: g.replicas[0].offset,
+        put_id: g.put_id,
+    };
+    assert_eq!(s.take_freed(owner(0)), vec![note(&a), note(&c)]);
+    assert_eq!(s.take_freed(owner(0)), vec![], "handed out once");
+    // Eviction too (everything unleased goes at a high enough ratio).
+    s.evict(Millis(2), 64 * MIB);
+    assert_eq!(s.take_freed(owner(0)), vec![note(&b)]);
+    assert_eq!(s.take_freed(owner(9)), vec![], "an unknown owner");
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn two_phase_put_then_get() {
     let mut s = state_with(&[64 * MIB]);
     let g = s.put_start(&k("a"), 1000, &cfg(1), Millis(0)).unwrap();

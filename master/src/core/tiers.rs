@@ -91,7 +91,7 @@ impl MasterState {
         if let Some(p) = tier.promoting {
             self.abandon_promotion(p, now);
         }
-        self.free_replicas(std::mem::take(&mut obj.replicas));
+        self.drop_replicas(std::mem::take(&mut obj.replicas), obj.put_id);
     }
 
     /// A promotion's memory is given back only after the longest a writer may take.
@@ -455,7 +455,7 @@ impl MasterState {
                 if matched {
                     self.forget_offload(&pending);
                 }
-                self.free_replicas(freed);
+                self.drop_replicas(freed, put_id);
                 self.drain_eager_backlog(now);
                 Ok(())
             }

@@ -9,7 +9,9 @@ use mooncake_common::{ClientId, DiskStats, ObjectKey, SegmentName};
 
 use super::MasterService;
 use crate::{
-    core::{HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, SegmentId, TaskKind},
+    core::{
+        Freed, HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, SegmentId, TaskKind,
+    },
     error::MasterError,
     metrics::Op,
 };
@@ -72,8 +74,13 @@ impl MasterService {
         res
     }
 
-    /// Records that `owner` is alive (and its SSD tier's state, if it has one).
-    pub fn heartbeat(&self, owner: ClientId, disk: Option<DiskStats>) -> HeartbeatReply {
+    /// Records that `owner` is alive (and its SSD tier's state, if it has one); returns the
+    /// ranges it should forget, whose objects are gone.
+    pub fn heartbeat(
+        &self,
+        owner: ClientId,
+        disk: Option<DiskStats>,
+    ) -> (HeartbeatReply, Vec<Freed>) {
         let now = self.shared.clock.now();
         let reply = {
             let mut state = self.shared.state.lock();
@@ -81,7 +88,7 @@ impl MasterService {
             if let Some(d) = disk {
                 state.set_disk_stats(owner, d);
             }
-            reply
+            (reply, state.take_freed(owner))
         };
         self.shared.metrics.record(Op::Heartbeat, 1, 0);
         reply

@@ -106,11 +106,18 @@ impl pb::master_server::Master for GrpcMaster {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
         let r = req.into_inner();
         let owner = client_id(&r.client_id)?;
-        let reply = self.0.heartbeat(owner, r.disk.as_ref().map(Into::into));
+        let (reply, freed) = self.0.heartbeat(owner, r.disk.as_ref().map(Into::into));
         Ok(Response::new(pb::HeartbeatResponse {
             code: 0,
             remount: reply == HeartbeatReply::Remount,
             epoch: self.0.epoch(),
+            freed: freed
+                .into_iter()
+                .map(|f| pb::FreedRange {
+                    offset: f.offset,
+                    put_id: f.put_id,
+                })
+                .collect(),
         }))
     }
 

@@ -230,8 +230,14 @@ impl MasterLink {
             })
             .await?;
         // Another master answered than the one this owner mounted at (it restarted or the
-        // leader changed): mount there.
-        Ok(resp.remount || resp.epoch != self.epoch())
+        // leader changed): mount there. Otherwise forget what that master says is gone.
+        let other = resp.remount || resp.epoch != self.epoch();
+        if !other {
+            for f in &resp.freed {
+                self.catalog.forget_version(f.offset, f.put_id);
+            }
+        }
+        Ok(other)
     }
 
     pub async fn unmount(&self) -> Result<(), LinkError> {
