@@ -74,7 +74,7 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     let _master = master_on(port);
 
     // The same client, at once: every lookup waits for the rebuild and finds the exact bytes.
-    read_back(&client, &one).await;
+    read_back(&client, one).await;
     read_back(&client, &two).await;
     let descs = client
         .batch_get_replica_desc(&two.iter().map(|k| k.as_str()).collect::<Vec<_>>())
@@ -110,7 +110,7 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     let fresh: Vec<String> = (0..100).map(|i| format!("fresh/{i}")).collect();
     put(&fresh, &ReplicateConfig::default()).await;
     read_back(&client, &fresh).await;
-    read_back(&client, &one).await;
+    read_back(&client, one).await;
     read_back(&client, &two).await;
     let segs = client.list_segments().await.unwrap();
     assert_eq!(segs.len(), 2);
