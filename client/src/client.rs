@@ -41,6 +41,11 @@ pub(crate) struct TierCounters {
     memory_bytes: AtomicU64,
     disk_keys: AtomicU64,
     disk_bytes: AtomicU64,
+    /// Keys gets looked up, hit or not.
+    pub(crate) get_keys: AtomicU64,
+    /// Keys and bytes puts stored.
+    pub(crate) put_keys: AtomicU64,
+    pub(crate) put_bytes: AtomicU64,
 }
 
 impl TierCounters {
@@ -122,6 +127,9 @@ impl Client {
             memory_bytes: load(&self.tiers.memory_bytes),
             disk_keys: load(&self.tiers.disk_keys),
             disk_bytes: load(&self.tiers.disk_bytes),
+            get_keys: load(&self.tiers.get_keys),
+            put_keys: load(&self.tiers.put_keys),
+            put_bytes: load(&self.tiers.put_bytes),
             ..self.transport.stats()
         }
     }

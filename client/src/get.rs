@@ -3,7 +3,7 @@
 //! whose first replica failed try the others one by one. A read that outlives its lease is not
 //! trusted.
 
-use std::time::Instant;
+use std::{sync::atomic::Ordering, time::Instant};
 
 use futures::future::join_all;
 use mooncake_common::{
@@ -98,6 +98,9 @@ impl Client {
     ) {
         let asked_at = Instant::now();
         let names: Vec<&str> = valid.iter().map(|(_, k)| k.as_str()).collect();
+        self.tiers
+            .get_keys
+            .fetch_add(names.len() as u64, Ordering::Relaxed);
         let lookup = match self.master.get_replicas(&names).await {
             Ok(l) => l,
             Err(e) => return fill(results, valid, &e.into()),
@@ -249,15 +252,32 @@ impl Client {
     /// Reads each key into a freshly allocated buffer of the object's size (one master round
     /// trip, like `batch_get`), for callers that cannot know sizes in advance.
     pub async fn batch_get_owned(&self, keys: &[&str]) -> Vec<Result<Vec<u8>, ClientError>> {
+        self.batch_get_alloc(keys, |size| Ok(vec![0u8; size])).await
+    }
+
+    /// Like `batch_get_owned`, with the buffers made by `alloc` from each found object's size
+    /// (called once per hit, in key order, before any read starts); an error from `alloc` is
+    /// that key's result.
+    pub async fn batch_get_alloc<B: AsMut<[u8]> + Send>(
+        &self,
+        keys: &[&str],
+        mut alloc: impl FnMut(usize) -> Result<B, ClientError>,
+    ) -> Vec<Result<B, ClientError>> {
         let valid: Vec<Result<ObjectKey, ClientError>> = keys
             .iter()
             .map(|k| ObjectKey::new(k).map_err(|e| ClientError::Invalid(e.to_string())))
             .collect();
         let names: Vec<&str> = valid.iter().flatten().map(|k| k.as_str()).collect();
         if names.is_empty() {
-            return valid.into_iter().map(|k| k.map(|_| Vec::new())).collect();
+            return valid
+                .into_iter()
+                .map(|k| k.and_then(|_| alloc(0)))
+                .collect();
         }
         let asked_at = Instant::now();
+        self.tiers
+            .get_keys
+            .fetch_add(names.len() as u64, Ordering::Relaxed);
         let lookup = match self.master.get_replicas(&names).await {
             Ok(l) => l,
             Err(e) => {
@@ -268,22 +288,28 @@ impl Client {
         let lease_deadline = asked_at + lookup.lease_ttl;
         let mut found = lookup.results().iter();
         let lookup = &lookup;
-        let reads = valid.into_iter().map(|k| {
-            let hit = k.as_ref().ok().and_then(|_| found.next());
-            async move {
+        // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
+        let jobs: Vec<Result<_, ClientError>> = valid
+            .into_iter()
+            .map(|k| {
+                let hit = k.as_ref().ok().and_then(|_| found.next());
                 let key = k?;
                 let hit = hit.expect("one lookup result per valid key");
                 let hit = hit
                     .as_ref()
                     .map_err(|code| ClientError::master(*code, format!("get {key}")))?;
-                let mut buf = vec![0u8; hit.size as usize];
-                self.read_one(&key, lookup.replicas(hit), &mut [&mut buf[..]])
-                    .await?;
-                if Instant::now() >= lease_deadline {
-                    return Err(ClientError::LeaseExpired(key.to_string()));
-                }
-                Ok(buf)
+                let buf = alloc(hit.size as usize)?;
+                Ok((key, hit, buf))
+            })
+            .collect();
+        let reads = jobs.into_iter().map(|job| async move {
+            let (key, hit, mut buf) = job?;
+            self.read_one(&key, lookup.replicas(hit), &mut [buf.as_mut()])
+                .await?;
+            if Instant::now() >= lease_deadline {
+                return Err(ClientError::LeaseExpired(key.to_string()));
             }
+            Ok(buf)
         });
         join_all(reads).await
     }

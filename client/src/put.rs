@@ -2,6 +2,8 @@
 //! transport batch per owner), then one put end for what was written and one revoke for what
 //! was not.
 
+use std::sync::atomic::Ordering;
+
 use futures::future::join_all;
 use mooncake_common::{
     master_api::Grants,
@@ -68,6 +70,15 @@ impl Client {
         if !valid.is_empty() {
             self.put_valid(items, &valid, config, &mut results).await;
         }
+        let (mut keys, mut bytes) = (0u64, 0u64);
+        for ((_, parts), r) in items.iter().zip(&results) {
+            if matches!(r, Some(Ok(PutOutcome::Stored))) {
+                keys += 1;
+                bytes += parts.iter().map(|p| p.len() as u64).sum::<u64>();
+            }
+        }
+        self.tiers.put_keys.fetch_add(keys, Ordering::Relaxed);
+        self.tiers.put_bytes.fetch_add(bytes, Ordering::Relaxed);
         results
             .into_iter()
             .map(|r| r.expect("every item answered"))

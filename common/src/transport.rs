@@ -144,6 +144,11 @@ pub struct TransferStats {
     pub memory_bytes: u64,
     pub disk_keys: u64,
     pub disk_bytes: u64,
+    /// Keys gets looked up (hits and misses), and keys and bytes puts stored (counted by the
+    /// client).
+    pub get_keys: u64,
+    pub put_keys: u64,
+    pub put_bytes: u64,
 }
 
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be

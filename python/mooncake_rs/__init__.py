@@ -7,6 +7,6 @@ Switch from Mooncake by changing one import::
 
 from . import store
 from ._native import __version__
-from .store import MooncakeDistributedStore, ReplicateConfig
+from .store import MooncakeDistributedStore, MooncakeDistributedStoreAsync, ReplicateConfig
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "store", "__version__"]
+__all__ = ["MooncakeDistributedStore", "MooncakeDistributedStoreAsync", "ReplicateConfig", "store", "__version__"]

@@ -5,14 +5,21 @@ reads the number of bytes read or a negative code, `is_exist` 1 / 0 / negative, 
 miss. This module adds the encoder-cache tensor helpers (see `tensor.py` for the format).
 """
 
+import asyncio
 import ctypes
+import functools
 import logging
 
 from . import tensor as _tensor
-from ._native import BufferDescriptor, MemoryDescriptor, NativeStore, ReplicaDescriptor, ReplicateConfig
+from ._native import (BufferDescriptor, DiskDescriptor, MemoryDescriptor, NativeStore, ReplicaDescriptor,
+                      ReplicateConfig)
+from .types import (Descriptor, ObjectDataType, ParallelAxis, QueryTaskResponse, ReadTarget,
+                    ReplicaStatus, TaskStatus, TaskType, TensorParallelism)
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor", "MemoryDescriptor",
-           "BufferDescriptor", "TensorFormatError"]
+__all__ = ["MooncakeDistributedStore", "MooncakeDistributedStoreAsync", "ReplicateConfig", "ReplicaDescriptor", "MemoryDescriptor",
+           "BufferDescriptor", "BufferHandle", "TensorFormatError", "Descriptor", "DiskDescriptor",
+           "ObjectDataType", "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaStatus", "TaskStatus",
+           "TaskType", "TensorParallelism"]
 
 TensorFormatError = _tensor.TensorFormatError
 _log = logging.getLogger("mooncake_rs")
@@ -20,22 +27,89 @@ _INVALID = -600
 _PEEK = _tensor.header_size(_tensor.MAX_NDIM)
 
 
+class BufferHandle(bytearray):
+    """An object's bytes as `get_buffer` returns them: read straight into this buffer, which
+    supports the buffer protocol (`memoryview(h)`, `np.frombuffer(h, ...)`: no copy), `len(h)`,
+    and Mooncake's `ptr()` and `size()`."""
+
+    def ptr(self):
+        """The address of the first byte (valid while the handle lives; 0 when empty)."""
+        if not self:
+            return 0
+        return ctypes.addressof(ctypes.c_char.from_buffer(self))
+
+    def size(self):
+        return len(self)
+
+
+def _tp_key(key, rank, size):
+    return key if size <= 1 else f"{key}_tp_{rank}"
+
+
+def _tp_shards(tensor, tp_size, split_dim):
+    """The tp_size shards of `tensor` along `split_dim` (torch's chunk or numpy's array_split),
+    each C-contiguous; ValueError when it does not split into exactly tp_size pieces."""
+    if hasattr(tensor, "chunk"):
+        shards = list(tensor.chunk(tp_size, split_dim))
+        shards = [s.contiguous() for s in shards]
+    else:
+        np = _tensor._numpy(required=True)
+        arr = np.asarray(tensor)
+        if not 0 <= split_dim < max(arr.ndim, 1):
+            raise ValueError(f"split_dim {split_dim} is out of range for a {arr.ndim}-d tensor")
+        shards = [np.ascontiguousarray(s) for s in np.array_split(arr, tp_size, axis=split_dim)]
+    if len(shards) != tp_size or any(s.shape[split_dim] == 0 for s in shards):
+        raise ValueError(f"a dimension of {tensor.shape[split_dim]} does not split into {tp_size} shards")
+    return shards
+
+
 class MooncakeDistributedStore(NativeStore):
     """A client of the store. Call `setup(...)` before anything else and `close()` at the end."""
 
+    # -- zero-copy reads into buffers the store allocates --------------------------------------
+
+    def get_buffer(self, key, /):
+        """The object's bytes in a `BufferHandle` (read straight into it), or None on a miss."""
+        return self._get_buffers([key], BufferHandle)[0]
+
+    def batch_get_buffer(self, keys, /):
+        """One `BufferHandle` or None per key, from one lookup for the batch."""
+        return self._get_buffers(list(keys), BufferHandle)
+
+    # -- tensors ----------------------------------------------------------------------------
+
     def put_tensor(self, key, tensor, config=None):
-        """Stores a NumPy array (or typed buffer) with its dtype and shape; 0 or a negative code."""
-        header, data = _tensor.encode(tensor)
+        """Stores a tensor (numpy array, or any typed buffer) with its dtype and shape; 0 or a
+        negative code."""
+        try:
+            header, data = _tensor.encode(tensor)
+        except (TypeError, ValueError) as e:
+            _log.error("put_tensor(%r): %s", key, e)
+            return _INVALID
         return self.put_parts(key, header, data, config=config)
 
-    def batch_put_tensor(self, keys, tensors, config=None):
-        if len(keys) != len(tensors):
-            raise ValueError(f"{len(keys)} keys but {len(tensors)} tensors")
-        return [self.put_tensor(k, t, config) for k, t in zip(keys, tensors)]
+    def pub_tensor(self, key, tensor, config=None):
+        """`put_tensor` with replication settings."""
+        return self.put_tensor(key, tensor, config if config is not None else ReplicateConfig())
+
+    def batch_put_tensor(self, keys, tensors_list, config=None):
+        if len(keys) != len(tensors_list) or not keys:
+            _log.error("batch_put_tensor: %d keys but %d tensors", len(keys), len(tensors_list))
+            return [_INVALID] * len(keys)
+        return [self.put_tensor(k, t, config) for k, t in zip(keys, tensors_list)]
+
+    def batch_pub_tensor(self, keys, tensors_list, config=None):
+        return self.batch_put_tensor(keys, tensors_list, config if config is not None else ReplicateConfig())
 
     def get_tensor(self, key):
-        """The array stored under `key` (a writable copy), or None on a miss or a bad header."""
-        data = self._get_bytearray(key)
+        """The tensor stored under `key` (an array owning its bytes), or None on a miss or a bad
+        header."""
+        return self._tensor_of(key, self.get_buffer(key))
+
+    def batch_get_tensor(self, keys):
+        return [self._tensor_of(k, b) for k, b in zip(keys, self.batch_get_buffer(keys))]
+
+    def _tensor_of(self, key, data):
         if data is None:
             return None
         try:
@@ -44,9 +118,6 @@ class MooncakeDistributedStore(NativeStore):
             _log.warning("get_tensor(%r): %s", key, e)
             return None
         return _tensor.to_array(data, offset, code, shape)
-
-    def batch_get_tensor(self, keys):
-        return [self.get_tensor(k) for k in keys]
 
     def put_tensor_from(self, key, buffer_ptr, size, config=None):
         """Stores `size` bytes of registered memory that already hold [header][data], as laid out
@@ -58,10 +129,35 @@ class MooncakeDistributedStore(NativeStore):
             return _INVALID
         return self.put_from(key, buffer_ptr, size, config)
 
+    def batch_put_tensor_from(self, keys, buffer_ptrs, sizes, config=None):
+        """`put_tensor_from` for several keys in one batch; any bad entry makes every result -600,
+        as in Mooncake."""
+        if not keys:
+            return []
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [_INVALID] * len(keys)
+        for k, p, n in zip(keys, buffer_ptrs, sizes):
+            try:
+                _tensor.decode_header(ctypes.string_at(p, min(n, _PEEK)), n)
+            except (TensorFormatError, ValueError, OSError) as e:
+                _log.error("batch_put_tensor_from(%r): %s", k, e)
+                return [_INVALID] * len(keys)
+        return self.batch_put_from(keys, buffer_ptrs, sizes, config)
+
     def get_tensor_into(self, key, buffer_ptr, size):
         """Reads the tensor into registered memory and returns an array over that memory (no
         copy), or None on a miss, a too-small buffer or a bad header."""
-        n = self.get_into(key, buffer_ptr, size)
+        return self._tensor_at(key, buffer_ptr, self.get_into(key, buffer_ptr, size))
+
+    def batch_get_tensor_into(self, keys, buffer_ptrs, sizes):
+        """Arrays over the caller's registered buffers, or None per failed key; [-600] * n when
+        the lists' lengths differ (Mooncake's convention)."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [_INVALID] * len(keys)
+        got = self.batch_get_into(keys, buffer_ptrs, sizes)
+        return [self._tensor_at(k, p, n) for k, p, n in zip(keys, buffer_ptrs, got)]
+
+    def _tensor_at(self, key, buffer_ptr, n):
         if n < 0:
             return None
         try:
@@ -76,3 +172,143 @@ class MooncakeDistributedStore(NativeStore):
         """The header `put_tensor_from` expects in front of `tensor`'s bytes."""
         header, _ = _tensor.encode(tensor)
         return header
+
+    # -- tensor-parallel shards: key_tp_<rank>, every rank's shard written at once -----------
+
+    def put_tensor_with_tp(self, key, tensor, tp_rank=0, tp_size=1, split_dim=0):
+        """Splits `tensor` into `tp_size` shards along `split_dim` and stores each under
+        `key_tp_<rank>` (all ranks; `tp_rank` is not used, as in Mooncake); the first failure's
+        code, or 0."""
+        return self.pub_tensor_with_tp(key, tensor, None, tp_rank, tp_size, split_dim)
+
+    def pub_tensor_with_tp(self, key, tensor, config=None, tp_rank=0, tp_size=1, split_dim=0):
+        return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
+
+    def batch_put_tensor_with_tp(self, base_keys, tensors_list, tp_rank=0, tp_size=1, split_dim=0):
+        return self.batch_pub_tensor_with_tp(base_keys, tensors_list, None, tp_rank, tp_size, split_dim)
+
+    def batch_pub_tensor_with_tp(self, base_keys, tensors_list, config=None, tp_rank=0, tp_size=1,
+                                 split_dim=0):
+        if len(base_keys) != len(tensors_list) or not base_keys:
+            return [_INVALID] * len(base_keys)
+        if tp_size <= 1:
+            return self.batch_put_tensor(base_keys, tensors_list, config)
+        out = []
+        for key, tensor in zip(base_keys, tensors_list):
+            try:
+                shards = _tp_shards(tensor, tp_size, split_dim)
+            except (TypeError, ValueError, IndexError) as e:
+                _log.error("put_tensor_with_tp(%r): %s", key, e)
+                out.append(_INVALID)
+                continue
+            codes = self.batch_put_tensor([_tp_key(key, r, tp_size) for r in range(tp_size)], shards, config)
+            out.append(next((c for c in codes if c != 0), 0))
+        return out
+
+    def put_tensor_with_tp_from(self, key, buffer_ptr, size, tp_rank=0, tp_size=1, split_dim=0):
+        """The registered buffer holds a whole tensor ([header][data]); its shards are stored as
+        `put_tensor_with_tp` does."""
+        if tp_size <= 1:
+            return self.put_tensor_from(key, buffer_ptr, size)
+        tensor = self._tensor_in(key, buffer_ptr, size)
+        if tensor is None:
+            return _INVALID
+        return self.put_tensor_with_tp(key, tensor, tp_rank, tp_size, split_dim)
+
+    def batch_put_tensor_with_tp_from(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1, split_dim=0):
+        if not len(base_keys) == len(buffer_ptrs) == len(sizes) or not base_keys:
+            return [_INVALID] * len(base_keys)
+        return [self.put_tensor_with_tp_from(k, p, n, tp_rank, tp_size, split_dim)
+                for k, p, n in zip(base_keys, buffer_ptrs, sizes)]
+
+    def _tensor_in(self, key, buffer_ptr, size):
+        """The tensor laid out in caller memory as [header][data] (a view), or None (logged)."""
+        try:
+            code, shape, offset = _tensor.decode_header(ctypes.string_at(buffer_ptr, min(size, _PEEK)), size)
+        except (TensorFormatError, ValueError, OSError) as e:
+            _log.error("%r: %s", key, e)
+            return None
+        return _tensor.to_array((ctypes.c_char * size).from_address(buffer_ptr), offset, code, shape)
+
+    def get_tensor_with_tp(self, key, tp_rank=0, tp_size=1, split_dim=0):
+        """This rank's shard (`key_tp_<tp_rank>`), or the whole tensor when tp_size <= 1."""
+        return self.get_tensor(_tp_key(key, tp_rank, tp_size))
+
+    def batch_get_tensor_with_tp(self, base_keys, tp_rank=0, tp_size=1):
+        return self.batch_get_tensor([_tp_key(k, tp_rank, tp_size) for k in base_keys])
+
+    def get_tensor_with_tp_into(self, key, buffer_ptr, size, tp_rank=0, tp_size=1, split_dim=0):
+        return self.get_tensor_into(_tp_key(key, tp_rank, tp_size), buffer_ptr, size)
+
+    def batch_get_tensor_with_tp_into(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1):
+        return self.batch_get_tensor_into([_tp_key(k, tp_rank, tp_size) for k in base_keys], buffer_ptrs, sizes)
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def get_client_stats(self):
+        """This client's reads by tier and writes (counts and bytes), Mooncake's keys; {} before
+        setup."""
+        t = self.transfer_stats()
+        if not t:
+            return {}
+        return {
+            "get_from_memory_count": t["memory_keys"], "get_from_memory_bytes": t["memory_bytes"],
+            "get_from_disk_count": t["disk_keys"], "get_from_disk_bytes": t["disk_bytes"],
+            "put_to_memory_count": t["put_keys"], "put_to_memory_bytes": t["put_bytes"],
+            # Puts always land in memory here; the SSD tier takes objects from there.
+            "put_to_disk_count": 0, "put_to_disk_bytes": 0,
+        }
+
+    def calc_cache_stats(self):
+        """Hit rates of this client's gets: of the lookups made, how many were found and in which
+        tier; {} before setup."""
+        t = self.transfer_stats()
+        if not t:
+            return {}
+        mem, ssd, total = t["memory_keys"], t["disk_keys"], t["get_keys"]
+        rate = lambda n, d: float(n) / d if d else 0.0  # noqa: E731
+        return {
+            "memory_hits": float(mem), "ssd_hits": float(ssd),
+            "memory_total": float(total), "ssd_total": float(total - mem),
+            "memory_hit_rate": rate(mem, total), "ssd_hit_rate": rate(ssd, total - mem),
+            "overall_hit_rate": rate(mem + ssd, total), "valid_get_rate": rate(mem + ssd, total),
+        }
+
+
+class MooncakeDistributedStoreAsync(MooncakeDistributedStore):
+    """`MooncakeDistributedStore` with an awaitable `async_<name>` for every method, for asyncio.
+
+    The data calls (put, get, their batch, buffer and zero-copy forms, existence, removal) are
+    native: each runs as a task of the store's own I/O runtime, with no thread per call, so many
+    calls in flight overlap their transfers. Every other `async_<name>` runs the blocking method
+    in the event loop's default executor, as Mooncake's wrapper does for all of them. The store
+    starts I/O threads for this (MOONCAKE_IO_THREADS, default 2).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._set_io_threads(2)
+
+    async def async_get_buffer(self, key):
+        return (await self._async_get_buffers([key], BufferHandle))[0]
+
+    async def async_batch_get_buffer(self, keys):
+        return await self._async_get_buffers(list(keys), BufferHandle)
+
+    def __getattr__(self, name):
+        if not name.startswith("async_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        sync_method = getattr(self, name[len("async_"):], None)
+        if sync_method is None or not callable(sync_method):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        async_method = self._make_async_wrapper(sync_method)
+        setattr(self, name, async_method)
+        return async_method
+
+    def _make_async_wrapper(self, sync_method):
+        @functools.wraps(sync_method)
+        async def wrapper(*args, **kwargs):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, functools.partial(sync_method, *args, **kwargs))
+
+        return wrapper

@@ -105,3 +105,94 @@ impl Drop for PyBytesView<'_> {
         unsafe { PyBuffer_Release(&mut *self.raw) }
     }
 }
+
+/// A new bytearray (or an instance of a bytearray subclass) that a read fills without the GIL:
+/// nothing else can reach the object until it is handed to Python, so its bytes can be written
+/// from any thread, and it cannot be resized meanwhile.
+pub struct FreshByteArray {
+    obj: Py<pyo3::types::PyByteArray>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the object is referenced only by this value until `into_object`; the bytes behind
+// `ptr` are plain memory owned by that object, valid while `obj` holds it alive.
+unsafe impl Send for FreshByteArray {}
+
+impl FreshByteArray {
+    /// `cls(len)`: a bytearray of `len` zero bytes (or of a subclass that `cls` names).
+    pub fn new(cls: &Bound<'_, pyo3::types::PyType>, len: usize) -> PyResult<Self> {
+        let obj = cls.call1((len,))?;
+        let ba = obj.cast_into::<pyo3::types::PyByteArray>()?;
+        if ba.len() != len {
+            return Err(PyTypeError::new_err(format!(
+                "{}({len}) made {} bytes",
+                cls.name()?,
+                ba.len()
+            )));
+        }
+        // SAFETY: a bytearray's storage is `len` bytes at this address until it is resized,
+        // which nothing can do before `into_object` hands the object out.
+        let ptr = ba.data();
+        Ok(FreshByteArray {
+            obj: ba.unbind(),
+            ptr,
+            len,
+        })
+    }
+
+    pub fn into_object(self) -> Py<pyo3::types::PyByteArray> {
+        self.obj
+    }
+}
+
+impl AsMut<[u8]> for FreshByteArray {
+    fn as_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: see `new`: `len` bytes at `ptr`, reachable only through this value.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A `PyBytesView` that may move to another thread (an async call's task) and be dropped there:
+/// it takes the GIL to release the exporter's buffer.
+pub struct SendableView {
+    raw: Box<RawBuffer>,
+}
+
+// SAFETY: the view only reads plain bytes that the exporter keeps valid until the buffer is
+// released, and the release in `drop` runs with the GIL held, from whichever thread.
+unsafe impl Send for SendableView {}
+
+impl PyBytesView<'_> {
+    /// This view, to be used and released from any thread.
+    pub fn into_sendable(self) -> SendableView {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so the box is moved out exactly once.
+        let raw = unsafe { ptr::read(&this.raw) };
+        SendableView { raw }
+    }
+}
+
+impl SendableView {
+    pub fn as_slice(&self) -> &[u8] {
+        if self.raw.len == 0 {
+            return &[];
+        }
+        // SAFETY: as in `PyBytesView::as_slice`: the exporter keeps `len` bytes at `buf` until
+        // the release in `drop`.
+        unsafe { std::slice::from_raw_parts(self.raw.buf as *const u8, self.raw.len as usize) }
+    }
+}
+
+impl Drop for SendableView {
+    fn drop(&mut self) {
+        Python::attach(|_| {
+            // SAFETY: filled by a successful PyObject_GetBuffer, released exactly once, with the
+            // GIL held.
+            unsafe { PyBuffer_Release(&mut *self.raw) }
+        });
+    }
+}

@@ -8,6 +8,10 @@ use pyo3::{
     types::{PyDict, PyTuple},
 };
 
+/// Mooncake's fields. `prefer_alloc_in_same_node` is what this client does anyway (the node's
+/// own segment first); `data_type` is a hint it stores nothing for; NVMe-oF replicas
+/// (`nof_replica_num`, `preferred_nof_segments`) and replica groups (`group_ids`) do not exist
+/// here, and a put that asks for them answers INVALID_PARAMS.
 #[pyclass(module = "mooncake_rs._native", get_all, set_all)]
 #[derive(Clone, Debug, Default)]
 pub struct ReplicateConfig {
@@ -16,18 +20,30 @@ pub struct ReplicateConfig {
     pub preferred_segments: Vec<String>,
     pub with_soft_pin: bool,
     pub with_hard_pin: bool,
+    pub prefer_alloc_in_same_node: bool,
+    pub nof_replica_num: usize,
+    pub preferred_nof_segments: Vec<String>,
+    /// An `ObjectDataType` value.
+    pub data_type: u8,
+    pub group_ids: Option<Vec<String>>,
 }
 
 #[pymethods]
 impl ReplicateConfig {
     #[new]
-    #[pyo3(signature = (replica_num=1, preferred_segment=String::new(), preferred_segments=Vec::new(), with_soft_pin=false, with_hard_pin=false))]
+    #[pyo3(signature = (replica_num=1, preferred_segment=String::new(), preferred_segments=Vec::new(), with_soft_pin=false, with_hard_pin=false, prefer_alloc_in_same_node=false, nof_replica_num=0, preferred_nof_segments=Vec::new(), data_type=0, group_ids=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         replica_num: usize,
         preferred_segment: String,
         preferred_segments: Vec<String>,
         with_soft_pin: bool,
         with_hard_pin: bool,
+        prefer_alloc_in_same_node: bool,
+        nof_replica_num: usize,
+        preferred_nof_segments: Vec<String>,
+        data_type: u8,
+        group_ids: Option<Vec<String>>,
     ) -> Self {
         ReplicateConfig {
             replica_num,
@@ -35,18 +51,33 @@ impl ReplicateConfig {
             preferred_segments,
             with_soft_pin,
             with_hard_pin,
+            prefer_alloc_in_same_node,
+            nof_replica_num,
+            preferred_nof_segments,
+            data_type,
+            group_ids,
         }
     }
 
     fn __repr__(&self) -> String {
+        let b = |v: bool| if v { "True" } else { "False" };
         format!(
-            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, with_soft_pin={}, with_hard_pin={})",
+            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, with_soft_pin={}, with_hard_pin={}, prefer_alloc_in_same_node={}, nof_replica_num={}, preferred_nof_segments={:?}, data_type={}, group_ids={:?})",
             self.replica_num,
             self.preferred_segment,
             self.preferred_segments,
-            if self.with_soft_pin { "True" } else { "False" },
-            if self.with_hard_pin { "True" } else { "False" },
+            b(self.with_soft_pin),
+            b(self.with_hard_pin),
+            b(self.prefer_alloc_in_same_node),
+            self.nof_replica_num,
+            self.preferred_nof_segments,
+            self.data_type,
+            self.group_ids,
         )
+    }
+
+    fn __str__(&self) -> String {
+        self.__repr__()
     }
 }
 
@@ -54,6 +85,24 @@ impl ReplicateConfig {
     /// The client's form: `preferred_segment` goes first, then `preferred_segments`.
     /// An error names a segment that does not parse, or too many replicas.
     pub fn to_client(&self) -> Result<ClientReplicateConfig, String> {
+        if self.nof_replica_num > 0 || !self.preferred_nof_segments.is_empty() {
+            return Err(
+                "NVMe-oF replicas (nof_replica_num, preferred_nof_segments) are not \
+                        supported by this store; leave them at 0 and []"
+                    .into(),
+            );
+        }
+        if self.group_ids.as_ref().is_some_and(|g| !g.is_empty()) {
+            return Err(
+                "replica groups (group_ids) are not supported by this store; leave None".into(),
+            );
+        }
+        if self.data_type > 9 {
+            return Err(format!(
+                "data_type {} is not an ObjectDataType (0..=9)",
+                self.data_type
+            ));
+        }
         let preferred_segments = std::iter::once(&self.preferred_segment)
             .chain(&self.preferred_segments)
             .filter(|s| !s.is_empty())

@@ -3,6 +3,7 @@
 //! handling lives in `buffer` (the buffer protocol) and `registry` (registered pointers) alone.
 #![deny(unsafe_code)]
 
+mod aio;
 #[allow(unsafe_code)]
 mod buffer;
 mod config;
@@ -11,6 +12,7 @@ mod registry;
 mod replica;
 mod session;
 mod store;
+mod store_async;
 
 use pyo3::prelude::*;
 
@@ -22,6 +24,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<replica::ReplicaDescriptor>()?;
     m.add_class::<replica::MemoryDescriptor>()?;
     m.add_class::<replica::BufferDescriptor>()?;
+    m.add_class::<replica::DiskDescriptor>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

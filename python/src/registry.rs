@@ -3,13 +3,15 @@
 //! and never dereferenced. An operation holds the registry's read lock while it uses the memory,
 //! so `unregister_buffer` waits for transfers in flight instead of pulling memory from under them.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, ops::Deref, sync::Arc};
 
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{lock_api::ArcRwLockReadGuard, RawRwLock, RwLock, RwLockReadGuard};
+
+type Ranges = BTreeMap<usize, usize>;
 
 #[derive(Default)]
 pub struct Registry {
-    ranges: RwLock<BTreeMap<usize, usize>>,
+    ranges: Arc<RwLock<Ranges>>,
 }
 
 #[derive(Debug)]
@@ -52,18 +54,28 @@ impl Registry {
     }
 
     /// Holds registrations stable while memory is in use.
-    pub fn pin(&self) -> Pinned<'_> {
+    pub fn pin(&self) -> Pinned<RwLockReadGuard<'_, Ranges>> {
         Pinned {
             ranges: self.ranges.read(),
         }
     }
+
+    /// A pin that can move into a task on another thread (an async call), held until dropped.
+    pub fn pin_owned(&self) -> OwnedPin {
+        Pinned {
+            ranges: self.ranges.read_arc(),
+        }
+    }
 }
 
-pub struct Pinned<'a> {
-    ranges: RwLockReadGuard<'a, BTreeMap<usize, usize>>,
+/// The registry read-locked: ranges checked against it stay registered while it is held.
+pub struct Pinned<G> {
+    ranges: G,
 }
 
-impl Pinned<'_> {
+pub type OwnedPin = Pinned<ArcRwLockReadGuard<RawRwLock, Ranges>>;
+
+impl<G: Deref<Target = Ranges>> Pinned<G> {
     fn registered(&self, ptr: usize, len: usize) -> bool {
         let Some(end) = ptr.checked_add(len) else {
             return false;

@@ -29,13 +29,36 @@ pub struct MemoryDescriptor {
     pub buffer_descriptor: BufferDescriptor,
 }
 
+/// A replica on an owner's SSD tier. There is no file per object here: `file_path` names the
+/// owner (its segment) whose SSD tier holds the copy.
+#[pyclass(module = "mooncake_rs._native", get_all, frozen)]
+#[derive(Clone, Debug)]
+pub struct DiskDescriptor {
+    pub file_path: String,
+    pub object_size: u64,
+}
+
+#[pymethods]
+impl DiskDescriptor {
+    fn __repr__(&self) -> String {
+        format!(
+            "<DiskDescriptor file_path={:?} object_size={}>",
+            self.file_path, self.object_size
+        )
+    }
+}
+
+/// `ReplicaStatus.COMPLETE`: the only replicas a lookup returns are readable ones.
+const COMPLETE: u8 = 3;
+
 #[pyclass(module = "mooncake_rs._native", get_all, frozen)]
 #[derive(Clone, Debug)]
 pub struct ReplicaDescriptor {
     pub segment: String,
     /// "memory" or "disk".
     pub tier: String,
-    pub status: String,
+    /// A `ReplicaStatus` value.
+    pub status: u8,
     pub size: u64,
     offset: u64,
 }
@@ -45,7 +68,7 @@ impl ReplicaDescriptor {
         ReplicaDescriptor {
             segment,
             tier: if memory { "memory" } else { "disk" }.into(),
-            status: "COMPLETE".into(),
+            status: COMPLETE,
             size,
             offset,
         }
@@ -72,9 +95,16 @@ impl ReplicaDescriptor {
         })
     }
 
+    fn get_disk_descriptor(&self) -> Option<DiskDescriptor> {
+        self.is_disk_replica().then(|| DiskDescriptor {
+            file_path: self.segment.clone(),
+            object_size: self.size,
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "<ReplicaDescriptor {} {} size={} on {}>",
+            "<ReplicaDescriptor status={} {} size={} on {}>",
             self.status, self.tier, self.size, self.segment
         )
     }

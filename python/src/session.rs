@@ -61,7 +61,9 @@ fn invalid(message: impl Into<String>) -> SetupError {
 }
 
 impl Session {
-    pub fn start(args: &SetupArgs) -> Result<Session, SetupError> {
+    /// `threads`: I/O threads when MOONCAKE_IO_THREADS is not set (0: none, the calling thread
+    /// drives its calls).
+    pub fn start(args: &SetupArgs, threads: usize) -> Result<Session, SetupError> {
         match args.protocol.to_ascii_lowercase().as_str() {
             "tcp" => {}
             "rdma" => return Err(invalid(
@@ -81,7 +83,7 @@ impl Session {
         let env = |name: &str| std::env::var(name).ok();
         let threads = env("MOONCAKE_IO_THREADS")
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
+            .unwrap_or(threads);
         let rt = runtime(threads, "mooncake-io")?;
         let config = ClientConfig {
             connect_timeout: Duration::from_secs(2),

@@ -11,28 +11,31 @@ use parking_lot::RwLock;
 use pyo3::{
     prelude::*,
     pybacked::PyBackedStr,
-    types::{PyByteArray, PyBytes, PyDict, PyTuple},
+    types::{PyByteArray, PyBytes, PyDict, PyTuple, PyType},
 };
 
 use crate::{
-    buffer::PyBytesView,
+    buffer::{FreshByteArray, PyBytesView},
     config::{ReplicateConfig, SetupArgs},
     registry::Registry,
     replica::ReplicaDescriptor,
     session::Session,
 };
 
-const INVALID: i32 = Code::InvalidParams as i32;
+pub(crate) const INVALID: i32 = Code::InvalidParams as i32;
 
 #[pyclass(subclass, module = "mooncake_rs._native")]
 pub struct NativeStore {
-    session: RwLock<Option<Arc<Session>>>,
-    registry: Registry,
+    pub(crate) session: RwLock<Option<Arc<Session>>>,
+    pub(crate) registry: Registry,
+    /// I/O threads for the next setup() when MOONCAKE_IO_THREADS is not set (0: the calling
+    /// thread drives the calls; the async store asks for some).
+    io_threads: std::sync::atomic::AtomicUsize,
 }
 
 /// The client's form of a put's config; None (logged) when it names a segment that does not
 /// parse, which the put answers with INVALID_PARAMS.
-fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> Option<ClientConfig> {
+pub(crate) fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> Option<ClientConfig> {
     match config.map(|c| c.to_client()) {
         None => Some(ClientConfig::default()),
         Some(Ok(c)) => Some(c),
@@ -44,7 +47,7 @@ fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> Option<ClientConfig>
 }
 
 /// Mooncake's convention for a put result: 0 for stored or already there, else the code.
-fn put_code(r: &Result<mooncake_client::PutOutcome, ClientError>) -> i32 {
+pub(crate) fn put_code(r: &Result<mooncake_client::PutOutcome, ClientError>) -> i32 {
     match r {
         Ok(_) => 0,
         Err(e) => e.code().as_i32(),
@@ -52,14 +55,14 @@ fn put_code(r: &Result<mooncake_client::PutOutcome, ClientError>) -> i32 {
 }
 
 /// Mooncake's convention for a get result: bytes read, else the code.
-fn get_code(r: &Result<usize, ClientError>) -> i64 {
+pub(crate) fn get_code(r: &Result<usize, ClientError>) -> i64 {
     match r {
         Ok(n) => *n as i64,
         Err(e) => e.code().as_i32() as i64,
     }
 }
 
-fn log_unregistered(what: &str, ptr: usize, size: usize) {
+pub(crate) fn log_unregistered(what: &str, ptr: usize, size: usize) {
     tracing::error!(
         ptr = format_args!("{ptr:#x}"),
         size,
@@ -103,6 +106,7 @@ impl NativeStore {
         NativeStore {
             session: RwLock::new(None),
             registry: Registry::default(),
+            io_threads: Default::default(),
         }
     }
 
@@ -120,7 +124,8 @@ impl NativeStore {
             tracing::error!("setup() called twice; call close() first");
             return Ok(INVALID);
         }
-        match py.detach(|| Session::start(&parsed)) {
+        let threads = self.io_threads.load(std::sync::atomic::Ordering::Relaxed);
+        match py.detach(|| Session::start(&parsed, threads)) {
             Ok(s) => {
                 *self.session.write() = Some(Arc::new(s));
                 Ok(0)
@@ -130,6 +135,12 @@ impl NativeStore {
                 Ok(e.code.as_i32())
             }
         }
+    }
+
+    /// I/O threads the next `setup()` starts unless MOONCAKE_IO_THREADS says otherwise.
+    fn _set_io_threads(&self, threads: usize) {
+        self.io_threads
+            .store(threads, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn close(&self, py: Python<'_>) -> i32 {
@@ -151,6 +162,9 @@ impl NativeStore {
                 ("memory_bytes", t.memory_bytes),
                 ("disk_keys", t.disk_keys),
                 ("disk_bytes", t.disk_bytes),
+                ("get_keys", t.get_keys),
+                ("put_keys", t.put_keys),
+                ("put_bytes", t.put_bytes),
             ] {
                 d.set_item(k, v)?;
             }
@@ -315,19 +329,36 @@ impl NativeStore {
             .collect()
     }
 
-    /// The object's bytes as a new bytearray (writable, for wrapping as an array), or None.
-    fn _get_bytearray<'py>(&self, py: Python<'py>, key: &str) -> Option<Bound<'py, PyByteArray>> {
-        let got = self.with_session(py, None, |s| {
-            s.rt.block_on(s.client.batch_get_owned(&[key])).pop()
+    /// Each object's bytes in a new `cls(size)` (a bytearray subclass: `BufferHandle`), read
+    /// straight into it with the GIL released; None for a miss or an error (logged).
+    fn _get_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<PyBackedStr>,
+        cls: Bound<'_, PyType>,
+    ) -> Vec<Option<Py<PyByteArray>>> {
+        let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
+        let cls = cls.unbind();
+        let got = self.with_session(py, Vec::new(), |s| {
+            let alloc = |size: usize| {
+                Python::attach(|py| FreshByteArray::new(cls.bind(py), size))
+                    .map_err(|e| ClientError::Invalid(format!("allocating {size} bytes: {e}")))
+            };
+            s.rt.block_on(s.client.batch_get_alloc(&refs, alloc))
         });
-        match got {
-            Some(Ok(v)) => Some(PyByteArray::new(py, &v)),
-            Some(Err(e)) => {
-                log_miss("get", key, &e);
-                None
-            }
-            None => None,
+        if got.is_empty() {
+            return refs.iter().map(|_| None).collect();
         }
+        got.into_iter()
+            .zip(&refs)
+            .map(|(r, k)| match r {
+                Ok(b) => Some(b.into_object()),
+                Err(e) => {
+                    log_miss("get_buffer", k, &e);
+                    None
+                }
+            })
+            .collect()
     }
 
     #[pyo3(signature = (key, buffer_ptr, size, config=None))]
@@ -534,10 +565,10 @@ impl Drop for NativeStore {
 }
 
 /// The batch calls' buffers as one list of (pointer, size) ranges and how many belong to each key.
-type Ranges = (Vec<(usize, usize)>, Vec<usize>);
+pub(crate) type Ranges = (Vec<(usize, usize)>, Vec<usize>);
 
 /// One buffer per key; None (logged) when the lists' lengths differ.
-fn single_ranges(keys: usize, ptrs: &[usize], sizes: &[usize]) -> Option<Ranges> {
+pub(crate) fn single_ranges(keys: usize, ptrs: &[usize], sizes: &[usize]) -> Option<Ranges> {
     if keys != ptrs.len() || keys != sizes.len() {
         tracing::error!("keys, buffer pointers and sizes must have matching shapes");
         return None;
@@ -549,7 +580,11 @@ fn single_ranges(keys: usize, ptrs: &[usize], sizes: &[usize]) -> Option<Ranges>
 }
 
 /// Several buffers per key; None (logged) when the shapes differ.
-fn multi_ranges(keys: usize, ptrs: &[Vec<usize>], sizes: &[Vec<usize>]) -> Option<Ranges> {
+pub(crate) fn multi_ranges(
+    keys: usize,
+    ptrs: &[Vec<usize>],
+    sizes: &[Vec<usize>],
+) -> Option<Ranges> {
     let ok = keys == ptrs.len()
         && keys == sizes.len()
         && ptrs.iter().zip(sizes).all(|(p, s)| p.len() == s.len());
@@ -680,7 +715,7 @@ impl NativeStore {
 }
 
 /// Misses are routine for a cache; only other failures are worth a warning.
-fn log_miss(op: &str, key: &str, e: &ClientError) {
+pub(crate) fn log_miss(op: &str, key: &str, e: &ClientError) {
     if e.code() == Code::ObjectNotFound {
         tracing::debug!(key, "{op}: miss");
     } else {

@@ -210,8 +210,8 @@ def test_wrong_argument_types_raise_python_errors(store):
         store.batch_get_into(["a"], ["not a pointer"], [1])
     with pytest.raises(TypeError):
         store.put("k", b"x", config="not a config")
-    with pytest.raises(TypeError):
-        store.put_tensor("t", [1, 2, 3])
+    # Not a tensor: Mooncake's code, not an exception.
+    assert store.put_tensor("t", [1, 2, 3]) == -600
 
 
 def test_an_embedded_owner_contributes_memory_and_serves_others(cluster, store):

@@ -1,0 +1,81 @@
+//! asyncio awaitables over the store's own I/O runtime. An `async_*` call makes a future on the
+//! caller's running event loop, spawns its work as a task of the runtime (no thread per call:
+//! many calls in flight share the runtime's few threads and overlap their transfers), and the
+//! task hands the result to the loop with `call_soon_threadsafe`. A call the caller cancelled
+//! meanwhile is finished and its result dropped.
+
+use std::future::Future;
+
+use pyo3::{exceptions::PyRuntimeError, prelude::*, types::PyCFunction};
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+/// Runs `work` on `rt` and returns an asyncio future of `finish(work's output)`.
+pub fn spawn<T, W, F>(py: Python<'_>, rt: &Handle, work: W, finish: F) -> PyResult<Py<PyAny>>
+where
+    T: Send + 'static,
+    W: Future<Output = T> + Send + 'static,
+    F: for<'py> FnOnce(Python<'py>, T) -> PyResult<Bound<'py, PyAny>> + Send + 'static,
+{
+    if rt.runtime_flavor() == RuntimeFlavor::CurrentThread {
+        return Err(PyRuntimeError::new_err(
+            "async calls need the store's I/O threads: use MooncakeDistributedStoreAsync, or set \
+             MOONCAKE_IO_THREADS to 1 or more before setup()",
+        ));
+    }
+    let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
+    let future = event_loop.call_method0("create_future")?;
+    let (loop_ref, future_ref) = (event_loop.unbind(), future.clone().unbind());
+    rt.spawn(async move {
+        let out = work.await;
+        Python::attach(|py| {
+            let (value, error) = match finish(py, out) {
+                Ok(v) => (v, py.None().into_bound(py)),
+                Err(e) => (
+                    py.None().into_bound(py),
+                    e.into_value(py).into_bound(py).into_any(),
+                ),
+            };
+            let delivered = PyCFunction::new_closure(py, None, None, resolve).and_then(|resolve| {
+                loop_ref.call_method1(
+                    py,
+                    "call_soon_threadsafe",
+                    (resolve, future_ref, value, error),
+                )
+            });
+            if let Err(e) = delivered {
+                // The loop is closed: nobody is waiting any more.
+                tracing::debug!(error = %e, "an async call finished after its event loop closed");
+            }
+        });
+    });
+    Ok(future.unbind())
+}
+
+/// `resolve(future, value, error)`, run on the event loop: sets the result or the exception
+/// unless the caller cancelled the future.
+fn resolve(
+    args: &Bound<'_, pyo3::types::PyTuple>,
+    _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+) -> PyResult<()> {
+    let (future, value, error): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+        args.extract()?;
+    if future.call_method0("done")?.is_truthy()? {
+        return Ok(());
+    }
+    if error.is_none() {
+        future.call_method1("set_result", (value,))?;
+    } else {
+        future.call_method1("set_exception", (error,))?;
+    }
+    Ok(())
+}
+
+/// An awaitable that is done already, with `value`.
+pub fn ready(py: Python<'_>, value: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let future = py
+        .import("asyncio")?
+        .call_method0("get_running_loop")?
+        .call_method0("create_future")?;
+    future.call_method1("set_result", (value,))?;
+    Ok(future.unbind())
+}

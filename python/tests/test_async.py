@@ -1,0 +1,114 @@
+"""MooncakeDistributedStoreAsync from asyncio against a real master and owners: the native async
+data calls (many in flight at once, bytes checked), the executor fallback for the others, and
+the errors of a misuse."""
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from mooncake_rs.store import BufferHandle, MooncakeDistributedStore, MooncakeDistributedStoreAsync
+
+INVALID, NOT_FOUND = -600, -704
+
+
+@pytest.fixture
+def astore(cluster):
+    s = MooncakeDistributedStoreAsync()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    yield s
+    s.remove_all(True)
+    s.close()
+
+
+def test_async_put_get_exists_and_remove(astore):
+    async def main():
+        assert await astore.async_put("a/1", b"hello") == 0
+        assert await astore.async_put_batch(["a/2", "a/3"], [b"x" * 5000, bytearray(b"yy")]) == 0
+        assert await astore.async_get("a/2") == b"x" * 5000
+        assert await astore.async_get("a/missing") == b""
+        assert await astore.async_get_batch(["a/3", "a/missing", "a/1"]) == [b"yy", b"", b"hello"]
+        assert await astore.async_is_exist("a/1") == 1
+        assert await astore.async_batch_is_exist(["a/1", "a/nope"]) == [1, 0]
+        h = await astore.async_get_buffer("a/2")
+        assert isinstance(h, BufferHandle) and bytes(memoryview(h)) == b"x" * 5000
+        got = await astore.async_batch_get_buffer(["a/1", "a/missing"])
+        assert bytes(got[0]) == b"hello" and got[1] is None
+        assert await astore.async_remove("a/1", True) == 0
+        assert await astore.async_remove("a/1") == NOT_FOUND
+        assert await astore.async_batch_remove(["a/2", "a/3", "a/1"], True) == [0, 0, NOT_FOUND]
+        assert await astore.async_put_batch(["a/4"], [b"1", b"2"]) == INVALID, "mismatched lengths"
+
+    asyncio.run(main())
+
+
+def test_many_async_zero_copy_batches_in_flight_at_once(astore):
+    n, batch, size = 8, 16, 64 << 10
+    src = np.frombuffer(os.urandom(n * batch * size), dtype=np.uint8).copy()
+    dst = np.zeros_like(src)
+    extra = np.zeros(3 * size, dtype=np.uint8)
+    for a in (src, dst, extra):
+        assert astore.register_buffer(a.ctypes.data, a.nbytes) == 0
+    keys = [[f"z/{c}/{i}" for i in range(batch)] for c in range(n)]
+    at = lambda a, c, i: a.ctypes.data + (c * batch + i) * size  # noqa: E731
+    half = size // 2
+
+    async def main():
+        puts = [astore.async_batch_put_from(keys[c], [at(src, c, i) for i in range(batch)], [size] * batch)
+                for c in range(n)]
+        assert await asyncio.gather(*puts) == [[0] * batch] * n
+        gets = [astore.async_batch_get_into(keys[c], [at(dst, c, i) for i in range(batch)], [size] * batch)
+                for c in range(n)]
+        assert await asyncio.gather(*gets) == [[size] * batch] * n
+        # K and V apart: the object of z/0/1 lands in two buffers (its halves swapped here).
+        e = extra.ctypes.data
+        got = await astore.async_batch_get_into_multi_buffers([keys[0][1]], [[e + half, e]], [[half, half]])
+        assert got == [size]
+        assert await astore.async_put_from("z/one", at(src, 3, 3), size) == 0
+        assert await astore.async_get_into("z/one", e + size, size) == size
+        # Memory that was never registered is refused, per key.
+        outside = np.zeros(size, dtype=np.uint8)
+        assert await astore.async_batch_get_into(["z/one"], [outside.ctypes.data], [size]) == [INVALID]
+        assert await astore.async_batch_put_from(["z/two"], [outside.ctypes.data], [size]) == [INVALID]
+
+    asyncio.run(main())
+    assert np.array_equal(dst, src)
+    one = src[size:2 * size]  # the object of z/0/1
+    assert np.array_equal(extra[half:size], one[:half]) and np.array_equal(extra[:half], one[half:])
+    start = (3 * batch + 3) * size
+    assert np.array_equal(extra[size:2 * size], src[start:start + size])
+    for a in (src, dst, extra):
+        assert astore.unregister_buffer(a.ctypes.data) == 0
+
+
+def test_other_methods_run_in_the_executor(astore):
+    async def main():
+        t = np.arange(12, dtype=np.float32).reshape(3, 4)
+        assert await astore.async_put_tensor("at/t", t) == 0
+        assert np.array_equal(await astore.async_get_tensor("at/t"), t)
+        assert await astore.async_get_size("at/t") > t.nbytes
+        with pytest.raises(AttributeError):
+            await astore.async_no_such_method()
+
+    asyncio.run(main())
+    with pytest.raises(AttributeError):
+        astore.not_async_either  # noqa: B018
+
+
+def test_async_misuse_answers_clearly(cluster):
+    async def main():
+        never = MooncakeDistributedStoreAsync()
+        assert await never.async_put("k", b"v") == INVALID, "not set up"
+        assert await never.async_batch_get_into(["k"], [1], [1]) == [INVALID]
+        sync = MooncakeDistributedStore()
+        assert sync.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+        try:
+            with pytest.raises(RuntimeError, match="I/O threads"):
+                await sync.async_put("k", b"v")
+        finally:
+            sync.close()
+
+    asyncio.run(main())
+    with pytest.raises(RuntimeError, match="running event loop|no running"):
+        MooncakeDistributedStoreAsync().async_put("k", b"v")

@@ -1,0 +1,156 @@
+"""What the rest of Mooncake's surface does here, against a real master and owners: zero-copy
+buffer handles, ReplicateConfig's current fields, the enums, tensor publishing, tensor-parallel
+shards, and the client's statistics."""
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from mooncake_rs import tensor as T
+from mooncake_rs.store import (BufferHandle, MooncakeDistributedStore, ObjectDataType, ReplicaStatus,
+                               ReplicateConfig, TaskStatus, TaskType)
+
+INVALID, NOT_FOUND = -600, -704
+
+
+def registered(store, nbytes):
+    a = np.zeros(nbytes, dtype=np.uint8)
+    assert store.register_buffer(a.ctypes.data, a.nbytes) == 0
+    return a
+
+
+def test_buffer_handles_are_read_into_directly_and_export_their_bytes_without_a_copy(store):
+    payloads = {f"buf/{i}": os.urandom(1000 + 4096 * i) for i in range(4)}
+    for k, v in payloads.items():
+        assert store.put(k, v) == 0
+    h = store.get_buffer("buf/2")
+    assert isinstance(h, BufferHandle) and h.size() == len(h) == len(payloads["buf/2"])
+    view = memoryview(h)
+    assert view.obj is h, "the memoryview is over the handle itself"
+    assert bytes(view) == payloads["buf/2"]
+    assert h.ptr() == np.frombuffer(h, dtype=np.uint8).ctypes.data
+    assert store.get_buffer("buf/missing") is None
+    keys = ["buf/0", "buf/missing", "buf/3", ""]
+    got = store.batch_get_buffer(keys)
+    assert bytes(got[0]) == payloads["buf/0"] and got[1] is None and bytes(got[2]) == payloads["buf/3"]
+    assert got[3] is None, "an invalid key is a miss"
+    assert store.batch_get_buffer([]) == []
+
+
+def test_replicate_config_has_mooncakes_current_fields(store, cluster):
+    c = ReplicateConfig()
+    assert (c.replica_num, c.with_soft_pin, c.with_hard_pin, c.preferred_segments, c.preferred_segment,
+            c.prefer_alloc_in_same_node, c.nof_replica_num, c.preferred_nof_segments, c.data_type,
+            c.group_ids) == (1, False, False, [], "", False, 0, [], 0, None)
+    c.data_type = ObjectDataType.KVCACHE
+    c.prefer_alloc_in_same_node = True
+    c.preferred_segments = [cluster.segments[1]]
+    assert "data_type=1" in str(c)
+    assert store.put("cfg/kv", b"v", config=c) == 0
+    [desc] = store.get_replica_desc("cfg/kv")
+    assert desc.segment == cluster.segments[1] and desc.status == ReplicaStatus.COMPLETE
+    assert desc.get_disk_descriptor() is None and desc.get_memory_descriptor() is not None
+    # What this store does not have is refused with a code, not ignored.
+    for bad in (ReplicateConfig(nof_replica_num=1), ReplicateConfig(preferred_nof_segments=["nvme"]),
+                ReplicateConfig(group_ids=["g"]), ReplicateConfig(data_type=10)):
+        assert store.put("cfg/bad", b"v", config=bad) == INVALID, bad
+    assert store.is_exist("cfg/bad") == 0
+    assert store.put("cfg/empty-groups", b"v", config=ReplicateConfig(group_ids=[])) == 0
+
+
+def test_enums_have_mooncakes_values():
+    assert [int(x) for x in ReplicaStatus] == [0, 1, 2, 3, 4, 5]
+    assert (TaskType.REPLICA_COPY, TaskType.REPLICA_MOVE) == (0, 1)
+    assert (TaskStatus.PENDING, TaskStatus.PROCESSING, TaskStatus.FAILED, TaskStatus.SUCCESS) == (0, 1, 2, 3)
+    assert ObjectDataType.UNKNOWN == 0 and ObjectDataType.KVCACHE == 1 and ObjectDataType.GENERAL == 9
+
+
+def test_tensors_published_in_batches_and_read_into_registered_memory(store, cluster):
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    b = np.arange(10, dtype=np.int64)
+    cfg = ReplicateConfig(replica_num=2)
+    assert store.pub_tensor("pt/a", a, cfg) == 0
+    assert len(store.get_replica_desc("pt/a")) == 2
+    assert store.batch_pub_tensor(["pt/b", "pt/c"], [b, a], cfg) == [0, 0]
+    assert store.batch_put_tensor(["x"], []) == [INVALID]
+    out = store.batch_get_tensor(["pt/a", "pt/missing", "pt/b"])
+    assert np.array_equal(out[0], a) and out[1] is None and np.array_equal(out[2], b)
+
+    dst = registered(store, 3 * 4096)
+    ptrs = [dst.ctypes.data + i * 4096 for i in range(3)]
+    got = store.batch_get_tensor_into(["pt/a", "pt/missing", "pt/b"], ptrs, [4096] * 3)
+    assert np.array_equal(got[0], a) and got[1] is None and np.array_equal(got[2], b)
+    assert got[0].ctypes.data == ptrs[0] + T.header_size(2), "a view over the caller's memory"
+    assert store.batch_get_tensor_into(["pt/a"], ptrs, [4096]) == [INVALID], "mismatched lengths"
+
+    # [header][data] laid out by the caller, stored without a copy.
+    src = registered(store, 2 * 4096)
+    for i, t in enumerate((a, b)):
+        blob = MooncakeDistributedStore.tensor_header(t) + t.tobytes()
+        ctypes.memmove(src.ctypes.data + i * 4096, blob, len(blob))
+    sizes = [len(MooncakeDistributedStore.tensor_header(t)) + t.nbytes for t in (a, b)]
+    src_ptrs = [src.ctypes.data, src.ctypes.data + 4096]
+    assert store.batch_put_tensor_from(["pf/a", "pf/b"], src_ptrs, sizes) == [0, 0]
+    assert np.array_equal(store.get_tensor("pf/b"), b)
+    assert store.batch_put_tensor_from(["pf/x", "pf/y"], src_ptrs, [sizes[0], 3]) == [INVALID, INVALID]
+    assert store.batch_put_tensor_from([], [], []) == []
+
+
+def test_tensor_parallel_shards_are_stored_per_rank_and_read_per_rank(store):
+    w = np.arange(4 * 6, dtype=np.float16).reshape(4, 6)
+    assert store.put_tensor_with_tp("tp/w", w, tp_rank=1, tp_size=2, split_dim=1) == 0
+    assert store.is_exist("tp/w") == 0 and store.is_exist("tp/w_tp_0") == 1 and store.is_exist("tp/w_tp_1") == 1
+    for rank in range(2):
+        shard = store.get_tensor_with_tp("tp/w", tp_rank=rank, tp_size=2, split_dim=1)
+        assert np.array_equal(shard, w[:, rank * 3:(rank + 1) * 3])
+    assert store.put_tensor_with_tp("tp/plain", w, tp_size=1) == 0
+    assert np.array_equal(store.get_tensor_with_tp("tp/plain"), w)
+    assert store.put_tensor_with_tp("tp/bad", w, tp_size=8, split_dim=1) == INVALID, "6 columns, 8 ranks"
+    assert store.put_tensor_with_tp("tp/bad", w, tp_size=2, split_dim=5) == INVALID
+
+    v = np.arange(8, dtype=np.int32)
+    assert store.batch_pub_tensor_with_tp(["tp/v", "tp/w2"], [v, w], ReplicateConfig(), tp_size=2,
+                                          split_dim=0) == [0, 0]
+    got = store.batch_get_tensor_with_tp(["tp/v", "tp/w2"], tp_rank=1, tp_size=2)
+    assert np.array_equal(got[0], v[4:]) and np.array_equal(got[1], w[2:])
+
+    dst = registered(store, 4096)
+    shard = store.get_tensor_with_tp_into("tp/v", dst.ctypes.data, 4096, tp_rank=0, tp_size=2)
+    assert np.array_equal(shard, v[:4])
+    [shard] = store.batch_get_tensor_with_tp_into(["tp/v"], [dst.ctypes.data], [4096], tp_rank=1, tp_size=2)
+    assert np.array_equal(shard, v[4:])
+
+    # A whole tensor in registered memory, split on the way in.
+    src = registered(store, 4096)
+    blob = MooncakeDistributedStore.tensor_header(w) + w.tobytes()
+    ctypes.memmove(src.ctypes.data, blob, len(blob))
+    assert store.put_tensor_with_tp_from("tp/f", src.ctypes.data, len(blob), tp_size=2, split_dim=0) == 0
+    assert np.array_equal(store.get_tensor_with_tp("tp/f", tp_rank=1, tp_size=2), w[2:])
+    assert store.batch_put_tensor_with_tp_from(["tp/g"], [src.ctypes.data], [len(blob)], tp_size=2,
+                                               split_dim=1) == [0]
+    assert np.array_equal(store.get_tensor_with_tp("tp/g", tp_rank=0, tp_size=2), w[:, :3])
+
+
+def test_client_stats_count_this_clients_reads_and_writes(cluster):
+    from conftest import new_store
+
+    s = new_store(cluster)
+    try:
+        assert s.put("st/a", b"x" * 1000) == 0
+        assert s.put("st/b", b"y" * 24) == 0
+        assert s.put("st/a", b"again") == 0, "already there: not counted"
+        assert len(s.get("st/a")) == 1000 and s.get("st/missing") == b""
+        stats = s.get_client_stats()
+        assert stats["put_to_memory_count"] == 2 and stats["put_to_memory_bytes"] == 1024
+        assert stats["get_from_memory_count"] == 1 and stats["get_from_memory_bytes"] == 1000
+        assert stats["get_from_disk_count"] == 0 and stats["put_to_disk_count"] == 0
+        cache = s.calc_cache_stats()
+        assert cache["memory_total"] == 2.0 and cache["memory_hits"] == 1.0
+        assert cache["memory_hit_rate"] == pytest.approx(0.5) and cache["overall_hit_rate"] == pytest.approx(0.5)
+    finally:
+        s.remove_all(True)
+        s.close()
+    fresh = MooncakeDistributedStore()
+    assert fresh.get_client_stats() == {} and fresh.calc_cache_stats() == {}
