@@ -43,6 +43,10 @@ pub struct ReplicateConfig {
     pub soft_pin: bool,
     /// Never evicted.
     pub hard_pin: bool,
+    /// Replace an object the key already names (Mooncake's upsert) instead of answering
+    /// OBJECT_ALREADY_EXISTS. Until the new value's put ends the key reads as not ready; the old
+    /// value's memory is reused when no reader holds it and it is large enough.
+    pub upsert: bool,
 }
 
 /// The most replicas one put may ask for.
@@ -55,6 +59,7 @@ impl Default for ReplicateConfig {
             preferred_segments: Vec::new(),
             soft_pin: false,
             hard_pin: false,
+            upsert: false,
         }
     }
 }

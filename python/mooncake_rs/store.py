@@ -81,12 +81,30 @@ class MooncakeDistributedStore(NativeStore):
     def put_tensor(self, key, tensor, config=None):
         """Stores a tensor (numpy array, or any typed buffer) with its dtype and shape; 0 or a
         negative code."""
+        return self._store_tensor(self.put_parts, key, tensor, config)
+
+    def upsert_tensor(self, key, tensor, config=None):
+        """`put_tensor`, replacing the value if the key exists."""
+        return self._store_tensor(self.upsert_parts, key, tensor, config)
+
+    def upsert_pub_tensor(self, key, tensor, config=None):
+        return self.upsert_tensor(key, tensor, config if config is not None else ReplicateConfig())
+
+    def batch_upsert_tensor(self, keys, tensors_list, config=None):
+        if len(keys) != len(tensors_list) or not keys:
+            return [_INVALID] * len(keys)
+        return [self.upsert_tensor(k, t, config) for k, t in zip(keys, tensors_list)]
+
+    def batch_upsert_pub_tensor(self, keys, tensors_list, config=None):
+        return self.batch_upsert_tensor(keys, tensors_list, config if config is not None else ReplicateConfig())
+
+    def _store_tensor(self, put_parts, key, tensor, config):
         try:
             header, data = _tensor.encode(tensor)
         except (TypeError, ValueError) as e:
             _log.error("put_tensor(%r): %s", key, e)
             return _INVALID
-        return self.put_parts(key, header, data, config=config)
+        return put_parts(key, header, data, config=config)
 
     def pub_tensor(self, key, tensor, config=None):
         """`put_tensor` with replication settings."""
@@ -122,16 +140,20 @@ class MooncakeDistributedStore(NativeStore):
     def put_tensor_from(self, key, buffer_ptr, size, config=None):
         """Stores `size` bytes of registered memory that already hold [header][data], as laid out
         by `tensor_header` (zero-copy); 0 or a negative code."""
-        try:
-            _tensor.decode_header(ctypes.string_at(buffer_ptr, min(size, _PEEK)), size)
-        except TensorFormatError as e:
-            _log.error("put_tensor_from(%r): %s", key, e)
-            return _INVALID
-        return self.put_from(key, buffer_ptr, size, config)
+        return self.batch_put_tensor_from([key], [buffer_ptr], [size], config)[0]
+
+    def upsert_tensor_from(self, key, buffer_ptr, size, config=None):
+        return self.batch_upsert_tensor_from([key], [buffer_ptr], [size], config)[0]
 
     def batch_put_tensor_from(self, keys, buffer_ptrs, sizes, config=None):
         """`put_tensor_from` for several keys in one batch; any bad entry makes every result -600,
         as in Mooncake."""
+        return self._tensors_from(self.batch_put_from, keys, buffer_ptrs, sizes, config)
+
+    def batch_upsert_tensor_from(self, keys, buffer_ptrs, sizes, config=None):
+        return self._tensors_from(self.batch_upsert_from, keys, buffer_ptrs, sizes, config)
+
+    def _tensors_from(self, batch_put_from, keys, buffer_ptrs, sizes, config):
         if not keys:
             return []
         if not len(keys) == len(buffer_ptrs) == len(sizes):
@@ -140,9 +162,9 @@ class MooncakeDistributedStore(NativeStore):
             try:
                 _tensor.decode_header(ctypes.string_at(p, min(n, _PEEK)), n)
             except (TensorFormatError, ValueError, OSError) as e:
-                _log.error("batch_put_tensor_from(%r): %s", k, e)
+                _log.error("put_tensor_from(%r): %s", k, e)
                 return [_INVALID] * len(keys)
-        return self.batch_put_from(keys, buffer_ptrs, sizes, config)
+        return batch_put_from(keys, buffer_ptrs, sizes, config)
 
     def get_tensor_into(self, key, buffer_ptr, size):
         """Reads the tensor into registered memory and returns an array over that memory (no

@@ -113,6 +113,7 @@ impl ReplicateConfig {
             preferred_segments,
             soft_pin: self.with_soft_pin,
             hard_pin: self.with_hard_pin,
+            upsert: false,
         })
     }
 }

@@ -33,6 +33,14 @@ pub struct NativeStore {
     io_threads: std::sync::atomic::AtomicUsize,
 }
 
+/// `replicate`, for an upsert when `upsert`.
+pub(crate) fn config_of(
+    config: Option<PyRef<'_, ReplicateConfig>>,
+    upsert: bool,
+) -> Option<ClientConfig> {
+    replicate(config).map(|c| ClientConfig { upsert, ..c })
+}
+
 /// The client's form of a put's config; None (logged) when it names a segment that does not
 /// parse, which the put answers with INVALID_PARAMS.
 pub(crate) fn replicate(config: Option<PyRef<'_, ReplicateConfig>>) -> Option<ClientConfig> {
@@ -228,17 +236,30 @@ impl NativeStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let view = PyBytesView::readable(value)?;
-        let parts = [view.as_slice()];
-        let Some(cfg) = replicate(config) else {
-            return Ok(INVALID);
-        };
-        Ok(self.with_session(py, INVALID, |s| {
-            put_code(
-                &s.rt
-                    .block_on(s.client.batch_put_parts(&[(key, &parts)], &cfg))[0],
-            )
-        }))
+        self.put_one(
+            py,
+            key,
+            std::slice::from_ref(value),
+            config_of(config, false),
+        )
+    }
+
+    /// `put`, replacing the value if the key exists (see `ReplicateConfig.upsert` of the
+    /// client: until it ends the key reads as not ready).
+    #[pyo3(signature = (key, value, config=None))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        self.put_one(
+            py,
+            key,
+            std::slice::from_ref(value),
+            config_of(config, true),
+        )
     }
 
     /// Stores the concatenation of `parts` (bytes-like objects) under `key`, without joining
@@ -251,20 +272,20 @@ impl NativeStore {
         parts: &Bound<'_, PyTuple>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let views = parts
-            .iter()
-            .map(|p| PyBytesView::readable(&p))
-            .collect::<PyResult<Vec<_>>>()?;
-        let slices: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
-        let Some(cfg) = replicate(config) else {
-            return Ok(INVALID);
-        };
-        Ok(self.with_session(py, INVALID, |s| {
-            put_code(
-                &s.rt
-                    .block_on(s.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
-            )
-        }))
+        let parts: Vec<Bound<'_, PyAny>> = parts.iter().collect();
+        self.put_one(py, key, &parts, config_of(config, false))
+    }
+
+    #[pyo3(signature = (key, *parts, config=None))]
+    fn upsert_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let parts: Vec<Bound<'_, PyAny>> = parts.iter().collect();
+        self.put_one(py, key, &parts, config_of(config, true))
     }
 
     /// Puts each (key, value); returns 0, or the first failure's code.
@@ -276,28 +297,18 @@ impl NativeStore {
         values: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let values: Vec<Bound<'_, PyAny>> = values.try_iter()?.collect::<PyResult<_>>()?;
-        if values.len() != keys.len() {
-            tracing::error!("put_batch: {} keys but {} values", keys.len(), values.len());
-            return Ok(INVALID);
-        }
-        let views = values
-            .iter()
-            .map(PyBytesView::readable)
-            .collect::<PyResult<Vec<_>>>()?;
-        let parts: Vec<[&[u8]; 1]> = views.iter().map(|v| [v.as_slice()]).collect();
-        let items: Vec<(&str, &[&[u8]])> = keys
-            .iter()
-            .map(|k| k.as_str())
-            .zip(parts.iter().map(|p| &p[..]))
-            .collect();
-        let Some(cfg) = replicate(config) else {
-            return Ok(INVALID);
-        };
-        Ok(self.with_session(py, INVALID, |s| {
-            let res = s.rt.block_on(s.client.batch_put_parts(&items, &cfg));
-            res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
-        }))
+        self.put_values(py, &keys, values, config_of(config, false))
+    }
+
+    #[pyo3(signature = (keys, values, config=None))]
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        self.put_values(py, &keys, values, config_of(config, true))
     }
 
     /// The object's bytes, or b"" on a miss or an error.
@@ -371,7 +382,22 @@ impl NativeStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
         let key = std::slice::from_ref(&key);
-        self.put_from_ranges(py, key, &[(buffer_ptr, size)], &[1], config)[0]
+        let cfg = config_of(config, false);
+        self.put_from_ranges(py, key, &[(buffer_ptr, size)], &[1], cfg)[0]
+    }
+
+    #[pyo3(signature = (key, buffer_ptr, size, config=None))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: PyBackedStr,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i32 {
+        let key = std::slice::from_ref(&key);
+        let cfg = config_of(config, true);
+        self.put_from_ranges(py, key, &[(buffer_ptr, size)], &[1], cfg)[0]
     }
 
     fn get_into(&self, py: Python<'_>, key: PyBackedStr, buffer_ptr: usize, size: usize) -> i64 {
@@ -388,8 +414,25 @@ impl NativeStore {
         sizes: Vec<usize>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
+        let cfg = config_of(config, false);
         match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
-            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, config),
+            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, cfg),
+            None => vec![INVALID; keys.len()],
+        }
+    }
+
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config=None))]
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<PyBackedStr>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let cfg = config_of(config, true);
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, cfg),
             None => vec![INVALID; keys.len()],
         }
     }
@@ -417,8 +460,9 @@ impl NativeStore {
         all_sizes: Vec<Vec<usize>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
+        let cfg = config_of(config, false);
         match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
-            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, config),
+            Some((ranges, counts)) => self.put_from_ranges(py, &keys, &ranges, &counts, cfg),
             None => vec![INVALID; keys.len()],
         }
     }
@@ -602,6 +646,63 @@ pub(crate) fn multi_ranges(
 }
 
 impl NativeStore {
+    /// Stores the concatenation of the bytes-like `parts` under `key`.
+    fn put_one(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &[Bound<'_, PyAny>],
+        cfg: Option<ClientConfig>,
+    ) -> PyResult<i32> {
+        let views = parts
+            .iter()
+            .map(PyBytesView::readable)
+            .collect::<PyResult<Vec<_>>>()?;
+        let slices: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
+        let Some(cfg) = cfg else {
+            return Ok(INVALID);
+        };
+        Ok(self.with_session(py, INVALID, |s| {
+            put_code(
+                &s.rt
+                    .block_on(s.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
+            )
+        }))
+    }
+
+    /// Puts each (key, value) of an iterable of bytes-like values; 0, or the first failure's
+    /// code.
+    fn put_values(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        values: &Bound<'_, PyAny>,
+        cfg: Option<ClientConfig>,
+    ) -> PyResult<i32> {
+        let values: Vec<Bound<'_, PyAny>> = values.try_iter()?.collect::<PyResult<_>>()?;
+        if values.len() != keys.len() {
+            tracing::error!("put_batch: {} keys but {} values", keys.len(), values.len());
+            return Ok(INVALID);
+        }
+        let views = values
+            .iter()
+            .map(PyBytesView::readable)
+            .collect::<PyResult<Vec<_>>>()?;
+        let parts: Vec<[&[u8]; 1]> = views.iter().map(|v| [v.as_slice()]).collect();
+        let items: Vec<(&str, &[&[u8]])> = keys
+            .iter()
+            .map(|k| k.as_str())
+            .zip(parts.iter().map(|p| &p[..]))
+            .collect();
+        let Some(cfg) = cfg else {
+            return Ok(INVALID);
+        };
+        Ok(self.with_session(py, INVALID, |s| {
+            let res = s.rt.block_on(s.client.batch_put_parts(&items, &cfg));
+            res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
+        }))
+    }
+
     /// Puts each key's value from its run of `ranges` (`counts[i]` ranges for key i), all inside
     /// registered memory.
     fn put_from_ranges(
@@ -610,9 +711,9 @@ impl NativeStore {
         keys: &[PyBackedStr],
         ranges: &[(usize, usize)],
         counts: &[usize],
-        config: Option<PyRef<'_, ReplicateConfig>>,
+        cfg: Option<ClientConfig>,
     ) -> Vec<i32> {
-        let Some(cfg) = replicate(config) else {
+        let Some(cfg) = cfg else {
             return vec![INVALID; keys.len()];
         };
         let pinned = self.registry.pin();

@@ -154,3 +154,70 @@ def test_client_stats_count_this_clients_reads_and_writes(cluster):
         s.close()
     fresh = MooncakeDistributedStore()
     assert fresh.get_client_stats() == {} and fresh.calc_cache_stats() == {}
+
+
+def test_upsert_replaces_values_in_every_form(store):
+    assert store.put("u/a", b"1" * 1000) == 0
+    assert store.put("u/a", b"2" * 10) == 0, "a plain put keeps the first value (Mooncake's 0)"
+    assert store.get("u/a") == b"1" * 1000
+    assert store.upsert("u/a", b"3" * 900) == 0, "smaller: the same memory"
+    assert store.get("u/a") == b"3" * 900
+    assert store.upsert("u/a", b"4" * 5000) == 0, "larger: new memory"
+    assert store.get("u/a") == b"4" * 5000
+    assert store.upsert("u/new", b"n") == 0 and store.get("u/new") == b"n"
+    assert store.upsert_parts("u/a", b"ab", memoryview(b"cd")) == 0 and store.get("u/a") == b"abcd"
+    assert store.upsert_batch(["u/a", "u/b"], [b"x", b"y"]) == 0
+    assert store.get_batch(["u/a", "u/b"]) == [b"x", b"y"]
+    assert store.upsert_batch(["u/a"], [b"1", b"2"]) == INVALID
+
+    src = registered(store, 8192)
+    src[:] = np.frombuffer(os.urandom(8192), dtype=np.uint8)
+    p = src.ctypes.data
+    assert store.upsert_from("u/a", p, 4096) == 0 and store.get("u/a") == bytes(src[:4096])
+    assert store.batch_upsert_from(["u/a", "u/c"], [p + 4096, p], [4096, 100]) == [0, 0]
+    assert store.get("u/a") == bytes(src[4096:]) and store.get("u/c") == bytes(src[:100])
+
+    t1, t2 = np.arange(6, dtype=np.int16), np.ones((2, 2), dtype=np.float64)
+    assert store.put_tensor("u/t", t1) == 0
+    assert store.upsert_tensor("u/t", t2) == 0 and np.array_equal(store.get_tensor("u/t"), t2)
+    assert store.upsert_pub_tensor("u/t", t1, ReplicateConfig(replica_num=2)) == 0
+    assert np.array_equal(store.get_tensor("u/t"), t1) and len(store.get_replica_desc("u/t")) == 2
+    assert store.batch_upsert_tensor(["u/t", "u/t2"], [t2, t1]) == [0, 0]
+    assert store.batch_upsert_pub_tensor(["u/t2"], [t2], ReplicateConfig()) == [0]
+    assert np.array_equal(store.get_tensor("u/t"), t2) and np.array_equal(store.get_tensor("u/t2"), t2)
+    blob = MooncakeDistributedStore.tensor_header(t1) + t1.tobytes()
+    ctypes.memmove(p, blob, len(blob))
+    assert store.upsert_tensor_from("u/t", p, len(blob)) == 0 and np.array_equal(store.get_tensor("u/t"), t1)
+    assert store.batch_upsert_tensor_from(["u/t2"], [p], [len(blob)]) == [0]
+    assert np.array_equal(store.get_tensor("u/t2"), t1)
+
+
+def test_readers_never_see_a_half_written_upsert(store, cluster):
+    """A writer keeps replacing one key with whole values of one byte each while another client
+    reads it: every read is one whole value or a miss, never a mix."""
+    import threading
+
+    from conftest import new_store
+
+    size = 256 << 10
+    values = [bytes([v]) * size for v in range(1, 5)]
+    assert store.put("u/race", values[0]) == 0
+    reader = new_store(cluster)
+    seen, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.append(reader.get("u/race"))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(200):
+            assert store.upsert("u/race", values[i % len(values)]) == 0
+    finally:
+        stop.set()
+        t.join()
+        reader.close()
+    whole = [v for v in seen if v]
+    assert whole, "the reader read something"
+    assert all(v in values for v in whole), "a read mixed two values"

@@ -171,6 +171,7 @@ pub fn config_pb(c: &ReplicateConfig) -> pb::ReplicateConfig {
         preferred_segments: c.preferred_segments.iter().map(|s| s.to_string()).collect(),
         soft_pin: c.soft_pin,
         hard_pin: c.hard_pin,
+        upsert: c.upsert,
     }
 }
 

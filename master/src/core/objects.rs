@@ -204,6 +204,10 @@ impl Object {
         }
     }
 
+    pub fn has_tier_state(&self) -> bool {
+        self.tier.is_some()
+    }
+
     /// Takes the whole SSD-tier state out (the object is being discarded).
     pub fn take_tier(&mut self) -> TierState {
         self.tier.take().map(|t| *t).unwrap_or_default()
@@ -230,7 +234,14 @@ impl MasterState {
         }
         if let Some(old) = self.objects.get(key) {
             let Some(started) = old.phase.started() else {
-                return Err(MasterError::Exists(key.clone()));
+                if !config.upsert {
+                    return Err(MasterError::Exists(key.clone()));
+                }
+                if let Some(grant) = self.upsert_in_place(key, size, config, now)? {
+                    return Ok(grant);
+                }
+                self.retire_for_upsert(key, now);
+                return self.put_start(key, size, config, now);
             };
             if now < started.plus(self.policy.put_discard_timeout) {
                 return Err(MasterError::PutInFlight(key.clone()));
@@ -285,6 +296,58 @@ impl MasterState {
             put_id,
             replicas: views,
         })
+    }
+
+    /// An upsert over a COMPLETE object whose memory no reader holds (no lease), that has the
+    /// replicas asked for, each large enough, and no SSD-tier state: the same ranges under a
+    /// new put id, the object PROCESSING again. None when those do not all hold.
+    fn upsert_in_place(
+        &mut self,
+        key: &ObjectKey,
+        size: u64,
+        config: &ReplicateConfig,
+        now: Millis,
+    ) -> Result<Option<PutGrant>, MasterError> {
+        let obj = &self.objects[key];
+        let fits = !obj.is_leased(now)
+            && !obj.has_tier_state()
+            && obj.replicas.len() == config.replica_num.max(1)
+            && obj.replicas.iter().all(|r| self.reserved(r) >= size);
+        if !fits {
+            return Ok(None);
+        }
+        let put_id = self.grants.next().ok_or(MasterError::GrantsExhausted)?;
+        let pin = Pin::asked(
+            config.hard_pin,
+            config.soft_pin,
+            now.plus(self.policy.soft_pin_ttl),
+        );
+        let obj = self.objects.get_mut(key).expect("checked above");
+        obj.put_id = put_id;
+        obj.size = size;
+        obj.phase = Phase::processing(now);
+        obj.pin = pin;
+        obj.last_access = now;
+        let obj = &self.objects[key];
+        let replicas = obj
+            .replicas
+            .iter()
+            .map(|r| memory_view(&self.segments, r, size, put_id))
+            .collect();
+        Ok(Some(PutGrant { put_id, replicas }))
+    }
+
+    /// Takes a COMPLETE object out for an upsert that needs new space: readers holding a lease
+    /// keep its memory until the lease ends, its owners forget it, and disk copies go as on a
+    /// removal.
+    fn retire_for_upsert(&mut self, key: &ObjectKey, now: Millis) {
+        let mut old = self.objects.remove(key).expect("the object is stored");
+        let replicas = std::mem::take(&mut old.replicas);
+        for r in &replicas {
+            self.note_freed(r, old.put_id);
+        }
+        self.defer_release(replicas, old.lease_until.max(now));
+        self.discard(*old, now);
     }
 
     fn allocate_replicas(&mut self, size: u64, config: &ReplicateConfig) -> Vec<Replica> {

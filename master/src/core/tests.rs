@@ -68,6 +68,87 @@ fn put(
     Ok(g)
 }
 
+fn upsert() -> ReplicateConfig {
+    ReplicateConfig {
+        upsert: true,
+        ..cfg(1)
+    }
+}
+
+#[test]
+fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
+    let mut s = state_with(&[64 * MIB]);
+    let first = put(&mut s, "a", 1000, &cfg(1), 0).unwrap();
+    assert_eq!(
+        s.put_start(&k("a"), 10, &cfg(1), Millis(1)),
+        Err(MasterError::Exists(k("a"))),
+        "a plain put still refuses"
+    );
+    // Nobody holds it and it fits: the same range under a new put id; not readable meanwhile.
+    let second = s.put_start(&k("a"), 900, &upsert(), Millis(2)).unwrap();
+    assert!(second.put_id > first.put_id);
+    assert_eq!(second.replicas[0].offset, first.replicas[0].offset);
+    assert_eq!(
+        s.get_replicas(&k("a"), Millis(3)),
+        Err(MasterError::NotReady(k("a")))
+    );
+    s.put_end("a", second.put_id, Millis(4)).unwrap();
+    let (size, locs) = s.get_replicas(&k("a"), Millis(5)).unwrap();
+    assert_eq!((size, locs[0].put_id), (900, second.put_id));
+    s.check_invariants().unwrap();
+
+    // Leased now (the get above): the new value goes elsewhere, the old range waits for the
+    // lease to end, and its owner is told to forget it.
+    let _ = s.take_freed(owner(0));
+    let allocated = s.allocated();
+    let third = s.put_start(&k("a"), 900, &upsert(), Millis(6)).unwrap();
+    assert_ne!(third.replicas[0].offset, first.replicas[0].offset);
+    assert_eq!(
+        s.allocated(),
+        allocated + 960,
+        "both ranges held while the reader may read"
+    );
+    assert_eq!(
+        s.take_freed(owner(0)),
+        vec![Freed {
+            offset: first.replicas[0].offset,
+            put_id: second.put_id
+        }]
+    );
+    s.put_end("a", third.put_id, Millis(7)).unwrap();
+    let lease_end = 5 + Policy::default().lease_ttl.as_millis() as u64;
+    s.tick(Millis(lease_end + 1));
+    assert_eq!(
+        s.allocated(),
+        allocated + 960 - 1024,
+        "the old range (1000 bytes: 1024 reserved) came back after the lease"
+    );
+    s.check_invariants().unwrap();
+
+    // Too large for its range: new space; an absent key: a plain put.
+    let big = s
+        .put_start(&k("a"), 5000, &upsert(), Millis(lease_end + 20_000))
+        .unwrap();
+    assert_ne!(big.replicas[0].offset, third.replicas[0].offset);
+    s.put_end("a", big.put_id, Millis(lease_end + 20_001))
+        .unwrap();
+    let fresh = s
+        .put_start(&k("b"), 10, &upsert(), Millis(lease_end + 20_002))
+        .unwrap();
+    s.put_end("b", fresh.put_id, Millis(lease_end + 20_003))
+        .unwrap();
+    // A put in flight is not taken over by an upsert.
+    let inflight = s
+        .put_start(&k("c"), 10, &cfg(1), Millis(lease_end + 20_004))
+        .unwrap();
+    assert_eq!(
+        s.put_start(&k("c"), 10, &upsert(), Millis(lease_end + 20_005)),
+        Err(MasterError::PutInFlight(k("c")))
+    );
+    s.put_revoke("c", inflight.put_id).unwrap();
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn owners_are_told_which_ranges_to_forget_when_objects_go() {
     let mut s = state_with(&[64 * MIB]);

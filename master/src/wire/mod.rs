@@ -56,6 +56,7 @@ pub fn replicate_config(c: Option<pb::ReplicateConfig>) -> Result<ReplicateConfi
             .collect::<Result<_, _>>()?,
         soft_pin: c.soft_pin,
         hard_pin: c.hard_pin,
+        upsert: c.upsert,
     })
 }
 
