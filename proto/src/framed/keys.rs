@@ -172,7 +172,7 @@ mod tests {
             };
             prop_assert_eq!(&ours, &end.encode_to_vec());
             // A start request: the items, then its config handed over as another field.
-            let config = pb::ReplicateConfig { replica_num, preferred_segments: preferred, soft_pin: true, hard_pin: false };
+            let config = pb::ReplicateConfig { replica_num, preferred_segments: preferred, soft_pin: true, hard_pin: false, upsert: true };
             let start = pb::BatchPutStartRequest {
                 items: items.iter().map(|(key, size)| pb::PutStartItem { key: key.clone(), size: *size }).collect(),
                 config: Some(config.clone()),
