@@ -179,7 +179,14 @@ impl Client {
 
     /// Removes every object (leased ones only with `force`); returns how many.
     pub async fn remove_all(&self, force: bool) -> Result<u64, ClientError> {
-        Ok(self.master.remove_all(force).await?)
+        Ok(self.master.remove_all(force, None).await?)
+    }
+
+    /// Removes the objects whose keys `pattern` matches anywhere (Rust `regex` syntax; leased
+    /// ones only with `force`); answers how many. A pattern that does not compile is
+    /// INVALID_PARAMS.
+    pub async fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64, ClientError> {
+        Ok(self.master.remove_all(force, Some(pattern)).await?)
     }
 
     /// Where each key's replicas are (leases the hits, like a get).

@@ -60,7 +60,9 @@ pub trait MasterApi: Send + Sync {
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;
 
     /// Removes every object (leased ones only with `force`); answers how many.
-    fn remove_all(&self, force: bool) -> Call<'_, u64>;
+    /// With `key_regex`, only the keys it matches anywhere (Rust `regex` syntax); a pattern
+    /// that does not compile answers INVALID_PARAMS.
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64>;
 
     /// The mounted segments and their usage.
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>>;

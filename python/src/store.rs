@@ -539,6 +539,25 @@ impl NativeStore {
         })
     }
 
+    /// Removes the objects whose keys `regex_pattern` matches anywhere (Rust `regex` syntax:
+    /// no look-around or back-references); how many, or a negative code (-600 for a pattern
+    /// that does not compile).
+    #[pyo3(signature = (regex_pattern, force=false))]
+    fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
+        self.with_session(py, INVALID as i64, |s| {
+            match s
+                .rt
+                .block_on(s.client.remove_by_regex(regex_pattern, force))
+            {
+                Ok(n) => n as i64,
+                Err(e) => {
+                    tracing::error!(pattern = regex_pattern, "remove_by_regex: {e}");
+                    e.code().as_i32() as i64
+                }
+            }
+        })
+    }
+
     /// The replicas of `key` ([] on a miss).
     fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
         self.replica_descs(py, &[key.to_string()])

@@ -41,7 +41,6 @@ PENDING = {
     "MooncakeDistributedStore.create_copy_task",
     "MooncakeDistributedStore.create_move_task",
     "MooncakeDistributedStore.query_task",
-    "MooncakeDistributedStore.remove_by_regex",
     "MooncakeHostMemAllocator",
     "MooncakeHostMemAllocator.__init__",
     "MooncakeHostMemAllocator.alloc",

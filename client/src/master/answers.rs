@@ -164,6 +164,17 @@ pub fn grants_from_pb(resp: pb::BatchPutStartResponse) -> Result<Grants, ApiErro
     Ok(grants)
 }
 
+/// How many a remove-all removed, or the master's code for why not.
+pub fn removed(resp: pb::RemoveAllResponse) -> Result<u64, ApiError> {
+    match resp.code {
+        0 => Ok(resp.removed),
+        c => Err(ApiError::new(
+            mooncake_common::Code::from_i32(c),
+            "remove_all refused",
+        )),
+    }
+}
+
 /// The wire form of a put's config.
 pub fn config_pb(c: &ReplicateConfig) -> pb::ReplicateConfig {
     pb::ReplicateConfig {

@@ -184,8 +184,8 @@ impl MasterApi for Following {
         on_leader!(self, Retry::NewLeader, |m| m.remove(keys, force))
     }
 
-    fn remove_all(&self, force: bool) -> Call<'_, u64> {
-        on_leader!(self, Retry::NewLeader, |m| m.remove_all(force))
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
+        on_leader!(self, Retry::NewLeader, |m| m.remove_all(force, key_regex))
     }
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {

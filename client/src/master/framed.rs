@@ -21,7 +21,7 @@ use tokio::{
 };
 
 use super::{
-    answers::{self, config_pb, segments_from_pb},
+    answers::{self, config_pb, removed, segments_from_pb},
     check_len, exists_codes, expect_len, unit_codes, within,
 };
 
@@ -166,12 +166,14 @@ impl MasterApi for FramedMaster {
         })
     }
 
-    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
         Box::pin(async move {
-            let resp: pb::RemoveAllResponse = self
-                .call(Method::RemoveAll, &pb::RemoveAllRequest { force })
-                .await?;
-            Ok(resp.removed)
+            let req = pb::RemoveAllRequest {
+                force,
+                key_regex: key_regex.unwrap_or_default().to_string(),
+            };
+            let resp: pb::RemoveAllResponse = self.call(Method::RemoveAll, &req).await?;
+            removed(resp)
         })
     }
 

@@ -15,7 +15,7 @@ use tonic::{
 };
 
 use super::{
-    answers::{self, config_pb, segments_from_pb},
+    answers::{self, config_pb, removed, segments_from_pb},
     check_len, exists_codes, expect_len, unit_codes, within,
 };
 
@@ -174,13 +174,16 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn remove_all(&self, force: bool) -> Call<'_, u64> {
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
         Box::pin(async move {
-            let req = pb::RemoveAllRequest { force };
+            let req = pb::RemoveAllRequest {
+                force,
+                key_regex: key_regex.unwrap_or_default().to_string(),
+            };
             let resp = self
                 .unary(|mut c| async move { c.remove_all(req).await })
                 .await?;
-            Ok(resp.removed)
+            removed(resp)
         })
     }
 

@@ -93,8 +93,8 @@ impl MasterApi for Patient {
         self.inner.remove(keys, force)
     }
 
-    fn remove_all(&self, force: bool) -> Call<'_, u64> {
-        self.inner.remove_all(force)
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
+        self.inner.remove_all(force, key_regex)
     }
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {

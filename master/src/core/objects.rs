@@ -527,10 +527,21 @@ impl MasterState {
 
     /// Removes every object that `remove` would; returns how many went.
     pub fn remove_all(&mut self, force: bool, now: Millis) -> u64 {
+        self.remove_matching(force, |_| true, now)
+    }
+
+    /// `remove_all` of the objects whose keys `matches`.
+    pub fn remove_matching(
+        &mut self,
+        force: bool,
+        matches: impl Fn(&str) -> bool,
+        now: Millis,
+    ) -> u64 {
         let keys: Vec<ObjectKey> = self
             .objects
             .iter()
             .filter(|o| force || (o.phase.is_complete() && !o.is_leased(now)))
+            .filter(|o| matches(o.key().as_str()))
             .map(|o| o.key().clone())
             .collect();
         let mut removed = 0;

@@ -273,17 +273,34 @@ impl MasterService {
         results
     }
 
-    /// Removes every object (leased ones only with `force`); returns how many.
-    pub fn remove_all(&self, force: bool) -> u64 {
+    /// Removes every object, or those whose keys `key_regex` matches anywhere (leased ones
+    /// only with `force`); returns how many.
+    pub fn remove_all(&self, force: bool, key_regex: Option<&str>) -> Result<u64, MasterError> {
+        let regex = key_regex
+            .map(|p| {
+                regex::Regex::new(p)
+                    .map_err(|e| MasterError::Invalid(format!("key regex {p:?}: {e}")))
+            })
+            .transpose();
+        let regex = match regex {
+            Ok(r) => r,
+            Err(e) => {
+                self.shared.metrics.record(Op::RemoveAll, 1, 1);
+                return Err(e);
+            }
+        };
         let now = self.shared.clock.now();
         let removed = {
             let mut state = self.shared.state.lock();
-            let removed = state.remove_all(force, now);
+            let removed = match &regex {
+                Some(r) => state.remove_matching(force, |k| r.is_match(k), now),
+                None => state.remove_all(force, now),
+            };
             self.shared.wake_owners(&mut state);
             removed
         };
         self.shared.metrics.record(Op::RemoveAll, 1, 0);
-        removed
+        Ok(removed)
     }
 
     /// The mounted segments and their usage.

@@ -208,8 +208,14 @@ impl pb::master_server::Master for GrpcMaster {
     }
 
     async fn remove_all(&self, req: Request<pb::RemoveAllRequest>) -> Reply<pb::RemoveAllResponse> {
-        let removed = self.0.remove_all(req.into_inner().force);
-        Ok(Response::new(pb::RemoveAllResponse { code: 0, removed }))
+        let r = req.into_inner();
+        let regex = Some(r.key_regex.as_str()).filter(|p| !p.is_empty());
+        let res = self.0.remove_all(r.force, regex);
+        let (code, _) = code_and_message(&res);
+        Ok(Response::new(pb::RemoveAllResponse {
+            code,
+            removed: res.unwrap_or(0),
+        }))
     }
 
     async fn list_segments(

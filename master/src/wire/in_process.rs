@@ -79,8 +79,12 @@ impl MasterApi for InProcessMaster {
         Box::pin(async move { Ok(codes(self.0.remove(keys, force))) })
     }
 
-    fn remove_all(&self, force: bool) -> Call<'_, u64> {
-        Box::pin(async move { Ok(self.0.remove_all(force)) })
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
+        Box::pin(async move {
+            self.0
+                .remove_all(force, key_regex)
+                .map_err(|e| ApiError::new(e.code(), e.to_string()))
+        })
     }
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
