@@ -151,7 +151,23 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
         assert_eq!(m.remove(&["a"], true).await.unwrap(), [Ok(())], "{kind:?}");
-        assert_eq!(m.remove_all(true).await.unwrap(), 1, "{kind:?}: b was left");
+        // A key regex: matched anywhere; one that does not compile is INVALID_PARAMS.
+        assert_eq!(
+            m.remove_all(true, Some("^zz")).await.unwrap(),
+            0,
+            "{kind:?}"
+        );
+        assert_eq!(
+            m.remove_all(true, Some("(")).await.unwrap_err().code,
+            Code::InvalidParams,
+            "{kind:?}"
+        );
+        assert_eq!(
+            m.remove_all(true, Some("b")).await.unwrap(),
+            1,
+            "{kind:?}: b was left"
+        );
+        assert_eq!(m.remove_all(true, None).await.unwrap(), 0, "{kind:?}");
         assert_eq!(m.list_segments().await.unwrap()[0].allocated, 0, "{kind:?}");
         c.shutdown().await;
     }
