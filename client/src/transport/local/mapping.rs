@@ -6,6 +6,7 @@ use std::{
     fs::File,
     io,
     os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    sync::Arc,
 };
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -26,12 +27,32 @@ pub struct OutOfRange {
 }
 
 pub struct SharedPool {
-    map: MmapRaw,
+    map: Arc<MmapRaw>,
     len: u64,
 }
 
+/// Faults in the page tables of the whole mapping, writable where the kernel can (MAP_POPULATE
+/// maps shared pages read-only, so every first write would still fault).
+fn prefault(map: &MmapRaw) {
+    // SAFETY: the range is exactly the mapping, kept alive by the caller's reference; madvise
+    // does not touch contents.
+    let rc = unsafe {
+        libc::madvise(
+            map.as_mut_ptr().cast(),
+            map.len(),
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if rc != 0 {
+        // Before Linux 5.14: read-populate. SAFETY: as above.
+        unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_WILLNEED) };
+    }
+}
+
 impl SharedPool {
-    /// Maps the whole pool, pre-faulting its page tables so copies do not take faults.
+    /// Maps the whole pool and starts pre-faulting its page tables on a thread of its own, so
+    /// copies take no faults once it is done, and the first call does not wait for it (a large
+    /// pool takes seconds: about 0.6 s per GiB here).
     pub fn map(fd: OwnedFd, len: u64) -> io::Result<SharedPool> {
         let file = File::from(fd);
         let actual = file.metadata()?.len();
@@ -41,20 +62,13 @@ impl SharedPool {
                 format!("owner announced a pool of {len} bytes but the memfd has {actual}"),
             ));
         }
-        let map = MmapOptions::new().len(len as usize).map_raw(&file)?;
-        // MAP_POPULATE maps shared pages read-only, so every first write would still fault;
-        // populate for writing instead (Linux 5.14+), and fall back to read-populating.
-        // SAFETY: the range is exactly the mapping just created; madvise does not touch contents.
-        let rc = unsafe {
-            libc::madvise(
-                map.as_mut_ptr().cast(),
-                len as usize,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-        if rc != 0 {
-            // SAFETY: as above.
-            unsafe { libc::madvise(map.as_mut_ptr().cast(), len as usize, libc::MADV_WILLNEED) };
+        let map = Arc::new(MmapOptions::new().len(len as usize).map_raw(&file)?);
+        let held = Arc::clone(&map);
+        let spawned = std::thread::Builder::new()
+            .name("mooncake-prefault".into())
+            .spawn(move || prefault(&held));
+        if spawned.is_err() {
+            prefault(&map);
         }
         Ok(SharedPool { map, len })
     }
