@@ -20,6 +20,9 @@ pub enum ClientError {
     Transfer(#[from] TransferError),
     #[error("the read of {0} finished after its lease expired; the bytes are not trusted")]
     LeaseExpired(String),
+    /// A copy between device memory and its host staging buffer failed.
+    #[error("device copy failed: {0}")]
+    Device(#[from] crate::device::DeviceError),
 }
 
 impl ClientError {
@@ -32,6 +35,7 @@ impl ClientError {
             ClientError::Rpc(e) => e.code,
             ClientError::Transfer(e) => e.code(),
             ClientError::LeaseExpired(_) => Code::LeaseExpired,
+            ClientError::Device(_) => Code::TransferFail,
         }
     }
 

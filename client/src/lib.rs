@@ -6,6 +6,7 @@
 
 pub mod client;
 pub mod config;
+pub mod device;
 pub mod error;
 mod get;
 mod group;

@@ -1,0 +1,132 @@
+//! Device memory through host staging, against an in-process master and real owners: objects
+//! put from device-like memory (addresses that fault if read directly, explicit copies only) read
+//! back exactly into other device memory and into host memory, across more than one staging
+//! slice; a copy the device refuses fails that key alone. The same checks run on a real GPU
+//! (feature `cuda`) where the machine has one.
+
+use std::sync::Arc;
+
+use mooncake_client::{
+    device::{host_backed::HostBackedDevice, DeviceMemory, DeviceRange},
+    Code, ReplicateConfig,
+};
+use mooncake_tests::{payload, Cluster};
+
+const MIB: usize = 1 << 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_move_between_device_memory_and_the_store_through_staging() {
+    let c = Cluster::start(&[256 << 20, 256 << 20]).await;
+    let client = c.client().await;
+    let dev = Arc::new(HostBackedDevice::new());
+    // 40 objects of 1.5 MiB: 60 MiB, several staging slices each way.
+    let n = 40;
+    let size = 3 * MIB / 2;
+    let keys: Vec<String> = (0..n).map(|i| format!("dev/{i}")).collect();
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let src: Vec<DeviceRange> = keys
+        .iter()
+        .map(|k| {
+            let ptr = dev.alloc(size);
+            dev.copy_from_host(&payload(k, size), ptr).unwrap();
+            DeviceRange { ptr, len: size }
+        })
+        .collect();
+    let device: Arc<dyn DeviceMemory> = dev.clone();
+    let put = client
+        .batch_put_from_device(&refs, &src, device.clone(), &ReplicateConfig::default())
+        .await;
+    assert!(put.iter().all(|r| r.is_ok()), "{put:?}");
+
+    // Back into other device memory.
+    let dst: Vec<DeviceRange> = (0..n)
+        .map(|_| DeviceRange {
+            ptr: dev.alloc(size),
+            len: size,
+        })
+        .collect();
+    let got = client
+        .batch_get_into_device(&refs, &dst, device.clone())
+        .await;
+    assert!(
+        got.iter().all(|r| matches!(r, Ok(n) if *n == size)),
+        "{got:?}"
+    );
+    for (k, d) in keys.iter().zip(&dst) {
+        let mut out = vec![0u8; size];
+        dev.copy_to_host(d.ptr, &mut out).unwrap();
+        assert!(out == payload(k, size), "{k} read back wrong");
+    }
+    // And into host memory, as any other client would read them.
+    let mut host = vec![0u8; size];
+    assert_eq!(client.get(&keys[7], &mut host).await.unwrap(), size);
+    assert!(host == payload(&keys[7], size));
+
+    // A range the device does not hold fails its key only; a miss is the store's code.
+    let bad = DeviceRange {
+        ptr: 0x1000,
+        len: 64,
+    };
+    let put = client
+        .batch_put_from_device(
+            &["dev/bad", "dev/good"],
+            &[bad, src[0]],
+            device.clone(),
+            &ReplicateConfig::default(),
+        )
+        .await;
+    assert_eq!(put[0].as_ref().unwrap_err().code(), Code::TransferFail);
+    assert!(put[1].is_ok());
+    let got = client
+        .batch_get_into_device(
+            &["dev/good", "dev/missing", "dev/0", "dev/1"],
+            &[
+                dst[0],
+                dst[1],
+                DeviceRange {
+                    ptr: 0x1000,
+                    len: size,
+                },
+                bad,
+            ],
+            device.clone(),
+        )
+        .await;
+    assert_eq!(got[0].as_ref().unwrap(), &size);
+    assert_eq!(got[1].as_ref().unwrap_err().code(), Code::ObjectNotFound);
+    assert_eq!(
+        got[2].as_ref().unwrap_err().code(),
+        Code::TransferFail,
+        "read, then refused by the device"
+    );
+    assert_eq!(
+        got[3].as_ref().unwrap_err().code(),
+        Code::InvalidParams,
+        "staging smaller than the object"
+    );
+    let mismatched = client.batch_get_into_device(&["dev/0"], &[], device).await;
+    assert_eq!(
+        mismatched[0].as_ref().unwrap_err().code(),
+        Code::InvalidParams
+    );
+    c.shutdown().await;
+}
+
+/// With the `cuda` feature: no driver here means a clear error; with a GPU, host memory is not
+/// taken for device memory.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_memory_opens_only_with_a_driver_and_knows_host_memory_is_not_its() {
+    use mooncake_client::device::cuda::CudaMemory;
+    match CudaMemory::open(0) {
+        // No driver, or a driver without this GPU: the driver's own error.
+        Err(e) => assert!(
+            e.message.contains("no CUDA driver") || e.message.contains("CUDA_ERROR"),
+            "{e}"
+        ),
+        Ok(gpu) => {
+            let host = vec![0u8; 4096];
+            assert!(!gpu.owns(host.as_ptr() as usize, host.len()));
+        }
+    }
+}
