@@ -7,6 +7,7 @@ mod aio;
 #[allow(unsafe_code)]
 mod buffer;
 mod config;
+mod gpu;
 #[allow(unsafe_code)]
 mod registry;
 mod replica;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<replica::MemoryDescriptor>()?;
     m.add_class::<replica::BufferDescriptor>()?;
     m.add_class::<replica::DiskDescriptor>()?;
+    m.add_class::<gpu::HostBackedDevice>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

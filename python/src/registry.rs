@@ -5,9 +5,16 @@
 
 use std::{collections::BTreeMap, ops::Deref, sync::Arc};
 
+use mooncake_client::device::DeviceMemory;
 use parking_lot::{lock_api::ArcRwLockReadGuard, RawRwLock, RwLock, RwLockReadGuard};
 
-type Ranges = BTreeMap<usize, usize>;
+/// Registered host memory (start -> length) and device memory (start -> length and device).
+/// Device memory is never sliced: its bytes move through the device's own copies.
+#[derive(Default)]
+pub struct Ranges {
+    host: BTreeMap<usize, usize>,
+    device: BTreeMap<usize, (usize, Arc<dyn DeviceMemory>)>,
+}
 
 #[derive(Default)]
 pub struct Registry {
@@ -40,17 +47,35 @@ impl Registry {
         }
         ptr.checked_add(len).ok_or(RegistryError::Overflow)?;
         let mut ranges = self.ranges.write();
-        let entry = ranges.entry(ptr).or_insert(len);
+        let entry = ranges.host.entry(ptr).or_insert(len);
         *entry = (*entry).max(len);
         Ok(())
     }
 
+    /// Registers `[ptr, ptr + len)` as memory of `device`.
+    pub fn register_device(
+        &self,
+        ptr: usize,
+        len: usize,
+        device: Arc<dyn DeviceMemory>,
+    ) -> Result<(), RegistryError> {
+        if ptr == 0 || len == 0 {
+            return Err(RegistryError::NullOrEmpty);
+        }
+        ptr.checked_add(len).ok_or(RegistryError::Overflow)?;
+        self.ranges.write().device.insert(ptr, (len, device));
+        Ok(())
+    }
+
     pub fn unregister(&self, ptr: usize) -> Result<(), RegistryError> {
-        self.ranges
-            .write()
-            .remove(&ptr)
-            .map(|_| ())
-            .ok_or(RegistryError::NotRegistered)
+        let mut ranges = self.ranges.write();
+        let host = ranges.host.remove(&ptr).is_some();
+        let device = ranges.device.remove(&ptr).is_some();
+        if host || device {
+            Ok(())
+        } else {
+            Err(RegistryError::NotRegistered)
+        }
     }
 
     /// Holds registrations stable while memory is in use.
@@ -83,8 +108,19 @@ impl<G: Deref<Target = Ranges>> Pinned<G> {
         ptr != 0
             && self
                 .ranges
+                .host
                 .range(..=ptr)
                 .any(|(start, l)| *start <= ptr && end <= start + l)
+    }
+
+    /// The device whose registered memory holds `[ptr, ptr + len)`, if any.
+    pub fn device_of(&self, ptr: usize, len: usize) -> Option<&Arc<dyn DeviceMemory>> {
+        let end = ptr.checked_add(len)?;
+        self.ranges
+            .device
+            .range(..=ptr)
+            .find(|(start, (l, _))| **start <= ptr && end <= **start + l)
+            .map(|(_, (_, d))| d)
     }
 
     /// `len` bytes at `ptr` if they lie inside one registration.

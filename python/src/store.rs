@@ -5,7 +5,10 @@
 
 use std::sync::Arc;
 
-use mooncake_client::{ClientError, ReplicateConfig as ClientConfig, Tier};
+use mooncake_client::{
+    device::{DeviceMemory, DeviceRange},
+    ClientError, ReplicateConfig as ClientConfig, Tier,
+};
 use mooncake_common::Code;
 use parking_lot::RwLock;
 use pyo3::{
@@ -31,6 +34,8 @@ pub struct NativeStore {
     /// I/O threads for the next setup() when MOONCAKE_IO_THREADS is not set (0: the calling
     /// thread drives the calls; the async store asks for some).
     io_threads: std::sync::atomic::AtomicUsize,
+    /// Devices whose memory `register_buffer` recognises (the GPUs found at setup).
+    pub(crate) devices: RwLock<Vec<Arc<dyn DeviceMemory>>>,
 }
 
 /// `replicate`, for an upsert when `upsert`.
@@ -115,6 +120,7 @@ impl NativeStore {
             session: RwLock::new(None),
             registry: Registry::default(),
             io_threads: Default::default(),
+            devices: RwLock::new(Vec::new()),
         }
     }
 
@@ -136,6 +142,8 @@ impl NativeStore {
         match py.detach(|| Session::start(&parsed, threads)) {
             Ok(s) => {
                 *self.session.write() = Some(Arc::new(s));
+                let gpus = py.detach(crate::gpu::detect);
+                self.devices.write().extend(gpus);
                 Ok(0)
             }
             Err(e) => {
@@ -201,7 +209,15 @@ impl NativeStore {
     }
 
     fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i32 {
-        match py.detach(|| self.registry.register(buffer_ptr, size)) {
+        let devices = self.devices.read().clone();
+        let registered = py.detach(|| {
+            // GPU memory is recognised and never read as host memory: it moves through staging.
+            match devices.into_iter().find(|d| d.owns(buffer_ptr, size)) {
+                Some(d) => self.registry.register_device(buffer_ptr, size, d),
+                None => self.registry.register(buffer_ptr, size),
+            }
+        });
+        match registered {
             Ok(()) => 0,
             Err(e) => {
                 tracing::error!(
@@ -212,6 +228,14 @@ impl NativeStore {
                 INVALID
             }
         }
+    }
+
+    /// For tests of the GPU path without a GPU: device-like host memory this store recognises
+    /// in `register_buffer` from now on (see `HostBackedDevice`).
+    fn _attach_host_backed_device(&self) -> crate::gpu::HostBackedDevice {
+        let device = Arc::new(mooncake_client::device::host_backed::HostBackedDevice::new());
+        self.devices.write().push(device.clone());
+        crate::gpu::HostBackedDevice { device }
     }
 
     /// Waits for transfers using the buffer to finish, then forgets it.
@@ -739,10 +763,14 @@ impl NativeStore {
         let mut out = vec![INVALID; keys.len()];
         let mut idx = Vec::with_capacity(keys.len());
         let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
+        let mut on_device = OnDevice::default();
         let mut at = 0;
         for (i, &n) in counts.iter().enumerate() {
             let mine = &ranges[at..at + n];
             at += n;
+            if on_device.take(&pinned, i, mine) {
+                continue;
+            }
             let slices: Option<Vec<&[u8]>> =
                 mine.iter().map(|&(p, len)| pinned.slice(p, len)).collect();
             match slices {
@@ -763,15 +791,15 @@ impl NativeStore {
             .map(|(&i, p)| (&*keys[i], &p[..]))
             .collect();
         let codes = self.with_session(py, None, |s| {
-            Some(
-                s.rt.block_on(s.client.batch_put_parts(&items, &cfg))
-                    .iter()
-                    .map(put_code)
-                    .collect::<Vec<_>>(),
-            )
+            s.rt.block_on(async {
+                let host = s.client.batch_put_parts(&items, &cfg);
+                let device = on_device.put(&s.client, keys, &cfg);
+                let (host, device) = tokio::join!(host, device);
+                Some((host.iter().map(put_code).collect::<Vec<_>>(), device))
+            })
         });
-        if let Some(codes) = codes {
-            for (i, c) in idx.into_iter().zip(codes) {
+        if let Some((codes, device)) = codes {
+            for (i, c) in idx.into_iter().zip(codes).chain(device) {
                 out[i] = c;
             }
         }
@@ -793,9 +821,14 @@ impl NativeStore {
         let mut out = vec![INVALID as i64; keys.len()];
         let mut idx = Vec::with_capacity(keys.len());
         let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
+        let mut on_device = OnDevice::default();
         let mut at = 0;
         for (i, &n) in counts.iter().enumerate() {
             let mine: Option<Vec<&mut [u8]>> = slices.by_ref().take(n).collect();
+            if on_device.take(&pinned, i, &ranges[at..at + n]) {
+                at += n;
+                continue;
+            }
             match mine {
                 Some(b) => {
                     idx.push(i);
@@ -811,10 +844,12 @@ impl NativeStore {
         }
         let key_refs: Vec<&str> = idx.iter().map(|&i| &*keys[i]).collect();
         let got = self.with_session(py, None, |s| {
-            let res =
-                s.rt.block_on(s.client.batch_get_parts(&key_refs, &mut bufs));
-            Some(
-                res.iter()
+            s.rt.block_on(async {
+                let host = s.client.batch_get_parts(&key_refs, &mut bufs);
+                let device = on_device.get(&s.client, keys);
+                let (res, device) = tokio::join!(host, device);
+                let host = res
+                    .iter()
                     .zip(&key_refs)
                     .map(|(r, k)| {
                         if let Err(e) = r {
@@ -822,13 +857,95 @@ impl NativeStore {
                         }
                         get_code(r)
                     })
-                    .collect::<Vec<_>>(),
-            )
+                    .collect::<Vec<_>>();
+                Some((host, device))
+            })
         });
-        if let Some(got) = got {
-            for (i, c) in idx.into_iter().zip(got) {
+        if let Some((got, device)) = got {
+            for (i, c) in idx.into_iter().zip(got).chain(device) {
                 out[i] = c;
             }
+        }
+        out
+    }
+}
+
+/// The keys of a batch whose one buffer is registered device memory: they go through the
+/// device's staging path (`Client::batch_put_from_device` / `batch_get_into_device`), beside the
+/// host keys' transfer.
+#[derive(Default)]
+struct OnDevice {
+    /// (key index, device, range), in key order.
+    items: Vec<(usize, Arc<dyn DeviceMemory>, DeviceRange)>,
+}
+
+impl OnDevice {
+    /// Takes key `i` when its buffers are one registered device range; a device range among
+    /// several buffers is not taken (and, not being host memory, is refused with -600).
+    fn take<G>(
+        &mut self,
+        pinned: &crate::registry::Pinned<G>,
+        i: usize,
+        ranges: &[(usize, usize)],
+    ) -> bool
+    where
+        G: std::ops::Deref<Target = crate::registry::Ranges>,
+    {
+        let [(ptr, len)] = ranges else {
+            return false;
+        };
+        match pinned.device_of(*ptr, *len) {
+            Some(d) => {
+                self.items.push((
+                    i,
+                    d.clone(),
+                    DeviceRange {
+                        ptr: *ptr,
+                        len: *len,
+                    },
+                ));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs of consecutive items on one device.
+    fn runs(&self) -> impl Iterator<Item = &[(usize, Arc<dyn DeviceMemory>, DeviceRange)]> {
+        self.items.chunk_by(|a, b| Arc::ptr_eq(&a.1, &b.1))
+    }
+
+    async fn put(
+        &self,
+        client: &mooncake_client::Client,
+        keys: &[PyBackedStr],
+        cfg: &ClientConfig,
+    ) -> Vec<(usize, i32)> {
+        let mut out = Vec::with_capacity(self.items.len());
+        for run in self.runs() {
+            let names: Vec<&str> = run.iter().map(|(i, _, _)| &*keys[*i]).collect();
+            let ranges: Vec<DeviceRange> = run.iter().map(|(_, _, r)| *r).collect();
+            let res = client
+                .batch_put_from_device(&names, &ranges, run[0].1.clone(), cfg)
+                .await;
+            out.extend(run.iter().zip(&res).map(|((i, _, _), r)| (*i, put_code(r))));
+        }
+        out
+    }
+
+    async fn get(
+        &self,
+        client: &mooncake_client::Client,
+        keys: &[PyBackedStr],
+    ) -> Vec<(usize, i64)> {
+        let mut out = Vec::with_capacity(self.items.len());
+        for run in self.runs() {
+            let names: Vec<&str> = run.iter().map(|(i, _, _)| &*keys[*i]).collect();
+            let ranges: Vec<DeviceRange> = run.iter().map(|(_, _, r)| *r).collect();
+            let res = client
+                .batch_get_into_device(&names, &ranges, run[0].1.clone())
+                .await;
+            out.extend(run.iter().zip(&res).map(|((i, _, _), r)| (*i, get_code(r))));
         }
         out
     }

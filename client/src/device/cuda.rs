@@ -46,6 +46,16 @@ impl CudaMemory {
         })
     }
 
+    /// Every GPU of this machine; none without a CUDA driver.
+    pub fn all() -> Vec<CudaMemory> {
+        // SAFETY: only looks for the driver library.
+        if !unsafe { sys::is_culib_present() } || result::init().is_err() {
+            return Vec::new();
+        }
+        let count = result::device::get_count().unwrap_or(0);
+        (0..count).filter_map(|i| Self::open(i).ok()).collect()
+    }
+
     fn current(&self) -> Result<(), DeviceError> {
         // SAFETY: `ctx` is this device's primary context, retained until Drop.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| self.error(e))

@@ -1,0 +1,46 @@
+"""Device (GPU) memory given to the pointer calls: recognised at register_buffer, moved through
+host staging with the device's own copies, never read as host memory. Run here with device-like
+host memory whose addresses fault if dereferenced (the same path a CUDA GPU takes)."""
+
+import os
+
+import numpy as np
+
+INVALID = -600
+
+
+def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
+    dev = store._attach_host_backed_device()
+    n, size = 6, 3 << 20  # 18 MiB: more than one staging slice
+    data = [os.urandom(size) for _ in range(n)]
+    src = [dev.alloc(size) for _ in range(n)]
+    for p, d in zip(src, data):
+        dev.write(p, d)
+        assert store.register_buffer(p, size) == 0
+    keys = [f"gpu/{i}" for i in range(n)]
+    assert store.batch_put_from(keys, src, [size] * n) == [0] * n
+    assert store.get(keys[2]) == data[2], "any client reads what the device wrote"
+
+    dst = [dev.alloc(size) for _ in range(n)]
+    for p in dst:
+        assert store.register_buffer(p, size) == 0
+    assert store.batch_get_into(keys, dst, [size] * n) == [size] * n
+    assert all(dev.read(p, size) == d for p, d in zip(dst, data))
+
+    # Host and device buffers in one batch; single-key forms.
+    host = np.zeros(size, dtype=np.uint8)
+    assert store.register_buffer(host.ctypes.data, host.nbytes) == 0
+    assert store.batch_get_into([keys[0], keys[1]], [host.ctypes.data, dst[5]], [size, size]) == [size, size]
+    assert bytes(host) == data[0] and dev.read(dst[5], size) == data[1]
+    assert store.put_from("gpu/one", src[3], 1000) == 0
+    assert store.get_into("gpu/one", dst[0], size) == 1000
+    assert dev.read(dst[0], 1000) == data[3][:1000]
+
+    # Device memory that was never registered, and device memory among several buffers of a
+    # key, are refused, never touched.
+    stray = dev.alloc(4096)
+    assert store.put_from("gpu/stray", stray, 4096) == INVALID
+    assert store.batch_put_from_multi_buffers(["gpu/multi"], [[src[0], src[1]]], [[10, 10]]) == [INVALID]
+    for p in src + dst:
+        assert store.unregister_buffer(p) == 0
+    assert store.put_from("gpu/after", src[0], 10) == INVALID, "unregistered"
