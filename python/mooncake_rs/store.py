@@ -9,6 +9,8 @@ import asyncio
 import ctypes
 import functools
 import logging
+import mmap
+import os
 
 from . import tensor as _tensor
 from ._native import (BufferDescriptor, DiskDescriptor, MemoryDescriptor, NativeStore, ReplicaDescriptor,
@@ -16,7 +18,7 @@ from ._native import (BufferDescriptor, DiskDescriptor, MemoryDescriptor, Native
 from .types import (Descriptor, ObjectDataType, ParallelAxis, QueryTaskResponse, ReadTarget,
                     ReplicaStatus, TaskStatus, TaskType, TensorParallelism)
 
-__all__ = ["MooncakeDistributedStore", "MooncakeDistributedStoreAsync", "ReplicateConfig", "ReplicaDescriptor", "MemoryDescriptor",
+__all__ = ["MooncakeDistributedStore", "MooncakeHostMemAllocator", "bind_to_numa_node", "MooncakeDistributedStoreAsync", "ReplicateConfig", "ReplicaDescriptor", "MemoryDescriptor",
            "BufferDescriptor", "BufferHandle", "TensorFormatError", "Descriptor", "DiskDescriptor",
            "ObjectDataType", "ParallelAxis", "QueryTaskResponse", "ReadTarget", "ReplicaStatus", "TaskStatus",
            "TaskType", "TensorParallelism"]
@@ -24,7 +26,51 @@ __all__ = ["MooncakeDistributedStore", "MooncakeDistributedStoreAsync", "Replica
 TensorFormatError = _tensor.TensorFormatError
 _log = logging.getLogger("mooncake_rs")
 _INVALID = -600
+_NOT_FOUND = -704
 _PEEK = _tensor.header_size(_tensor.MAX_NDIM)
+
+
+def bind_to_numa_node(node):
+    """Runs the calling process on the CPUs of NUMA node `node` (memory follows first touch
+    there). Never raises: logs a warning when the machine has no such node."""
+    try:
+        with open(f"/sys/devices/system/node/node{int(node)}/cpulist") as f:
+            cpus = set()
+            for part in f.read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                cpus.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as e:
+        _log.warning("bind_to_numa_node(%r): %s", node, e)
+
+
+def _get_pyclient_from_wrapper(wrapper):
+    """Mooncake's way to share its C++ client with EngramStore; there is none here. None."""
+    return None
+
+
+class MooncakeHostMemAllocator:
+    """Shared host memory for buffers (Mooncake's allocator of its shared-memory helper):
+    `alloc(size)` gives the address of `size` page-aligned bytes, `free(ptr)` gives them back
+    (0, or -600 for an address it did not give)."""
+
+    def __init__(self):
+        self._blocks = {}
+
+    def alloc(self, size, /):
+        if size <= 0:
+            return 0
+        block = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        self._blocks[ptr] = block
+        return ptr
+
+    def free(self, ptr, /):
+        block = self._blocks.pop(ptr, None)
+        if block is None:
+            return _INVALID
+        block.close()
+        return 0
 
 
 class BufferHandle(bytearray):
@@ -264,6 +310,143 @@ class MooncakeDistributedStore(NativeStore):
 
     def batch_get_tensor_with_tp_into(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1):
         return self.batch_get_tensor_into([_tp_key(k, tp_rank, tp_size) for k in base_keys], buffer_ptrs, sizes)
+
+    # -- other zero-copy forms -----------------------------------------------------------------
+
+    def put_from_with_metadata(self, key, buffer_ptr, metadata_buffer_ptr, size, metadata_size, config=None):
+        """Stores [metadata][data] from two registered buffers as one object, without joining
+        them first; 0 or a negative code."""
+        return self.batch_put_from_multi_buffers([key], [[metadata_buffer_ptr, buffer_ptr]],
+                                                 [[metadata_size, size]], config)[0]
+
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
+        """Partial reads: for buffer i and its j-th range, `all_sizes[i][j]` bytes of object
+        `all_keys[i][j]` from offset `all_src_offsets[i][j]` into registered memory at
+        `buffer_ptrs[i] + all_dst_offsets[i][j]`. Answers bytes read (or a negative code) per
+        range, nested as the arguments are."""
+        shapes = [len(k) for k in all_keys]
+        if not (len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes)
+                and all(len(x[i]) == n for x in (all_dst_offsets, all_src_offsets, all_sizes)
+                        for i, n in enumerate(shapes))):
+            _log.error("get_into_ranges: the lists' shapes differ")
+            return [[_INVALID] * n for n in shapes]
+        keys = list(dict.fromkeys(k for ks in all_keys for k in ks))
+        found = dict(zip(keys, self.batch_get_buffer(keys)))
+        out = []
+        for base, ks, dsts, srcs, sizes in zip(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
+            row = []
+            for k, dst, src, n in zip(ks, dsts, srcs, sizes):
+                h = found[k]
+                if h is None:
+                    row.append(_NOT_FOUND)
+                elif src < 0 or dst < 0 or n < 0 or src + n > len(h) or not self._is_registered(base + dst, n):
+                    row.append(_INVALID)
+                else:
+                    if n:
+                        ctypes.memmove(base + dst, h.ptr() + src, n)
+                    row.append(n)
+            out.append(row)
+        return out
+
+    def alloc_from_mem_pool(self, size, /):
+        """`size` bytes of page-aligned host memory, registered for zero-copy transfers; its
+        address, or 0 when the store is not set up or the size is not positive. Freed at close."""
+        if size <= 0:
+            return 0
+        block = mmap.mmap(-1, size)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        if self.register_buffer(ptr, size) != 0:
+            block.close()
+            return 0
+        self.__dict__.setdefault("_pool_blocks", []).append(block)
+        return ptr
+
+    def close(self):
+        """Ends the session (waiting for calls in flight) and frees `alloc_from_mem_pool` memory."""
+        blocks = self.__dict__.pop("_pool_blocks", [])
+        for block in blocks:
+            self.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(block)))
+        rc = super().close()
+        for block in blocks:
+            block.close()
+        return rc
+
+    # -- what has no meaning here: the call exists and answers a clear code --------------------
+
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
+        """Mooncake's dummy client proxies through a local real client process; here every
+        client talks to the master and owners itself. Use setup() with global_segment_size=0
+        (requester-only) and MOONCAKE_PREFERRED_SEGMENT for the node-local owner. Answers -600."""
+        _log.error("setup_dummy: no dummy clients in this store; call setup(..., global_segment_size=0, ...) "
+                   "with the master's address instead")
+        return _INVALID
+
+    def init_all(self, protocol, device_name, mount_segment_size, /):
+        """Mooncake's older transfer-engine initialisation; setup() does all of it here. Answers
+        0 after setup (nothing left to do), -600 before."""
+        if not self.get_hostname():
+            _log.error("init_all: call setup() first; it initialises everything")
+            return _INVALID
+        return 0
+
+    def _get_pyclient_capsule(self):
+        """Mooncake hands its C++ client to EngramStore through this capsule; this store has no
+        C++ client to share. Always None."""
+        return None
+
+    def mount_segment(self, path, size, offset=0, protocol="tcp", location=""):
+        """Mounting a file as a segment: not supported (owners' pools are anonymous shared
+        memory). Answers ret -1. Use allocate_and_mount_segment for memory."""
+        _log.error("mount_segment(%r): file-backed segments are not supported; use allocate_and_mount_segment", path)
+        return {"ret": -1, "segment_ids": []}
+
+    def unmount_segment(self, segment_ids):
+        """The counterpart of mount_segment: -1 (no file-backed segments exist here); segments
+        from allocate_and_mount_segment go with unmount_and_free_segment."""
+        _log.error("unmount_segment: no file-backed segments exist here; use unmount_and_free_segment")
+        return -1
+
+    # -- safetensors files ----------------------------------------------------------------------
+
+    def save_tensor_to_safetensor(self, key, file_name=None):
+        """Writes the tensor stored under `key` to a safetensors file (`file_name`, default the
+        key) under the name `key`; 0, -704 (FILE_NOT_FOUND: no such object) or -600."""
+        tensor = self.get_tensor(key)
+        if tensor is None:
+            return _NOT_FOUND
+        try:
+            from safetensors.numpy import save_file
+
+            save_file({key: tensor}, file_name or key)
+        except Exception as e:  # noqa: BLE001 - any failure is this call's -600, logged
+            _log.error("save_tensor_to_safetensor(%r): %s", key, e)
+            return _INVALID
+        return 0
+
+    def load_tensor_from_safetensor(self, key=None, file_name=None):
+        """Reads the tensor named `key` (or the file's first) from a safetensors file, stores it
+        under `key` (or the file name) and returns it; None on any failure (logged)."""
+        if file_name is None:
+            _log.error("load_tensor_from_safetensor: file_name is required")
+            return None
+        try:
+            from safetensors.numpy import load_file
+
+            tensors = load_file(file_name)
+        except Exception as e:  # noqa: BLE001
+            _log.error("load_tensor_from_safetensor(%r): %s", file_name, e)
+            return None
+        if not tensors:
+            return None
+        if key in tensors:
+            tensor = tensors[key]
+        else:
+            if key is not None:
+                _log.warning("load_tensor_from_safetensor: %r is not in %s; taking its first tensor", key, file_name)
+            tensor = next(iter(tensors.values()))
+        if self.put_tensor(key if key is not None else file_name, tensor) != 0:
+            return None
+        return tensor
 
     # -- statistics ---------------------------------------------------------------------------
 

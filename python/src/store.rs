@@ -230,6 +230,12 @@ impl NativeStore {
         }
     }
 
+    /// Whether `[ptr, ptr + size)` lies inside registered host memory (for the Python layer's
+    /// own copies into caller buffers).
+    fn _is_registered(&self, ptr: usize, size: usize) -> bool {
+        self.registry.pin().slice(ptr, size).is_some()
+    }
+
     /// For tests of the GPU path without a GPU: device-like host memory this store recognises
     /// in `register_buffer` from now on (see `HostBackedDevice`).
     fn _attach_host_backed_device(&self) -> crate::gpu::HostBackedDevice {

@@ -13,16 +13,8 @@ NAMES = pathlib.Path(__file__).with_name("data") / "store_py_names.txt"
 
 # Not implemented yet (issue 14 is under way); every entry here is a known gap.
 PENDING = {
-    "MooncakeDistributedStore._get_pyclient_capsule",
-    "MooncakeDistributedStore.setup_dummy",
-    "MooncakeDistributedStore.init_all",
-    "MooncakeDistributedStore.mount_segment",
-    "MooncakeDistributedStore.unmount_segment",
     "MooncakeDistributedStore.allocate_and_mount_segment",
     "MooncakeDistributedStore.unmount_and_free_segment",
-    "MooncakeDistributedStore.alloc_from_mem_pool",
-    "MooncakeDistributedStore.save_tensor_to_safetensor",
-    "MooncakeDistributedStore.load_tensor_from_safetensor",
     "MooncakeDistributedStore.get_tensor_with_parallelism",
     "MooncakeDistributedStore.batch_get_tensor_with_parallelism",
     "MooncakeDistributedStore.get_tensor_with_parallelism_into",
@@ -35,18 +27,10 @@ PENDING = {
     "MooncakeDistributedStore.upsert_tensor_with_parallelism_from",
     "MooncakeDistributedStore.batch_upsert_tensor_with_parallelism_from",
     "MooncakeDistributedStore.batch_upsert_tensor_with_parallelism",
-    "MooncakeDistributedStore.get_into_ranges",
-    "MooncakeDistributedStore.put_from_with_metadata",
     "MooncakeDistributedStore.batch_replica_clear",
     "MooncakeDistributedStore.create_copy_task",
     "MooncakeDistributedStore.create_move_task",
     "MooncakeDistributedStore.query_task",
-    "MooncakeHostMemAllocator",
-    "MooncakeHostMemAllocator.__init__",
-    "MooncakeHostMemAllocator.alloc",
-    "MooncakeHostMemAllocator.free",
-    "store._get_pyclient_from_wrapper",
-    "store.bind_to_numa_node",
 }
 
 

@@ -234,3 +234,60 @@ def test_remove_by_regex_removes_matching_keys_that_are_not_in_use(store):
     assert store.remove_by_regex(r"nothing matches") == 0
     assert store.remove_by_regex(r"(unclosed") == INVALID
     assert MooncakeDistributedStore().remove_by_regex("x") == INVALID, "not set up"
+
+
+def test_partial_reads_metadata_puts_and_pool_memory(store, tmp_path):
+    from mooncake_rs.store import MooncakeHostMemAllocator, bind_to_numa_node
+
+    a, b = os.urandom(10000), os.urandom(300)
+    assert store.put("pr/a", a) == 0 and store.put("pr/b", b) == 0
+    dst = registered(store, 2 * 4096)
+    base = dst.ctypes.data
+    got = store.get_into_ranges([base, base + 4096], [["pr/a", "pr/b"], ["pr/a", "pr/missing"]],
+                                [[0, 100], [0, 0]], [[5000, 0], [9990, 0]], [[100, 300], [10, 5]])
+    assert got == [[100, 300], [10, NOT_FOUND]]
+    assert bytes(dst[:100]) == a[5000:5100] and bytes(dst[100:400]) == b and bytes(dst[4096:4106]) == a[9990:]
+    assert store.get_into_ranges([base], [["pr/a"]], [[0]], [[9999]], [[2]]) == [[INVALID]], "past the object"
+    outside = np.zeros(16, dtype=np.uint8)
+    assert store.get_into_ranges([outside.ctypes.data], [["pr/a"]], [[0]], [[0]], [[16]]) == [[INVALID]]
+    assert store.get_into_ranges([base], [["pr/a"]], [[0, 1]], [[0]], [[1]]) == [[INVALID]], "shapes differ"
+
+    # [metadata][data] from two buffers as one object, in pool memory the store allocated.
+    meta, data = store.alloc_from_mem_pool(64), store.alloc_from_mem_pool(4096)
+    assert meta and data and store.alloc_from_mem_pool(0) == 0
+    ctypes.memmove(meta, b"M" * 64, 64)
+    ctypes.memmove(data, b"D" * 4096, 4096)
+    assert store.put_from_with_metadata("pr/meta", data, meta, 4096, 64) == 0
+    assert store.get("pr/meta") == b"M" * 64 + b"D" * 4096
+
+    alloc = MooncakeHostMemAllocator()
+    p = alloc.alloc(1 << 20)
+    ctypes.memmove(p, b"x" * 10, 10)
+    assert ctypes.string_at(p, 10) == b"x" * 10
+    assert alloc.free(p) == 0 and alloc.free(p) == INVALID and alloc.alloc(0) == 0
+    before = os.sched_getaffinity(0)
+    bind_to_numa_node(0)
+    assert os.sched_getaffinity(0), "node 0's CPUs (or unchanged where there is no NUMA info)"
+    bind_to_numa_node(999)  # logs, never raises
+    os.sched_setaffinity(0, before)
+
+
+def test_calls_without_meaning_here_answer_clearly(store, tmp_path):
+    from mooncake_rs import store as module
+
+    assert store.setup_dummy(1 << 20, 1 << 20, "127.0.0.1:50052") == INVALID
+    assert store.init_all("tcp", "", 16 << 20) == 0, "after setup there is nothing left to do"
+    assert MooncakeDistributedStore().init_all("tcp", "", 1) == INVALID
+    assert store._get_pyclient_capsule() is None and module._get_pyclient_from_wrapper(store) is None
+    assert store.mount_segment(str(tmp_path / "f"), 1 << 20) == {"ret": -1, "segment_ids": []}
+    assert store.unmount_segment(["x"]) == -1
+
+    t = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert store.put_tensor("st/t", t) == 0
+    f = str(tmp_path / "t.safetensors")
+    assert store.save_tensor_to_safetensor("st/t", f) == 0
+    assert store.save_tensor_to_safetensor("st/missing", f) == NOT_FOUND
+    loaded = store.load_tensor_from_safetensor("st/t2", f)
+    assert np.array_equal(loaded, t), "first tensor of the file, stored under the new key"
+    assert np.array_equal(store.get_tensor("st/t2"), t)
+    assert store.load_tensor_from_safetensor("st/t3", str(tmp_path / "none")) is None
