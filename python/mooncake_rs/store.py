@@ -166,8 +166,8 @@ class MooncakeDistributedStore(NativeStore):
         return self.batch_put_tensor(keys, tensors_list, config if config is not None else ReplicateConfig())
 
     def get_tensor(self, key):
-        """The tensor stored under `key` (an array owning its bytes), or None on a miss or a bad
-        header."""
+        """The tensor stored under `key` (owning its bytes: a torch tensor where torch is
+        installed, else a NumPy array), or None on a miss or a bad header."""
         return self._tensor_of(key, self.get_buffer(key))
 
     def batch_get_tensor(self, keys):

@@ -12,6 +12,7 @@ Header (little endian, padded with zeros to a multiple of 64 bytes so the data s
     24  u64  shape[ndim]
 """
 
+import os
 import struct
 
 MAGIC = 0x5452434D
@@ -81,21 +82,18 @@ def decode_header(buf, total_len):
 
 
 def describe(tensor):
-    """(dtype code, shape, C-contiguous byte view) of a NumPy array or a typed buffer."""
+    """(dtype code, shape, C-contiguous byte view) of a tensor: a NumPy array, an object with
+    DLPack (torch, cupy, ...; device tensors are copied to the host first), or a typed buffer."""
     np = _numpy(required=False)
     if np is not None and isinstance(tensor, np.ndarray):
-        code = _BY_NAME.get(tensor.dtype.name)
-        if code is None:
-            raise TypeError(f"dtype {tensor.dtype} is not supported for tensors")
-        if tensor.dtype.byteorder == ">":
-            raise TypeError("big-endian arrays are not supported; convert with astype('<...')")
-        # ascontiguousarray would turn a 0-d array into a 1-d one: keep the caller's shape.
-        arr = tensor if tensor.flags.c_contiguous else np.ascontiguousarray(tensor)
-        return code, tuple(tensor.shape), memoryview(arr.reshape(-1).view(np.uint8))
+        return _describe_array(np, tensor)
+    if hasattr(tensor, "__dlpack__") and hasattr(tensor, "dtype") and np is not None:
+        return _describe_dlpack(np, tensor)
     try:
         mv = memoryview(tensor)
     except TypeError:
-        raise TypeError(f"expected a NumPy array or an object with the buffer protocol, got {type(tensor).__name__}") from None
+        raise TypeError(f"expected a tensor (NumPy, DLPack) or an object with the buffer protocol, "
+                        f"got {type(tensor).__name__}") from None
     fmt = mv.format.lstrip("@=<")
     code = _BY_FORMAT.get(fmt)
     if code is None:
@@ -105,6 +103,37 @@ def describe(tensor):
     return code, tuple(mv.shape), mv.cast("B")
 
 
+def _describe_array(np, tensor):
+    code = _BY_NAME.get(tensor.dtype.name)
+    if code is None:
+        raise TypeError(f"dtype {tensor.dtype} is not supported for tensors")
+    if tensor.dtype.byteorder == ">":
+        raise TypeError("big-endian arrays are not supported; convert with astype('<...')")
+    # ascontiguousarray would turn a 0-d array into a 1-d one: keep the caller's shape.
+    arr = tensor if tensor.flags.c_contiguous else np.ascontiguousarray(tensor)
+    return code, tuple(tensor.shape), memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _describe_dlpack(np, tensor):
+    """A DLPack tensor's bytes on the host: torch through a byte view (which also carries dtypes
+    NumPy lacks, bfloat16 and float8), others through NumPy's DLPack import."""
+    name = str(tensor.dtype).rsplit(".", 1)[-1]
+    code = _BY_NAME.get(name)
+    if code is None:
+        raise TypeError(f"dtype {tensor.dtype} is not supported for tensors")
+    shape = tuple(tensor.shape)
+    if hasattr(tensor, "cpu") and hasattr(tensor, "view"):  # torch
+        import torch
+
+        host = tensor.detach().cpu().contiguous()
+        raw = np.from_dlpack(host.reshape(-1).view(torch.uint8))
+        return code, shape, memoryview(raw)
+    if hasattr(tensor, "get") and not hasattr(tensor, "__array_interface__"):  # cupy: device to host
+        tensor = tensor.get()
+    arr = np.from_dlpack(tensor)
+    return code, shape, _describe_array(np, arr)[2]
+
+
 def encode(tensor):
     """(header bytes, data view) for storing `tensor`."""
     code, shape, data = describe(tensor)
@@ -112,7 +141,14 @@ def encode(tensor):
 
 
 def to_array(buffer, offset, code, shape):
-    """A NumPy array of dtype `code` and `shape` over `buffer` starting at `offset` (no copy)."""
+    """The tensor of dtype `code` and `shape` over `buffer` from `offset` (no copy): a torch
+    tensor where torch is installed (as Mooncake returns), else a NumPy array;
+    MOONCAKE_TENSOR_LIB=numpy or =torch chooses."""
+    lib = os.environ.get("MOONCAKE_TENSOR_LIB", "").lower()
+    if lib != "numpy":
+        torch = _torch(required=lib == "torch")
+        if torch is not None:
+            return _to_torch(torch, buffer, offset, code, shape)
     np = _numpy(required=True)
     name = DTYPES[code][0]
     try:
@@ -128,6 +164,26 @@ def to_array(buffer, offset, code, shape):
     for d in shape:
         count *= d
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _to_torch(torch, buffer, offset, code, shape):
+    dtype = getattr(torch, DTYPES[code][0])
+    count = 1
+    for d in shape:
+        count *= d
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _torch(required):
+    try:
+        import torch
+    except ImportError:
+        if required:
+            raise ImportError("MOONCAKE_TENSOR_LIB=torch, but torch is not installed") from None
+        return None
+    return torch
 
 
 def _numpy(required):

@@ -88,3 +88,39 @@ def test_header_format_is_validated():
         T.decode_header(b"\0" * 64, 128)
     with pytest.raises(ValueError):
         T.encode_header(0, (1,) * 33, 4)
+
+
+def test_bfloat16_and_float8_round_trip(store):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for i, name in enumerate(["bfloat16", "float8_e4m3fn", "float8_e5m2"]):
+        a = np.linspace(-4, 4, 24, dtype=np.float32).reshape(2, 3, 4).astype(getattr(ml_dtypes, name))
+        assert store.put_tensor(f"t/ml/{name}", a) == 0
+        b = store.get_tensor(f"t/ml/{name}")
+        assert b.dtype == a.dtype and b.shape == a.shape and a.tobytes() == b.tobytes(), name
+
+
+def test_dlpack_tensors_are_accepted(store):
+    class DLPackOnly:
+        """A tensor known only through DLPack (as cupy and jax arrays are)."""
+
+        def __init__(self, a):
+            self._a, self.dtype, self.shape = a, a.dtype, a.shape
+
+        def __dlpack__(self, **kw):
+            return self._a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    a = np.arange(20, dtype=np.int32).reshape(4, 5)
+    assert store.put_tensor("t/dl", DLPackOnly(a)) == 0
+    assert np.array_equal(store.get_tensor("t/dl"), a)
+
+
+def test_torch_tensors_round_trip_as_torch_tensors(store):
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        t = (torch.arange(24) % 3).to(dtype).reshape(2, 3, 4)
+        assert store.put_tensor(f"t/torch/{dtype}", t) == 0
+        back = store.get_tensor(f"t/torch/{dtype}")
+        assert isinstance(back, torch.Tensor) and back.dtype == dtype and torch.equal(back, t)
