@@ -17,8 +17,14 @@ pub struct Session {
     pub rt: Runtime,
     pub client: Client,
     pub hostname: String,
+    /// The master and this host, for segments mounted later (`mount_memory`).
+    master: String,
+    host: String,
     #[cfg(feature = "embedded-owner")]
     owner: Option<(Runtime, mooncake_owner::RunningOwner)>,
+    /// Memory this process added after setup (`allocate_and_mount_segment`), one owner each.
+    #[cfg(feature = "embedded-owner")]
+    mounted: parking_lot::Mutex<Vec<(Runtime, mooncake_owner::RunningOwner)>>,
 }
 
 fn runtime(threads: usize, name: &str) -> Result<Runtime, SetupError> {
@@ -100,8 +106,12 @@ impl Session {
                 rt,
                 client,
                 hostname: args.local_hostname.clone(),
+                master: args.master_server_addr.trim().to_string(),
+                host,
                 #[cfg(feature = "embedded-owner")]
                 owner: None,
+                #[cfg(feature = "embedded-owner")]
+                mounted: Default::default(),
             });
         }
         Self::with_owner(rt, config, args, host, port, env)
@@ -116,23 +126,8 @@ impl Session {
         port: u16,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Session, SetupError> {
-        let owner_config = mooncake_owner::OwnerConfig {
-            master: args.master_server_addr.trim().to_string(),
-            host,
-            port,
-            segment_size: mooncake_common::ByteSize(args.global_segment_size),
-            mount_timeout: Duration::from_secs(3),
-            ..mooncake_owner::OwnerConfig::default().with_env(env)
-        };
-        // The owner serves other processes whether or not this one is inside a call: it gets
-        // threads of its own.
-        let owner_rt = runtime(2, "mooncake-owner")?;
-        let owner = owner_rt
-            .block_on(mooncake_owner::RunningOwner::start(owner_config))
-            .map_err(|e| SetupError {
-                code: Code::InternalError,
-                message: e.to_string(),
-            })?;
+        let master = args.master_server_addr.trim().to_string();
+        let (owner_rt, owner) = start_owner(&master, &host, port, args.global_segment_size, env)?;
         // Puts and reads prefer this process's own segment unless configured otherwise.
         let preferred = config.preferred()?.or_else(|| Some(owner.segment.clone()));
         let transport = Client::default_transport(&config);
@@ -141,8 +136,53 @@ impl Session {
             hostname: owner.segment.to_string(),
             rt,
             client,
+            master,
+            host,
             owner: Some((owner_rt, owner)),
+            mounted: Default::default(),
         })
+    }
+
+    /// Adds `size` bytes of this process's memory to the store as a segment of its own (an
+    /// owner inside this process); its name.
+    #[cfg(feature = "embedded-owner")]
+    pub fn mount_memory(&self, size: u64) -> Result<String, SetupError> {
+        if size == 0 {
+            return Err(invalid("a segment of 0 bytes"));
+        }
+        let env = |name: &str| std::env::var(name).ok();
+        let (rt, owner) = start_owner(&self.master, &self.host, 0, size, env)?;
+        let name = owner.segment.to_string();
+        self.mounted.lock().push((rt, owner));
+        Ok(name)
+    }
+
+    #[cfg(not(feature = "embedded-owner"))]
+    pub fn mount_memory(&self, _: u64) -> Result<String, SetupError> {
+        Err(invalid("mounting memory needs the embedded-owner feature"))
+    }
+
+    /// Unmounts and frees segments `mount_memory` made; false for a name it did not make.
+    #[cfg(feature = "embedded-owner")]
+    pub fn unmount_memory(&self, name: &str) -> bool {
+        let taken = {
+            let mut mounted = self.mounted.lock();
+            let at = mounted.iter().position(|(_, o)| o.segment.as_str() == name);
+            at.map(|i| mounted.remove(i))
+        };
+        match taken {
+            Some((rt, owner)) => {
+                rt.block_on(owner.shutdown());
+                rt.shutdown_timeout(Duration::from_secs(2));
+                true
+            }
+            None => false,
+        }
+    }
+
+    #[cfg(not(feature = "embedded-owner"))]
+    pub fn unmount_memory(&self, _: &str) -> bool {
+        false
     }
 
     #[cfg(not(feature = "embedded-owner"))]
@@ -157,15 +197,43 @@ impl Session {
         Err(invalid("global_segment_size > 0 needs the embedded-owner feature; pass 0 for a requester-only client"))
     }
 
-    /// Stops the embedded owner (unmounting its segment) and the I/O threads.
+    /// Stops the embedded owners (unmounting their segments) and the I/O threads.
     pub fn close(self) {
         #[cfg(feature = "embedded-owner")]
-        if let Some((owner_rt, owner)) = self.owner {
+        for (owner_rt, owner) in self.owner.into_iter().chain(self.mounted.into_inner()) {
             owner_rt.block_on(owner.shutdown());
             owner_rt.shutdown_timeout(Duration::from_secs(2));
         }
         self.rt.shutdown_timeout(Duration::from_secs(2));
     }
+}
+
+/// An owner inside this process serving `size` bytes on `host:port` (0: any port). It serves
+/// other processes whether or not this one is inside a call: it gets threads of its own.
+#[cfg(feature = "embedded-owner")]
+fn start_owner(
+    master: &str,
+    host: &str,
+    port: u16,
+    size: u64,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(Runtime, mooncake_owner::RunningOwner), SetupError> {
+    let config = mooncake_owner::OwnerConfig {
+        master: master.to_string(),
+        host: host.to_string(),
+        port,
+        segment_size: mooncake_common::ByteSize(size),
+        mount_timeout: Duration::from_secs(3),
+        ..mooncake_owner::OwnerConfig::default().with_env(env)
+    };
+    let rt = runtime(2, "mooncake-owner")?;
+    let owner = rt
+        .block_on(mooncake_owner::RunningOwner::start(config))
+        .map_err(|e| SetupError {
+            code: Code::InternalError,
+            message: e.to_string(),
+        })?;
+    Ok((rt, owner))
 }
 
 /// "host" or "host:port" (port 0 or absent: pick a free one).

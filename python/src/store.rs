@@ -230,6 +230,69 @@ impl NativeStore {
         }
     }
 
+    /// Adds `size` bytes of this process's memory to the store as a new segment (an owner inside
+    /// this process, serving other clients too): `{"ret": 0, "segment_ids": [name],
+    /// "allocated_size": size}`, or `ret` < 0 and no segment. `protocol` must be "tcp";
+    /// `location` (a NUMA or device hint) is not used.
+    #[pyo3(signature = (size, protocol="tcp".to_string(), location=String::new()))]
+    fn allocate_and_mount_segment<'py>(
+        &self,
+        py: Python<'py>,
+        size: u64,
+        protocol: String,
+        location: String,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let _ = location;
+        let mounted = if protocol.eq_ignore_ascii_case("tcp") {
+            self.with_session(py, Err(INVALID), |s| {
+                s.mount_memory(size).map_err(|e| {
+                    tracing::error!(size, "allocate_and_mount_segment: {}", e.message);
+                    e.code.as_i32()
+                })
+            })
+        } else {
+            tracing::error!(
+                protocol,
+                "allocate_and_mount_segment: only protocol \"tcp\" exists"
+            );
+            Err(INVALID)
+        };
+        let d = PyDict::new(py);
+        match mounted {
+            Ok(name) => {
+                d.set_item("ret", 0)?;
+                d.set_item("segment_ids", vec![name])?;
+                d.set_item("allocated_size", size)?;
+            }
+            Err(code) => {
+                d.set_item("ret", code)?;
+                d.set_item("segment_ids", Vec::<String>::new())?;
+                d.set_item("allocated_size", 0)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Unmounts and frees segments `allocate_and_mount_segment` made (their objects go with
+    /// them); 0, or -600 when a name is not one of them (the others are still freed).
+    fn unmount_and_free_segment(&self, py: Python<'_>, segment_ids: Vec<String>) -> i32 {
+        self.with_session(py, INVALID, |s| {
+            let unknown: Vec<&String> = segment_ids
+                .iter()
+                .filter(|id| !s.unmount_memory(id))
+                .collect();
+            if unknown.is_empty() {
+                0
+            } else {
+                tracing::error!(
+                    ?unknown,
+                    "unmount_and_free_segment: not segments this store mounted"
+                );
+                INVALID
+            }
+        })
+    }
+
     /// Whether `[ptr, ptr + size)` lies inside registered host memory (for the Python layer's
     /// own copies into caller buffers).
     fn _is_registered(&self, ptr: usize, size: usize) -> bool {

@@ -13,8 +13,6 @@ NAMES = pathlib.Path(__file__).with_name("data") / "store_py_names.txt"
 
 # Not implemented yet (issue 14 is under way); every entry here is a known gap.
 PENDING = {
-    "MooncakeDistributedStore.allocate_and_mount_segment",
-    "MooncakeDistributedStore.unmount_and_free_segment",
     "MooncakeDistributedStore.get_tensor_with_parallelism",
     "MooncakeDistributedStore.batch_get_tensor_with_parallelism",
     "MooncakeDistributedStore.get_tensor_with_parallelism_into",

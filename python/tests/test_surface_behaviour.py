@@ -291,3 +291,27 @@ def test_calls_without_meaning_here_answer_clearly(store, tmp_path):
     assert np.array_equal(loaded, t), "first tensor of the file, stored under the new key"
     assert np.array_equal(store.get_tensor("st/t2"), t)
     assert store.load_tensor_from_safetensor("st/t3", str(tmp_path / "none")) is None
+
+
+def test_memory_mounted_after_setup_serves_as_a_segment(cluster):
+    from conftest import new_store
+
+    s = new_store(cluster)
+    try:
+        got = s.allocate_and_mount_segment(32 << 20)
+        assert got["ret"] == 0 and got["allocated_size"] == 32 << 20
+        [seg] = got["segment_ids"]
+        assert s.put("mnt/a", b"x" * 5000, config=ReplicateConfig(preferred_segments=[seg])) == 0
+        [desc] = s.get_replica_desc("mnt/a")
+        assert desc.segment == seg
+        other = new_store(cluster)
+        assert other.get("mnt/a") == b"x" * 5000, "served to other clients"
+        other.close()
+        assert s.allocate_and_mount_segment(1 << 20, protocol="rdma")["ret"] == INVALID
+        assert s.unmount_and_free_segment([seg, "127.0.0.1:1"]) == INVALID, "one unknown name"
+        assert s.unmount_and_free_segment([seg]) == INVALID, "already gone"
+        assert s.get("mnt/a") == b"", "its objects went with it"
+    finally:
+        s.remove_all(True)
+        s.close()
+    assert MooncakeDistributedStore().allocate_and_mount_segment(1 << 20)["ret"] == INVALID
