@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 
+from . import parallel as _parallel
 from . import tensor as _tensor
 from ._native import (BufferDescriptor, DiskDescriptor, MemoryDescriptor, NativeStore, ReplicaDescriptor,
                       ReplicateConfig)
@@ -310,6 +311,134 @@ class MooncakeDistributedStore(NativeStore):
 
     def batch_get_tensor_with_tp_into(self, base_keys, buffer_ptrs, sizes, tp_rank=0, tp_size=1):
         return self.batch_get_tensor_into([_tp_key(k, tp_rank, tp_size) for k in base_keys], buffer_ptrs, sizes)
+
+    # -- parallel layouts (see parallel.py) ------------------------------------------------------
+
+    def put_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None, writer_partition=None):
+        """Stores `tensor` in a parallel layout: this writer's partition, or this rank's shard of
+        a TensorParallelism (plus the manifest of the whole); with neither, as put_tensor does.
+        0 or a negative code (-600 for a layout that does not apply)."""
+        return self._write_parallel(False, key, tensor, parallelism, config, writer_partition)
+
+    def upsert_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None, writer_partition=None):
+        return self._write_parallel(True, key, tensor, parallelism, config, writer_partition)
+
+    def put_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None, config=None,
+                                         writer_partition=None):
+        """As put_tensor_with_parallelism, the tensor laid out [header][data] in registered memory."""
+        return self._write_parallel_from(False, key, buffer_ptr, size, parallelism, config, writer_partition)
+
+    def upsert_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None, config=None,
+                                            writer_partition=None):
+        return self._write_parallel_from(True, key, buffer_ptr, size, parallelism, config, writer_partition)
+
+    def batch_put_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None, config=None,
+                                          writer_partitions=None):
+        return self._batch_parallel(False, keys, tensors_list, parallelisms, config, writer_partitions)
+
+    def batch_upsert_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None, config=None,
+                                             writer_partitions=None):
+        return self._batch_parallel(True, keys, tensors_list, parallelisms, config, writer_partitions)
+
+    def batch_put_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes, parallelisms=None, config=None,
+                                               writer_partitions=None):
+        return self._batch_parallel_from(False, keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions)
+
+    def batch_upsert_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes, parallelisms=None, config=None,
+                                                  writer_partitions=None):
+        return self._batch_parallel_from(True, keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions)
+
+    def get_tensor_with_parallelism(self, key, target=None):
+        """The object as stored, this rank's shard, or the full tensor put back together
+        (`ReadTarget` mode "as_stored", "shard" or "full"); None when it cannot be had."""
+        try:
+            return _parallel.resolve_read(self, key, target)
+        except (_parallel.LayoutError, TypeError, ValueError) as e:
+            _log.error("get_tensor_with_parallelism(%r): %s", key, e)
+            return None
+
+    def batch_get_tensor_with_parallelism(self, keys, targets=None):
+        if targets is None:
+            return self.batch_get_tensor(keys)
+        if len(targets) != len(keys):
+            return [None] * len(keys)
+        return [self.get_tensor_with_parallelism(k, t) for k, t in zip(keys, targets)]
+
+    def get_tensor_with_parallelism_into(self, key, buffer_ptr, size, target=None):
+        """As get_tensor_with_parallelism, the tensor laid out [header][data] in registered memory
+        and returned as a view of it; None when it cannot be had or does not fit."""
+        if target is None or (getattr(target, "parallelism", None) is None
+                              and str(getattr(target, "mode", "")).lower() == "as_stored"):
+            return self.get_tensor_into(key, buffer_ptr, size)
+        tensor = self.get_tensor_with_parallelism(key, target)
+        if tensor is None:
+            return None
+        header, data = _tensor.encode(tensor)
+        n = len(header) + data.nbytes
+        if n > size or not self._is_registered(buffer_ptr, n):
+            _log.error("get_tensor_with_parallelism_into(%r): needs %d bytes of registered memory", key, n)
+            return None
+        ctypes.memmove(buffer_ptr, header, len(header))
+        ctypes.memmove(buffer_ptr + len(header), (ctypes.c_char * data.nbytes).from_buffer_copy(data), data.nbytes)
+        return self._tensor_at(key, buffer_ptr, n)
+
+    def batch_get_tensor_with_parallelism_into(self, keys, buffer_ptrs, sizes, targets=None):
+        if not len(keys) == len(buffer_ptrs) == len(sizes) or (targets is not None and len(targets) != len(keys)):
+            return [None] * len(keys)
+        targets = targets if targets is not None else [None] * len(keys)
+        return [self.get_tensor_with_parallelism_into(k, p, n, t)
+                for k, p, n, t in zip(keys, buffer_ptrs, sizes, targets)]
+
+    def _write_parallel(self, upsert, key, tensor, parallelism, config, writer_partition):
+        try:
+            plan = _parallel.plan_write(key, tensor, parallelism, writer_partition)
+        except (_parallel.LayoutError, TypeError, ValueError) as e:
+            _log.error("put_tensor_with_parallelism(%r): %s", key, e)
+            return _INVALID
+        for k, v in plan:
+            if isinstance(v, bytes):  # the manifest: every writer stores the same one
+                rc = (self.upsert if upsert else self.put)(k, v, config=config)
+            else:
+                rc = (self.upsert_tensor if upsert else self.put_tensor)(k, v, config)
+            if rc != 0:
+                return rc
+        return 0
+
+    def _write_parallel_from(self, upsert, key, buffer_ptr, size, parallelism, config, writer_partition):
+        if parallelism is None and writer_partition is None:
+            put_from = self.upsert_tensor_from if upsert else self.put_tensor_from
+            return put_from(key, buffer_ptr, size, config)
+        tensor = self._tensor_in(key, buffer_ptr, size)
+        if tensor is None:
+            return _INVALID
+        return self._write_parallel(upsert, key, tensor, parallelism, config, writer_partition)
+
+    def _batch_parallel(self, upsert, keys, tensors_list, parallelisms, config, writer_partitions):
+        n = len(keys)
+        layouts = self._layouts(n, parallelisms, writer_partitions)
+        if layouts is None or len(tensors_list) != n:
+            return [_INVALID] * n
+        return [self._write_parallel(upsert, k, t, p, config, w) for k, t, (p, w) in zip(keys, tensors_list, layouts)]
+
+    def _batch_parallel_from(self, upsert, keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions):
+        n = len(keys)
+        layouts = self._layouts(n, parallelisms, writer_partitions)
+        if layouts is None or not len(buffer_ptrs) == len(sizes) == n:
+            return [_INVALID] * n
+        return [self._write_parallel_from(upsert, k, b, s, p, config, w)
+                for k, b, s, (p, w) in zip(keys, buffer_ptrs, sizes, layouts)]
+
+    @staticmethod
+    def _layouts(n, parallelisms, writer_partitions):
+        """(parallelism, writer partition) per key; None when both lists are given or one has
+        the wrong length."""
+        if parallelisms is not None and writer_partitions is not None:
+            return None
+        for given in (parallelisms, writer_partitions):
+            if given is not None and len(given) != n:
+                return None
+        return [(parallelisms[i] if parallelisms is not None else None,
+                 writer_partitions[i] if writer_partitions is not None else None) for i in range(n)]
 
     # -- other zero-copy forms -----------------------------------------------------------------
 

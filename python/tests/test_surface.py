@@ -13,18 +13,6 @@ NAMES = pathlib.Path(__file__).with_name("data") / "store_py_names.txt"
 
 # Not implemented yet (issue 14 is under way); every entry here is a known gap.
 PENDING = {
-    "MooncakeDistributedStore.get_tensor_with_parallelism",
-    "MooncakeDistributedStore.batch_get_tensor_with_parallelism",
-    "MooncakeDistributedStore.get_tensor_with_parallelism_into",
-    "MooncakeDistributedStore.batch_get_tensor_with_parallelism_into",
-    "MooncakeDistributedStore.put_tensor_with_parallelism",
-    "MooncakeDistributedStore.batch_put_tensor_with_parallelism",
-    "MooncakeDistributedStore.put_tensor_with_parallelism_from",
-    "MooncakeDistributedStore.batch_put_tensor_with_parallelism_from",
-    "MooncakeDistributedStore.upsert_tensor_with_parallelism",
-    "MooncakeDistributedStore.upsert_tensor_with_parallelism_from",
-    "MooncakeDistributedStore.batch_upsert_tensor_with_parallelism_from",
-    "MooncakeDistributedStore.batch_upsert_tensor_with_parallelism",
     "MooncakeDistributedStore.batch_replica_clear",
     "MooncakeDistributedStore.create_copy_task",
     "MooncakeDistributedStore.create_move_task",
