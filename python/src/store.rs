@@ -943,7 +943,7 @@ impl NativeStore {
 /// device's staging path (`Client::batch_put_from_device` / `batch_get_into_device`), beside the
 /// host keys' transfer.
 #[derive(Default)]
-struct OnDevice {
+pub(crate) struct OnDevice {
     /// (key index, device, range), in key order.
     items: Vec<(usize, Arc<dyn DeviceMemory>, DeviceRange)>,
 }
@@ -951,7 +951,7 @@ struct OnDevice {
 impl OnDevice {
     /// Takes key `i` when its buffers are one registered device range; a device range among
     /// several buffers is not taken (and, not being host memory, is refused with -600).
-    fn take<G>(
+    pub(crate) fn take<G>(
         &mut self,
         pinned: &crate::registry::Pinned<G>,
         i: usize,
@@ -984,7 +984,7 @@ impl OnDevice {
         self.items.chunk_by(|a, b| Arc::ptr_eq(&a.1, &b.1))
     }
 
-    async fn put(
+    pub(crate) async fn put(
         &self,
         client: &mooncake_client::Client,
         keys: &[PyBackedStr],
@@ -1002,7 +1002,7 @@ impl OnDevice {
         out
     }
 
-    async fn get(
+    pub(crate) async fn get(
         &self,
         client: &mooncake_client::Client,
         keys: &[PyBackedStr],

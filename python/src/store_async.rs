@@ -21,7 +21,7 @@ use crate::{
     session::Session,
     store::{
         get_code, log_miss, log_unregistered, multi_ranges, put_code, replicate, single_ranges,
-        NativeStore, Ranges, INVALID,
+        NativeStore, OnDevice, Ranges, INVALID,
     },
 };
 
@@ -66,49 +66,44 @@ impl NativeStore {
         aio::spawn(py, &rt, work(session), finish)
     }
 
-    /// The keys whose ranges are all registered (pinned), with their ranges; the others are
-    /// logged and answer INVALID_PARAMS.
+    /// The keys whose ranges are all registered host memory (pinned), and those whose one range
+    /// is registered device memory; the others are logged and answer INVALID_PARAMS.
     fn pinned_ranges(
         &self,
         op: &str,
         ranges: &[(usize, usize)],
         counts: &[usize],
         writable: bool,
-    ) -> (OwnedPin, Vec<usize>) {
+    ) -> (OwnedPin, Vec<usize>, OnDevice) {
         let pin = self.registry.pin_owned();
         let mut ok = Vec::with_capacity(counts.len());
-        if writable {
-            let mut slices = pin.slices_mut(ranges).into_iter();
-            let mut at = 0;
-            for (i, &n) in counts.iter().enumerate() {
-                if slices.by_ref().take(n).all(|s| s.is_some()) {
-                    ok.push(i);
-                } else {
-                    log_unregistered(
-                        op,
-                        ranges[at].0,
-                        ranges[at..at + n].iter().map(|r| r.1).sum(),
-                    );
-                }
-                at += n;
-            }
+        let mut on_device = OnDevice::default();
+        // Whether each range is registered host memory (for a read: and apart from the others).
+        let host: Vec<bool> = if writable {
+            pin.slices_mut(ranges).iter().map(Option::is_some).collect()
         } else {
-            let mut at = 0;
-            for (i, &n) in counts.iter().enumerate() {
-                let mine = &ranges[at..at + n];
-                if mine.iter().all(|&(p, len)| pin.slice(p, len).is_some()) {
-                    ok.push(i);
-                } else {
-                    log_unregistered(
-                        op,
-                        mine.first().map_or(0, |r| r.0),
-                        mine.iter().map(|r| r.1).sum(),
-                    );
-                }
-                at += n;
+            ranges
+                .iter()
+                .map(|&(p, len)| pin.slice(p, len).is_some())
+                .collect()
+        };
+        let mut at = 0;
+        for (i, &n) in counts.iter().enumerate() {
+            let mine = &ranges[at..at + n];
+            if on_device.take(&pin, i, mine) {
+                // Staged through the device's copies.
+            } else if host[at..at + n].iter().all(|&h| h) {
+                ok.push(i);
+            } else {
+                log_unregistered(
+                    op,
+                    mine.first().map_or(0, |r| r.0),
+                    mine.iter().map(|r| r.1).sum(),
+                );
             }
+            at += n;
         }
-        (pin, ok)
+        (pin, ok, on_device)
     }
 
     fn async_put_ranges(
@@ -121,7 +116,7 @@ impl NativeStore {
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
         let cfg = replicate(config);
-        let (pin, ok) = self.pinned_ranges("batch_put_from", &ranges, &counts, false);
+        let (pin, ok, on_device) = self.pinned_ranges("batch_put_from", &ranges, &counts, false);
         let starts: Vec<usize> = counts
             .iter()
             .scan(0, |at, &c| {
@@ -150,9 +145,14 @@ impl NativeStore {
                     .zip(&parts)
                     .map(|(&i, p)| (&*keys[i], &p[..]))
                     .collect();
-                let res = s.client.batch_put_parts(&items, &cfg).await;
+                let host = s.client.batch_put_parts(&items, &cfg);
+                let device = on_device.put(&s.client, &keys, &cfg);
+                let (res, device) = tokio::join!(host, device);
                 for (&i, r) in ok.iter().zip(&res) {
                     out[i] = put_code(r);
+                }
+                for (i, c) in device {
+                    out[i] = c;
                 }
                 out
             },
@@ -168,7 +168,7 @@ impl NativeStore {
         single: bool,
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
-        let (pin, ok) = self.pinned_ranges("batch_get_into", &ranges, &counts, true);
+        let (pin, ok, on_device) = self.pinned_ranges("batch_get_into", &ranges, &counts, true);
         self.spawn(
             py,
             vec![INVALID as i64; n],
@@ -189,12 +189,17 @@ impl NativeStore {
                     }
                 }
                 let refs: Vec<&str> = ok.iter().map(|&i| &*keys[i]).collect();
-                let res = s.client.batch_get_parts(&refs, &mut bufs).await;
+                let host = s.client.batch_get_parts(&refs, &mut bufs);
+                let device = on_device.get(&s.client, &keys);
+                let (res, device) = tokio::join!(host, device);
                 for ((&i, r), k) in ok.iter().zip(&res).zip(&refs) {
                     if let Err(e) = r {
                         log_miss("get", k, e);
                     }
                     out[i] = get_code(r);
+                }
+                for (i, c) in device {
+                    out[i] = c;
                 }
                 out
             },

@@ -44,3 +44,37 @@ def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
     for p in src + dst:
         assert store.unregister_buffer(p) == 0
     assert store.put_from("gpu/after", src[0], 10) == INVALID, "unregistered"
+
+
+def test_async_pointer_calls_stage_device_memory_too(cluster):
+    import asyncio
+
+    from mooncake_rs.store import MooncakeDistributedStoreAsync
+
+    s = MooncakeDistributedStoreAsync()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    try:
+        dev = s._attach_host_backed_device()
+        size = 1 << 20
+        data = [os.urandom(size) for _ in range(4)]
+        src, dst = [dev.alloc(size) for _ in data], [dev.alloc(size) for _ in data]
+        for p, d in zip(src, data):
+            dev.write(p, d)
+        for p in src + dst:
+            assert s.register_buffer(p, size) == 0
+        keys = [f"agpu/{i}" for i in range(4)]
+        host = np.zeros(size, dtype=np.uint8)
+        assert s.register_buffer(host.ctypes.data, size) == 0
+
+        async def main():
+            assert await s.async_batch_put_from(keys, src, [size] * 4) == [0] * 4
+            got = await s.async_batch_get_into(keys + [keys[0]], dst + [host.ctypes.data], [size] * 5)
+            assert got == [size] * 5
+            assert await s.async_get_into(keys[3], dst[0], size) == size
+
+        asyncio.run(main())
+        assert [dev.read(p, size) for p in dst[1:]] == data[1:] and dev.read(dst[0], size) == data[3]
+        assert bytes(host) == data[0]
+    finally:
+        s.remove_all(True)
+        s.close()
