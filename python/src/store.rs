@@ -611,13 +611,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let n = keys.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            match s.rt.block_on(s.client.batch_remove(&refs, force)) {
-                Ok(r) => r
-                    .iter()
-                    .map(|x| x.as_ref().map(|_| 0).unwrap_or_else(|e| e.code().as_i32()))
-                    .collect(),
-                Err(e) => vec![e.code().as_i32(); n],
-            }
+            remove_codes(s.rt.block_on(s.client.batch_remove(&refs, force)), n)
         })
     }
 
@@ -1020,6 +1014,39 @@ impl OnDevice {
     }
 }
 
+/// Mooncake's convention for existence: 1, 0, or the code, per key (the call's code for all
+/// `n` when the call failed).
+pub(crate) fn exists_codes(
+    r: Result<Vec<Result<bool, ClientError>>, ClientError>,
+    n: usize,
+) -> Vec<i32> {
+    match r {
+        Ok(r) => r
+            .iter()
+            .map(|x| match x {
+                Ok(true) => 1,
+                Ok(false) => 0,
+                Err(e) => e.code().as_i32(),
+            })
+            .collect(),
+        Err(e) => vec![e.code().as_i32(); n],
+    }
+}
+
+/// 0 or the code per removed key (the call's code for all `n` when the call failed).
+pub(crate) fn remove_codes(
+    r: Result<Vec<Result<(), ClientError>>, ClientError>,
+    n: usize,
+) -> Vec<i32> {
+    match r {
+        Ok(r) => r
+            .iter()
+            .map(|x| x.as_ref().map_or_else(|e| e.code().as_i32(), |_| 0))
+            .collect(),
+        Err(e) => vec![e.code().as_i32(); n],
+    }
+}
+
 /// Misses are routine for a cache; only other failures are worth a warning.
 pub(crate) fn log_miss(op: &str, key: &str, e: &ClientError) {
     if e.code() == Code::ObjectNotFound {
@@ -1034,17 +1061,7 @@ impl NativeStore {
     fn exists_of(&self, py: Python<'_>, refs: &[&str]) -> Vec<i32> {
         let n = refs.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            match s.rt.block_on(s.client.batch_exists(refs)) {
-                Ok(r) => r
-                    .iter()
-                    .map(|x| match x {
-                        Ok(true) => 1,
-                        Ok(false) => 0,
-                        Err(e) => e.code().as_i32(),
-                    })
-                    .collect(),
-                Err(e) => vec![e.code().as_i32(); n],
-            }
+            exists_codes(s.rt.block_on(s.client.batch_exists(refs)), n)
         })
     }
 }

@@ -20,8 +20,8 @@ use crate::{
     registry::OwnedPin,
     session::Session,
     store::{
-        get_code, log_miss, log_unregistered, multi_ranges, put_code, replicate, single_ranges,
-        NativeStore, OnDevice, Ranges, INVALID,
+        exists_codes, get_code, log_miss, log_unregistered, multi_ranges, put_code, remove_codes,
+        replicate, single_ranges, NativeStore, OnDevice, Ranges, INVALID,
     },
 };
 
@@ -455,13 +455,7 @@ impl NativeStore {
             vec![INVALID; n],
             move |s| async move {
                 let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-                match s.client.batch_remove(&refs, force).await {
-                    Ok(r) => r
-                        .iter()
-                        .map(|x| x.as_ref().map_or_else(|e| e.code().as_i32(), |_| 0))
-                        .collect(),
-                    Err(e) => vec![e.code().as_i32(); n],
-                }
+                remove_codes(s.client.batch_remove(&refs, force).await, n)
             },
             |py, v| v.into_bound_py_any(py),
         )
@@ -477,17 +471,7 @@ impl NativeStore {
             vec![INVALID; n],
             move |s| async move {
                 let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-                match s.client.batch_exists(&refs).await {
-                    Ok(r) => r
-                        .iter()
-                        .map(|x| match x {
-                            Ok(true) => 1,
-                            Ok(false) => 0,
-                            Err(e) => e.code().as_i32(),
-                        })
-                        .collect(),
-                    Err(e) => vec![e.code().as_i32(); n],
-                }
+                exists_codes(s.client.batch_exists(&refs).await, n)
             },
             move |py, codes| {
                 if single {
