@@ -3,7 +3,10 @@
 //! clients and owners follow failovers. This is the one module of the crate that performs I/O
 //! (a read of one etcd key, under a deadline), because clients and owners both need it.
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicUsize, Ordering},
+    time::{Duration, Instant},
+};
 
 use etcd_client::{Client, ConnectOptions};
 use tokio::sync::Mutex;
@@ -71,7 +74,10 @@ pub struct LeaderLookup {
     endpoints: Vec<String>,
     key: String,
     timeout: Duration,
-    client: Mutex<Option<Client>>,
+    /// One client per endpoint, connected when first needed and dropped when it fails.
+    clients: Vec<Mutex<Option<Client>>>,
+    /// The endpoint that answered last: asked first next time.
+    last_good: AtomicUsize,
 }
 
 /// The leader as published: its address and its term (the revision that created the key, which
@@ -85,53 +91,85 @@ pub struct Leader {
 impl LeaderLookup {
     pub fn new(endpoints: Vec<String>, cluster_id: &str, timeout: Duration) -> Self {
         LeaderLookup {
+            clients: endpoints.iter().map(|_| Mutex::new(None)).collect(),
             endpoints,
             key: leader_key(cluster_id),
             timeout,
-            client: Mutex::new(None),
+            last_good: AtomicUsize::new(0),
         }
     }
 
     /// The current leader, or why none can be named (etcd unreachable, or no leader elected).
+    /// Members are asked one at a time, the one that answered last first, each with its share
+    /// of the time left, so a member that is down costs only its share, not the whole deadline.
     pub async fn leader(&self) -> Result<Leader, String> {
-        let mut slot = self.client.lock().await;
-        let read = async {
-            if slot.is_none() {
-                let options = ConnectOptions::new()
-                    .with_connect_timeout(self.timeout)
-                    .with_timeout(self.timeout);
-                *slot = Some(
-                    Client::connect(&self.endpoints, Some(options))
-                        .await
-                        .map_err(|e| format!("cannot reach etcd at {:?}: {e}", self.endpoints))?,
-                );
+        let deadline = Instant::now() + self.timeout;
+        let n = self.endpoints.len();
+        let first = self.last_good.load(Ordering::Relaxed) % n.max(1);
+        let mut failures = Vec::new();
+        for k in 0..n {
+            let i = (first + k) % n;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
             }
-            let client = slot.as_mut().expect("connected above");
-            let resp = client
-                .get(self.key.as_str(), None)
-                .await
-                .map_err(|e| format!("reading {} from etcd failed: {e}", self.key))?;
-            let kv = resp
-                .kvs()
-                .first()
-                .ok_or_else(|| format!("no master is elected (etcd key {} is empty)", self.key))?;
-            let address = kv
-                .value_str()
-                .map_err(|e| format!("leader address is not text: {e}"))?
-                .to_string();
-            Ok(Leader {
-                address,
-                term: kv.create_revision(),
-            })
-        };
-        let res = tokio::time::timeout(self.timeout, read)
-            .await
-            .unwrap_or_else(|_| Err(format!("etcd did not answer within {:?}", self.timeout)));
-        if res.is_err() {
-            // A fresh connection next time (the endpoint may have died).
-            *slot = None;
+            let share = left / (n - k) as u32;
+            let asked = tokio::time::timeout(share, self.ask(i, share)).await;
+            match asked {
+                Ok(Ok(answer)) => {
+                    self.last_good.store(i, Ordering::Relaxed);
+                    return answer;
+                }
+                Ok(Err(e)) => failures.push(format!("{}: {e}", self.endpoints[i])),
+                Err(_) => {
+                    failures.push(format!("{}: no answer within {share:?}", self.endpoints[i]))
+                }
+            }
+            // A fresh connection next time (the member may have died).
+            *self.clients[i].lock().await = None;
         }
-        res
+        if failures.is_empty() {
+            failures.push(format!(
+                "no etcd endpoint answered within {:?}",
+                self.timeout
+            ));
+        }
+        Err(format!("cannot reach etcd: {}", failures.join("; ")))
+    }
+
+    /// Reads the leader key from member `i`. The outer error is the member's (unreachable,
+    /// failed read): another may answer. The inner result is etcd's answer, which every member
+    /// would give (reads are linearizable).
+    async fn ask(&self, i: usize, timeout: Duration) -> Result<Result<Leader, String>, String> {
+        let mut slot = self.clients[i].lock().await;
+        if slot.is_none() {
+            let options = ConnectOptions::new()
+                .with_connect_timeout(timeout)
+                .with_timeout(timeout);
+            *slot = Some(
+                Client::connect([self.endpoints[i].as_str()], Some(options))
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?,
+            );
+        }
+        let client = slot.as_mut().expect("connected above");
+        let resp = client
+            .get(self.key.as_str(), None)
+            .await
+            .map_err(|e| format!("reading {}: {e}", self.key))?;
+        let Some(kv) = resp.kvs().first() else {
+            return Ok(Err(format!(
+                "no master is elected (etcd key {} is empty)",
+                self.key
+            )));
+        };
+        Ok(kv
+            .value_str()
+            .map_err(|e| format!("leader address is not text: {e}"))
+            .map(|address| Leader {
+                address: address.to_string(),
+                term: kv.create_revision(),
+            }))
     }
 }
 
