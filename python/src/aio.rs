@@ -6,7 +6,7 @@
 
 use std::future::Future;
 
-use pyo3::{exceptions::PyRuntimeError, prelude::*, types::PyCFunction};
+use pyo3::{exceptions::PyRuntimeError, prelude::*, sync::PyOnceLock, types::PyCFunction};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 /// Runs `work` on `rt` and returns an asyncio future of `finish(work's output)`.
@@ -35,7 +35,7 @@ where
                     e.into_value(py).into_bound(py).into_any(),
                 ),
             };
-            let delivered = PyCFunction::new_closure(py, None, None, resolve).and_then(|resolve| {
+            let delivered = resolver(py).and_then(|resolve| {
                 loop_ref.call_method1(
                     py,
                     "call_soon_threadsafe",
@@ -49,6 +49,16 @@ where
         });
     });
     Ok(future.unbind())
+}
+
+/// The `resolve` function as a Python callable, made once per process.
+fn resolver(py: Python<'_>) -> PyResult<&Bound<'_, PyCFunction>> {
+    static RESOLVE: PyOnceLock<Py<PyCFunction>> = PyOnceLock::new();
+    RESOLVE
+        .get_or_try_init(py, || {
+            PyCFunction::new_closure(py, None, None, resolve).map(Bound::unbind)
+        })
+        .map(|f| f.bind(py))
 }
 
 /// `resolve(future, value, error)`, run on the event loop: sets the result or the exception

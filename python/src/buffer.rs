@@ -144,6 +144,18 @@ impl FreshByteArray {
     pub fn into_object(self) -> Py<pyo3::types::PyByteArray> {
         self.obj
     }
+
+    /// The buffer maker of a read (`Client::batch_get_alloc`) that makes `cls(size)`, taking
+    /// the GIL for it from whichever thread the read runs on.
+    pub fn maker(
+        cls: &Py<pyo3::types::PyType>,
+    ) -> impl FnMut(usize) -> Result<FreshByteArray, mooncake_client::ClientError> + '_ {
+        move |size| {
+            Python::attach(|py| FreshByteArray::new(cls.bind(py), size)).map_err(|e| {
+                mooncake_client::ClientError::Invalid(format!("allocating {size} bytes: {e}"))
+            })
+        }
+    }
 }
 
 impl AsMut<[u8]> for FreshByteArray {

@@ -110,6 +110,7 @@ impl<G: Deref<Target = Ranges>> Pinned<G> {
                 .ranges
                 .host
                 .range(..=ptr)
+                .rev() // nearest start first: a hit is usually the first range looked at
                 .any(|(start, l)| *start <= ptr && end <= start + l)
     }
 
@@ -119,6 +120,7 @@ impl<G: Deref<Target = Ranges>> Pinned<G> {
         self.ranges
             .device
             .range(..=ptr)
+            .rev()
             .find(|(start, (l, _))| **start <= ptr && end <= **start + l)
             .map(|(_, (_, d))| d)
     }

@@ -444,25 +444,9 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
         let cls = cls.unbind();
         let got = self.with_session(py, Vec::new(), |s| {
-            let alloc = |size: usize| {
-                Python::attach(|py| FreshByteArray::new(cls.bind(py), size))
-                    .map_err(|e| ClientError::Invalid(format!("allocating {size} bytes: {e}")))
-            };
-            s.rt.block_on(s.client.batch_get_alloc(&refs, alloc))
+            s.rt.block_on(s.client.batch_get_alloc(&refs, FreshByteArray::maker(&cls)))
         });
-        if got.is_empty() {
-            return refs.iter().map(|_| None).collect();
-        }
-        got.into_iter()
-            .zip(&refs)
-            .map(|(r, k)| match r {
-                Ok(b) => Some(b.into_object()),
-                Err(e) => {
-                    log_miss("get_buffer", k, &e);
-                    None
-                }
-            })
-            .collect()
+        buffer_results(got, &refs)
     }
 
     #[pyo3(signature = (key, buffer_ptr, size, config=None))]
@@ -1012,6 +996,25 @@ impl OnDevice {
         }
         out
     }
+}
+
+/// `get_buffer`'s answers: each read buffer, or None for a miss or an error (logged); all None
+/// when the store is not set up (no results at all).
+pub(crate) fn buffer_results(
+    got: Vec<Result<FreshByteArray, ClientError>>,
+    keys: &[&str],
+) -> Vec<Option<Py<PyByteArray>>> {
+    if got.is_empty() {
+        return keys.iter().map(|_| None).collect();
+    }
+    got.into_iter()
+        .zip(keys)
+        .map(|(r, k)| {
+            r.map_err(|e| log_miss("get_buffer", k, &e))
+                .ok()
+                .map(FreshByteArray::into_object)
+        })
+        .collect()
 }
 
 /// Mooncake's convention for existence: 1, 0, or the code, per key (the call's code for all

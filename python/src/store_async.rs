@@ -5,11 +5,10 @@
 
 use std::{future::Future, sync::Arc};
 
-use mooncake_client::ClientError;
 use pyo3::{
     prelude::*,
     pybacked::PyBackedStr,
-    types::{PyByteArray, PyBytes, PyType},
+    types::{PyBytes, PyType},
     IntoPyObjectExt,
 };
 
@@ -20,8 +19,8 @@ use crate::{
     registry::OwnedPin,
     session::Session,
     store::{
-        exists_codes, get_code, log_miss, log_unregistered, multi_ranges, put_code, remove_codes,
-        replicate, single_ranges, NativeStore, OnDevice, Ranges, INVALID,
+        buffer_results, exists_codes, get_code, log_miss, log_unregistered, multi_ranges, put_code,
+        remove_codes, replicate, single_ranges, NativeStore, OnDevice, Ranges, INVALID,
     },
 };
 
@@ -307,33 +306,23 @@ impl NativeStore {
         keys: Vec<String>,
         cls: Bound<'_, PyType>,
     ) -> PyResult<Py<PyAny>> {
-        let n = keys.len();
         let cls = cls.unbind();
+        let missing: Vec<Option<Py<PyAny>>> = keys.iter().map(|_| None).collect();
         self.spawn(
             py,
-            Vec::new(),
+            missing,
             move |s| async move {
                 let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-                let alloc = |size: usize| {
-                    Python::attach(|py| FreshByteArray::new(cls.bind(py), size))
-                        .map_err(|e| ClientError::Invalid(format!("allocating {size} bytes: {e}")))
-                };
-                let got = s.client.batch_get_alloc(&refs, alloc).await;
-                got.into_iter()
-                    .zip(&refs)
-                    .map(|(r, k)| {
-                        r.map_err(|e| log_miss("get_buffer", k, &e))
-                            .ok()
-                            .map(FreshByteArray::into_object)
-                    })
-                    .collect::<Vec<Option<Py<PyByteArray>>>>()
+                let got = s
+                    .client
+                    .batch_get_alloc(&refs, FreshByteArray::maker(&cls))
+                    .await;
+                buffer_results(got, &refs)
+                    .into_iter()
+                    .map(|b| b.map(Py::into_any))
+                    .collect()
             },
-            move |py, got| {
-                if got.is_empty() {
-                    return value(py, (0..n).map(|_| py.None()).collect::<Vec<_>>());
-                }
-                value(py, got)
-            },
+            |py, got| got.into_bound_py_any(py),
         )
     }
 
