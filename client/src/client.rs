@@ -11,7 +11,7 @@ use std::sync::{
 use mooncake_common::{
     master_api::SegmentUsage,
     transport::{DataTransport, TransferStats},
-    MasterApi, ReplicaLocation, SegmentName, Tier,
+    Code, MasterApi, ReplicaLocation, ReplicaTaskSpec, ReplicaTaskState, SegmentName, Tier,
 };
 
 use crate::{
@@ -187,6 +187,40 @@ impl Client {
     /// INVALID_PARAMS.
     pub async fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64, ClientError> {
         Ok(self.master.remove_all(force, Some(pattern)).await?)
+    }
+
+    /// Starts copying `key` to each of `targets` (segment names, "host:port"); answers the
+    /// task's id for `query_task`. The object stays readable throughout.
+    pub async fn create_copy_task(&self, key: &str, targets: &[&str]) -> Result<u64, ClientError> {
+        let spec = ReplicaTaskSpec::Copy { targets };
+        Ok(self.master.create_replica_task(key, spec).await?)
+    }
+
+    /// Starts moving `key`'s replica on `source` to `target`: copied first, then dropped from
+    /// `source` (after the reads leased on it).
+    pub async fn create_move_task(
+        &self,
+        key: &str,
+        source: &str,
+        target: &str,
+    ) -> Result<u64, ClientError> {
+        let spec = ReplicaTaskSpec::Move { source, target };
+        Ok(self.master.create_replica_task(key, spec).await?)
+    }
+
+    /// A copy or move task's state.
+    pub async fn query_task(&self, id: u64) -> Result<ReplicaTaskState, ClientError> {
+        Ok(self.master.query_task(id).await?)
+    }
+
+    /// Drops each key's memory replica on `segment` (the object goes when nothing else holds
+    /// it), or whole objects without one; per key, whether it was cleared.
+    pub async fn batch_replica_clear(
+        &self,
+        keys: &[&str],
+        segment: Option<&str>,
+    ) -> Result<Vec<Result<(), Code>>, ClientError> {
+        Ok(self.master.replica_clear(keys, segment).await?)
     }
 
     /// Where each key's replicas are (leases the hits, like a get).

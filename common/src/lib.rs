@@ -22,7 +22,9 @@ pub mod wire;
 pub use code::Code;
 pub use disk_stats::DiskStats;
 pub use ids::{ClientId, IdError, ObjectKey, SegmentName};
-pub use master_api::{ApiError, MasterApi};
+pub use master_api::{
+    ApiError, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus, ReplicaTaskType,
+};
 pub use replica::{ReplicaLocation, ReplicateConfig, Tier};
 pub use size::ByteSize;
 pub use stamp::Stamp;

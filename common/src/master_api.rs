@@ -66,6 +66,77 @@ pub trait MasterApi: Send + Sync {
 
     /// The mounted segments and their usage.
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>>;
+
+    /// Starts a copy of `key` to more segments, or a move of its replica to another one;
+    /// answers the task's id. Refusals (no such object, unknown segment, no room) are errors
+    /// with Mooncake's codes.
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64>;
+
+    /// A replica task's state; OBJECT_NOT_FOUND for an unknown (or long finished) task.
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState>;
+
+    /// Drops each key's memory replica on `segment` (the object goes when nothing else holds
+    /// it), or whole objects without a segment; leased objects are refused (OBJECT_HAS_LEASE).
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>>;
+}
+
+/// What a replica task does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaTaskSpec<'a> {
+    /// Add a memory replica on each target segment.
+    Copy { targets: &'a [&'a str] },
+    /// Add one on `target`, then drop the one on `source`.
+    Move { source: &'a str, target: &'a str },
+}
+
+/// Mooncake's task types and states, with its numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaTaskType {
+    Copy = 0,
+    Move = 1,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaTaskStatus {
+    Pending = 0,
+    Processing = 1,
+    Failed = 2,
+    Success = 3,
+}
+
+/// A replica task as the master last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaTaskState {
+    pub id: u64,
+    pub kind: ReplicaTaskType,
+    pub status: ReplicaTaskStatus,
+    /// Wall-clock milliseconds since the Unix epoch.
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// The segments whose owners do the copies.
+    pub assigned: Vec<String>,
+    /// Why it failed, or what is left.
+    pub detail: String,
+}
+
+impl ReplicaTaskStatus {
+    pub fn from_i32(v: i32) -> Option<Self> {
+        Some(match v {
+            0 => Self::Pending,
+            1 => Self::Processing,
+            2 => Self::Failed,
+            3 => Self::Success,
+            _ => return None,
+        })
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Failed | Self::Success)
+    }
 }
 
 /// A mounted segment's capacity and allocated bytes.

@@ -36,6 +36,8 @@ pub enum MasterError {
     EarlierMaster { key: ObjectKey, put_id: u64 },
     #[error("this master's reserved put ids are used up until its next reservation reaches etcd; retry shortly")]
     GrantsExhausted,
+    #[error("{0}")]
+    Busy(String),
 }
 
 impl MasterError {
@@ -54,6 +56,7 @@ impl MasterError {
             }
             MasterError::Rebuilding(_)
             | MasterError::GrantsExhausted
+            | MasterError::Busy(_)
             | MasterError::EarlierMaster { .. } => Code::UnavailableInCurrentStatus,
         }
     }

@@ -22,10 +22,13 @@ pub enum Op {
     ListSegments,
     /// Objects an owner reported after mounting (catalog rebuild).
     ReportCatalog,
+    CreateReplicaTask,
+    QueryTask,
+    ReplicaClear,
 }
 
 impl Op {
-    const ALL: [Op; 12] = [
+    const ALL: [Op; 15] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Heartbeat,
@@ -38,6 +41,9 @@ impl Op {
         Op::RemoveAll,
         Op::ListSegments,
         Op::ReportCatalog,
+        Op::CreateReplicaTask,
+        Op::QueryTask,
+        Op::ReplicaClear,
     ];
 
     fn name(self) -> &'static str {
@@ -54,6 +60,9 @@ impl Op {
             Op::RemoveAll => "remove_all",
             Op::ListSegments => "get_all_segments",
             Op::ReportCatalog => "report_catalog",
+            Op::CreateReplicaTask => "create_replica_task",
+            Op::QueryTask => "query_task",
+            Op::ReplicaClear => "batch_replica_clear",
         }
     }
 }

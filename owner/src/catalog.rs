@@ -65,10 +65,12 @@ impl Catalog {
     }
 
     /// Forgets the range at `offset` if it still holds version `put_id` (the master says that
-    /// object is gone); a newer write there stays.
-    pub fn forget_version(&self, offset: u64, put_id: u64) -> bool {
+    /// object is gone) under a grant older than `granted_before`; a newer write there, or a
+    /// copy of that version written since, stays.
+    pub fn forget_version(&self, offset: u64, put_id: u64, granted_before: u64) -> bool {
         let mut ranges = self.ranges.lock();
-        let held = matches!(ranges.get(&offset), Some(e) if e.stamp.put_id == put_id);
+        let held = matches!(ranges.get(&offset),
+            Some(e) if e.stamp.put_id == put_id && e.grant < granted_before);
         if held {
             ranges.remove(&offset);
         }
@@ -217,14 +219,18 @@ mod tests {
     fn a_freed_range_is_forgotten_only_while_it_holds_that_version() {
         let c = Catalog::default();
         c.record(0, 100, k("a"), v(7), 7);
-        assert!(!c.forget_version(0, 6), "another version");
-        assert!(!c.forget_version(64, 7), "another offset");
+        assert!(!c.forget_version(0, 6, 8), "another version");
+        assert!(!c.forget_version(64, 7, 8), "another offset");
         assert!(c.holds(0, 100, &k("a"), 7));
-        assert!(c.forget_version(0, 7));
+        assert!(c.forget_version(0, 7, 8));
         assert!(c.snapshot().is_empty());
         // Rewritten by a newer put before the note arrived: the newer object stays.
         c.record(0, 100, k("b"), v(9), 9);
-        assert!(!c.forget_version(0, 7));
+        assert!(!c.forget_version(0, 7, 8));
         assert!(c.holds(0, 100, &k("b"), 9));
+        // A copy of the same version written under a grant issued after the note: it stays.
+        c.record(200, 100, k("a"), v(7), 12);
+        assert!(!c.forget_version(200, 7, 10));
+        assert!(c.holds(200, 100, &k("a"), 7));
     }
 }

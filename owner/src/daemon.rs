@@ -46,7 +46,7 @@ pub struct RunningOwner {
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
-    /// The SSD tier's worker and its own stop signal: it stops before the unmount, so its last
+    /// The work queue's worker (SSD tier, copies) and its own stop signal: it stops before the unmount, so its last
     /// reports reach a master that still knows this owner.
     worker: Option<(watch::Sender<bool>, JoinHandle<()>)>,
     stop: watch::Sender<bool>,
@@ -139,19 +139,20 @@ impl RunningOwner {
             }
             return Err(e.into());
         }
-        let mut worker = None;
         if let Some(store) = &ssd {
             link.register_ssd_records(store).await;
-            let w = Arc::new(Worker {
-                link: link.clone(),
-                store: store.clone(),
-                pool: pool.clone(),
-                catalog: catalog.clone(),
-                concurrency: config.ssd_concurrency,
-            });
-            let (tx, rx) = watch::channel(false);
-            worker = Some((tx, tokio::spawn(w.run(rx))));
         }
+        // The master's work queue: SSD-tier work, and copies for replica tasks.
+        let w = Arc::new(Worker {
+            link: link.clone(),
+            store: ssd.clone(),
+            pool: pool.clone(),
+            catalog: catalog.clone(),
+            concurrency: config.ssd_concurrency,
+            copy_timeout: config.frame_timeout,
+        });
+        let (tx, rx) = watch::channel(false);
+        let worker = Some((tx, tokio::spawn(w.run(rx))));
         tasks.push(tokio::spawn(
             link.clone()
                 .heartbeat_loop(config.heartbeat_interval, stopped),

@@ -123,6 +123,29 @@ class MooncakeDistributedStore(NativeStore):
         """One `BufferHandle` or None per key, from one lookup for the batch."""
         return self._get_buffers(list(keys), BufferHandle)
 
+    # -- replica tasks ------------------------------------------------------------------------
+
+    def query_task(self, task_id):
+        """A copy or move task's state: (QueryTaskResponse, 0), or (None, negative code). `task_id`
+        is the (hi, lo) pair `create_copy_task` / `create_move_task` answered (or its lo alone).
+        `assigned_client` is (0, 0) here: the copies are done by the targets' owners, named in
+        `assigned_segments`."""
+        try:
+            hi, lo = task_id if isinstance(task_id, (tuple, list)) else (0, task_id)
+            hi, lo = int(hi), int(lo)
+        except (TypeError, ValueError):
+            return None, _INVALID
+        if hi != 0 or lo <= 0:
+            return None, _NOT_FOUND
+        code, state = self._query_task(lo)
+        if state is None:
+            return None, code
+        kind, status, created, updated, assigned, detail = state
+        response = QueryTaskResponse(id=(0, lo), type=kind, status=status, created_at_ms_epoch=created,
+                                     last_updated_at_ms_epoch=updated, message=detail)
+        response.assigned_segments = list(assigned)
+        return response, 0
+
     # -- tensors ----------------------------------------------------------------------------
 
     def put_tensor(self, key, tensor, config=None):

@@ -629,6 +629,89 @@ impl NativeStore {
         })
     }
 
+    /// Starts copying `key` to each of `targets` (segment names): ((0, task id), 0), or
+    /// ((0, 0), negative code).
+    fn create_copy_task(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        targets: Vec<String>,
+    ) -> ((u64, u64), i32) {
+        let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
+        self.with_session(py, ((0, 0), INVALID), |s| {
+            task_created(key, s.rt.block_on(s.client.create_copy_task(key, &targets)))
+        })
+    }
+
+    /// Starts moving `key`'s replica on `source` to `target`; answers like `create_copy_task`.
+    fn create_move_task(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        source: &str,
+        target: &str,
+    ) -> ((u64, u64), i32) {
+        self.with_session(py, ((0, 0), INVALID), |s| {
+            let created =
+                s.rt.block_on(s.client.create_move_task(key, source, target));
+            task_created(key, created)
+        })
+    }
+
+    /// A task's state as (code, (type, status, created ms, updated ms, assigned segments,
+    /// detail)); the Python layer makes the QueryTaskResponse.
+    #[allow(clippy::type_complexity)]
+    fn _query_task(
+        &self,
+        py: Python<'_>,
+        task_id: u64,
+    ) -> (i32, Option<(u8, u8, u64, u64, Vec<String>, String)>) {
+        self.with_session(py, (INVALID, None), |s| {
+            match s.rt.block_on(s.client.query_task(task_id)) {
+                Ok(t) => (
+                    0,
+                    Some((
+                        t.kind as u8,
+                        t.status as u8,
+                        t.created_at_ms,
+                        t.updated_at_ms,
+                        t.assigned,
+                        t.detail,
+                    )),
+                ),
+                Err(e) => (e.code().as_i32(), None),
+            }
+        })
+    }
+
+    /// Drops each key's memory replica on `segment_name` (the object goes when nothing else
+    /// holds it), or whole objects when it is empty; answers the keys cleared. Leased objects
+    /// are left (their lease must have run out).
+    #[pyo3(signature = (object_keys, segment_name=""))]
+    fn batch_replica_clear(
+        &self,
+        py: Python<'_>,
+        object_keys: Vec<String>,
+        segment_name: &str,
+    ) -> Vec<String> {
+        let refs: Vec<&str> = object_keys.iter().map(String::as_str).collect();
+        let segment = Some(segment_name).filter(|s| !s.is_empty());
+        self.with_session(py, Vec::new(), |s| {
+            match s.rt.block_on(s.client.batch_replica_clear(&refs, segment)) {
+                Ok(codes) => object_keys
+                    .iter()
+                    .zip(codes)
+                    .filter(|(_, c)| c.is_ok())
+                    .map(|(k, _)| k.clone())
+                    .collect(),
+                Err(e) => {
+                    tracing::error!("batch_replica_clear: {e}");
+                    Vec::new()
+                }
+            }
+        })
+    }
+
     /// The replicas of `key` ([] on a miss).
     fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
         self.replica_descs(py, &[key.to_string()])
@@ -685,6 +768,17 @@ impl NativeStore {
                 Err(_) => vec![None; n],
             }
         })
+    }
+}
+
+/// A task-creating call's answer in Mooncake's shape: ((0, id), 0), or ((0, 0), code).
+fn task_created(key: &str, created: Result<u64, ClientError>) -> ((u64, u64), i32) {
+    match created {
+        Ok(id) => ((0, id), 0),
+        Err(e) => {
+            tracing::error!(key, "replica task refused: {e}");
+            ((0, 0), e.code().as_i32())
+        }
     }
 }
 

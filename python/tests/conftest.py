@@ -51,8 +51,9 @@ class Proc:
                 self.p.wait()
 
 
-def start_master():
-    m = Proc([bin_path("mooncake_master"), "--rpc_address", "127.0.0.1", "--rpc_port", "0", "--metrics_port", "0"])
+def start_master(extra=()):
+    m = Proc([bin_path("mooncake_master"), "--rpc_address", "127.0.0.1", "--rpc_port", "0", "--metrics_port", "0",
+              *extra])
     line = m.wait_line("mooncake_master ready")
     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
     return m, fields["rpc"]

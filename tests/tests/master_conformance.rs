@@ -8,7 +8,9 @@ use mooncake_client::{
     master::{FramedMaster, GrpcMaster},
     Client, MasterApi, ReplicateConfig, Tier,
 };
-use mooncake_common::{master_api::Lookup, Code};
+use mooncake_common::{
+    master_api::Lookup, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus, ReplicaTaskType,
+};
 use mooncake_tests::{payload, transport, Cluster};
 
 const SEGMENT: u64 = 16 << 20;
@@ -243,6 +245,118 @@ async fn a_client_on_every_master_api_moves_the_same_bytes() {
         assert!(bufs == values, "{kind:?}: bytes differ");
         let desc = client.batch_get_replica_desc(&names[..1]).await.unwrap();
         assert_eq!(desc[0].as_ref().unwrap().replicas.len(), 2, "{kind:?}");
+        c.shutdown().await;
+    }
+}
+
+/// Polls a replica task until it finishes (bounded).
+async fn finished(m: &dyn MasterApi, id: u64) -> ReplicaTaskState {
+    for _ in 0..400 {
+        let t = m.query_task(id).await.unwrap();
+        if t.status.is_finished() {
+            return t;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("task {id} did not finish within 10 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT, SEGMENT]).await;
+        let m = api(&c, kind);
+        let client = Client::with_master(m.clone(), None, transport(&c.client_config()))
+            .await
+            .unwrap();
+        let (a, b) = (
+            c.owners[0].segment.to_string(),
+            c.owners[1].segment.to_string(),
+        );
+        let on_a = ReplicateConfig {
+            preferred_segments: vec![c.owners[0].segment.clone()],
+            ..Default::default()
+        };
+        let value = payload("task", 300_001);
+        client.put("task", &value, &on_a).await.unwrap();
+        // A copy: both owners then hold the same bytes.
+        let id = m
+            .create_replica_task("task", ReplicaTaskSpec::Copy { targets: &[&b] })
+            .await
+            .unwrap();
+        let t = finished(&*m, id).await;
+        assert_eq!(
+            (t.id, t.kind, t.status),
+            (id, ReplicaTaskType::Copy, ReplicaTaskStatus::Success),
+            "{kind:?}: {}",
+            t.detail
+        );
+        assert_eq!(t.assigned, vec![b.clone()], "{kind:?}");
+        let lookup = m.get_replicas(&["task"]).await.unwrap();
+        let found = lookup.objects.results[0].as_ref().unwrap();
+        assert_eq!(lookup.objects.run(&found.replicas).len(), 2, "{kind:?}");
+        // The lookup leased the object: its replicas stay.
+        let cleared = m.replica_clear(&["task"], Some(&a)).await.unwrap();
+        assert_eq!(codes(&cleared), vec![Code::ObjectHasLease], "{kind:?}");
+        // A move from a fresh object.
+        m.remove(&["task"], true).await.unwrap();
+        client.put("task", &value, &on_a).await.unwrap();
+        let id = m
+            .create_replica_task(
+                "task",
+                ReplicaTaskSpec::Move {
+                    source: &a,
+                    target: &b,
+                },
+            )
+            .await
+            .unwrap();
+        let t = finished(&*m, id).await;
+        assert_eq!(
+            (t.kind, t.status),
+            (ReplicaTaskType::Move, ReplicaTaskStatus::Success),
+            "{kind:?}: {}",
+            t.detail
+        );
+        let desc = client.batch_get_replica_desc(&["task"]).await.unwrap();
+        let reps = &desc[0].as_ref().unwrap().replicas;
+        assert_eq!(reps.len(), 1, "{kind:?}");
+        assert_eq!(reps[0].segment.to_string(), b, "{kind:?}");
+        let mut buf = vec![0u8; value.len()];
+        let got = client.batch_get(&["task"], &mut [&mut buf[..]]).await;
+        assert_eq!(*got[0].as_ref().unwrap(), value.len(), "{kind:?}");
+        assert!(buf == value, "{kind:?}: the moved replica's bytes differ");
+        // Refusals carry Mooncake's codes.
+        let refused = |r: Result<u64, mooncake_common::ApiError>| r.unwrap_err().code;
+        let copy = |targets| ReplicaTaskSpec::Copy { targets };
+        let to_a = [a.as_str()];
+        assert_eq!(
+            refused(m.create_replica_task("nope", copy(&to_a)).await),
+            Code::ObjectNotFound,
+            "{kind:?}"
+        );
+        assert_eq!(
+            refused(m.create_replica_task("task", copy(&["127.0.0.1:1"])).await),
+            Code::SegmentNotFound,
+            "{kind:?}"
+        );
+        assert_eq!(
+            refused(m.create_replica_task("task", copy(&["no port"])).await),
+            Code::InvalidParams,
+            "{kind:?}"
+        );
+        assert_eq!(
+            m.query_task(id + 1_000_000).await.unwrap_err().code,
+            Code::ObjectNotFound,
+            "{kind:?}"
+        );
+        // A clear of whole objects: the leased one stays until forced out.
+        let cleared = m.replica_clear(&["task", "nope"], None).await.unwrap();
+        assert_eq!(
+            codes(&cleared),
+            vec![Code::ObjectHasLease, Code::ObjectNotFound],
+            "{kind:?}"
+        );
         c.shutdown().await;
     }
 }

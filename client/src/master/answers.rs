@@ -11,7 +11,8 @@ use std::{ops::Range, time::Duration};
 use mooncake_common::{
     master_api::{Found, Grant, Grants, Lookup, Runs, SegmentUsage},
     replica::SegmentNames,
-    ApiError, Code, ReplicaLocation, ReplicateConfig, SegmentName, Tier,
+    ApiError, Code, ReplicaLocation, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus,
+    ReplicaTaskType, ReplicateConfig, SegmentName, Tier,
 };
 use mooncake_proto::{framed::replicas, master as pb};
 
@@ -199,4 +200,48 @@ pub fn segments_from_pb(segments: Vec<pb::SegmentInfo>) -> Result<Vec<SegmentUsa
             })
         })
         .collect()
+}
+
+/// The wire form of a replica task's request.
+pub fn replica_task_pb(key: &str, spec: ReplicaTaskSpec<'_>) -> pb::CreateReplicaTaskRequest {
+    let (targets, source) = match spec {
+        ReplicaTaskSpec::Copy { targets } => (targets.iter().map(|t| t.to_string()).collect(), ""),
+        ReplicaTaskSpec::Move { source, target } => (vec![target.to_string()], source),
+    };
+    pb::CreateReplicaTaskRequest {
+        key: key.to_string(),
+        targets,
+        source: source.to_string(),
+    }
+}
+
+/// A created task's id, or the master's code for why not.
+pub fn task_created(resp: pb::CreateReplicaTaskResponse) -> Result<u64, ApiError> {
+    match resp.code {
+        0 => Ok(resp.task_id),
+        c => Err(ApiError::new(Code::from_i32(c), resp.message)),
+    }
+}
+
+/// A task's state as received.
+pub fn task_state(resp: pb::QueryTaskResponse) -> Result<ReplicaTaskState, ApiError> {
+    if resp.code != 0 {
+        return Err(ApiError::new(Code::from_i32(resp.code), resp.message));
+    }
+    let status = ReplicaTaskStatus::from_i32(resp.status)
+        .ok_or_else(|| ApiError::rpc(format!("master sent unknown task status {}", resp.status)))?;
+    let kind = if resp.r#type == pb::ReplicaTaskType::ReplicaTaskMove as i32 {
+        ReplicaTaskType::Move
+    } else {
+        ReplicaTaskType::Copy
+    };
+    Ok(ReplicaTaskState {
+        id: resp.task_id,
+        kind,
+        status,
+        created_at_ms: resp.created_at_ms,
+        updated_at_ms: resp.updated_at_ms,
+        assigned: resp.assigned,
+        detail: resp.detail,
+    })
 }

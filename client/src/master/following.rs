@@ -15,7 +15,7 @@ use std::{sync::Arc, time::Duration};
 use mooncake_common::{
     leader::{Leader, LeaderLookup},
     master_api::{Call, Grants, Lookup, SegmentUsage},
-    ApiError, Code, MasterApi, ReplicateConfig,
+    ApiError, Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -190,5 +190,21 @@ impl MasterApi for Following {
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
         on_leader!(self, Retry::Always, |m| m.list_segments())
+    }
+
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        on_leader!(self, Retry::NewLeader, |m| m.create_replica_task(key, spec))
+    }
+
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        on_leader!(self, Retry::Always, |m| m.query_task(id))
+    }
+
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        on_leader!(self, Retry::NewLeader, |m| m.replica_clear(keys, segment))
     }
 }

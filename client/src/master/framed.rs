@@ -6,7 +6,7 @@ use std::{io, time::Duration};
 
 use mooncake_common::{
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
-    ApiError, Code, ReplicateConfig,
+    ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use mooncake_proto::{
     framed::{self as rpc_wire, fields, keys, Method},
@@ -21,7 +21,9 @@ use tokio::{
 };
 
 use super::{
-    answers::{self, config_pb, removed, segments_from_pb},
+    answers::{
+        self, config_pb, removed, replica_task_pb, segments_from_pb, task_created, task_state,
+    },
     check_len, exists_codes, expect_len, unit_codes, within,
 };
 
@@ -183,6 +185,43 @@ impl MasterApi for FramedMaster {
                 .call(Method::ListSegments, &pb::ListSegmentsRequest {})
                 .await?;
             segments_from_pb(resp.segments)
+        })
+    }
+
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        Box::pin(async move {
+            let req = replica_task_pb(key, spec);
+            let resp: pb::CreateReplicaTaskResponse =
+                self.call(Method::CreateReplicaTask, &req).await?;
+            task_created(resp)
+        })
+    }
+
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        Box::pin(async move {
+            let req = pb::QueryTaskRequest { task_id: id };
+            let resp: pb::QueryTaskResponse = self.call(Method::QueryTask, &req).await?;
+            task_state(resp)
+        })
+    }
+
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchReplicaClearRequest {
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+                segment: segment.unwrap_or_default().to_string(),
+            };
+            let resp: pb::BatchReplicaClearResponse =
+                self.call(Method::BatchReplicaClear, &req).await?;
+            Ok(unit_codes(expect_len(
+                "replica clear",
+                resp.codes,
+                keys.len(),
+            )?))
         })
     }
 }

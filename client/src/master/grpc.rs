@@ -6,7 +6,7 @@ use std::{future::Future, time::Duration};
 
 use mooncake_common::{
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
-    ApiError, Code, ReplicateConfig,
+    ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tonic::{
@@ -15,7 +15,9 @@ use tonic::{
 };
 
 use super::{
-    answers::{self, config_pb, removed, segments_from_pb},
+    answers::{
+        self, config_pb, removed, replica_task_pb, segments_from_pb, task_created, task_state,
+    },
     check_len, exists_codes, expect_len, unit_codes, within,
 };
 
@@ -193,6 +195,47 @@ impl MasterApi for GrpcMaster {
                 .unary(|mut c| async move { c.list_segments(pb::ListSegmentsRequest {}).await })
                 .await?;
             segments_from_pb(resp.segments)
+        })
+    }
+
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        Box::pin(async move {
+            let req = replica_task_pb(key, spec);
+            let resp = self
+                .unary(|mut c| async move { c.create_replica_task(req).await })
+                .await?;
+            task_created(resp)
+        })
+    }
+
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        Box::pin(async move {
+            let req = pb::QueryTaskRequest { task_id: id };
+            let resp = self
+                .unary(|mut c| async move { c.query_task(req).await })
+                .await?;
+            task_state(resp)
+        })
+    }
+
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let req = pb::BatchReplicaClearRequest {
+                keys: owned(keys),
+                segment: segment.unwrap_or_default().to_string(),
+            };
+            let resp = self
+                .unary(|mut c| async move { c.batch_replica_clear(req).await })
+                .await?;
+            Ok(unit_codes(expect_len(
+                "replica clear",
+                resp.codes,
+                keys.len(),
+            )?))
         })
     }
 }

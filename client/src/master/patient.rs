@@ -10,7 +10,7 @@ use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
     master_api::{Call, Grants, Lookup, SegmentUsage},
-    Code, MasterApi, ReplicateConfig,
+    Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use tokio::time::Instant;
 
@@ -99,5 +99,21 @@ impl MasterApi for Patient {
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
         self.inner.list_segments()
+    }
+
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        self.inner.create_replica_task(key, spec)
+    }
+
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        self.inner.query_task(id)
+    }
+
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        self.inner.replica_clear(keys, segment)
     }
 }

@@ -16,6 +16,7 @@ impl MasterState {
         self.expire_owners(now);
         self.expire_puts(now);
         self.expire_offloads(now);
+        self.expire_replica_tasks(now);
         self.drain_eager_backlog(now);
         self.release_due(now);
         let capacity = self.capacity();

@@ -9,6 +9,9 @@ pub mod placement;
 mod rebuild;
 #[cfg(test)]
 mod rebuild_tests;
+mod replica_tasks;
+#[cfg(test)]
+mod replica_tasks_tests;
 mod segments;
 mod table;
 #[cfg(test)]
@@ -28,8 +31,9 @@ use allocator::{Allocation, OffsetAllocator};
 pub use objects::PutGrant;
 pub use placement::AllocationStrategy;
 pub use rebuild::{ReportOutcome, Reported};
+pub use replica_tasks::{TaskInfo, TaskRequest};
 pub use segments::{HeartbeatReply, MountReport};
-pub use tiers::{DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
+pub use tiers::{CopyFrom, DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
 
 /// A mounted segment's identity for this master's lifetime. A remount gets a new id, so a
 /// replica can never point at a different incarnation of a segment with the same name.
@@ -94,6 +98,8 @@ struct Segment {
     disk: Option<DiskTier>,
     /// The catalog report under way: no allocation here until it ends.
     report: Option<Box<rebuild::Report>>,
+    /// Work waiting for the owner's poll (SSD-tier work, copies).
+    tasks: VecDeque<OwnerTask>,
 }
 
 /// A segment's SSD tier as the master sees it: capacity, what the owner last reported, and the
@@ -101,7 +107,6 @@ struct Segment {
 struct DiskTier {
     capacity: u64,
     stats: DiskStats,
-    tasks: VecDeque<OwnerTask>,
     /// Offloads queued or taken by the owner and not yet reported.
     offloads: usize,
 }
@@ -119,6 +124,9 @@ struct Owner {
 pub struct Freed {
     pub offset: u64,
     pub put_id: u64,
+    /// Every grant of the range issued before the note is older than this; a copy of the same
+    /// version written there later (a replica task, a promotion) has a newer grant and stays.
+    pub granted_before: u64,
 }
 
 /// Freed ranges kept per owner until its next heartbeat, at most (16 bytes each); the oldest go
@@ -220,6 +228,7 @@ pub struct MasterState {
     awaited: Vec<SegmentName>,
     /// The first put id this process issued (`started`): smaller ones are an earlier master's.
     first_grant: u64,
+    replica_tasks: replica_tasks::ReplicaTasks,
 }
 
 impl MasterState {
@@ -274,6 +283,7 @@ impl MasterState {
             born: None,
             awaited: Vec::new(),
             first_grant: 0,
+            replica_tasks: Default::default(),
         }
     }
 
@@ -370,6 +380,16 @@ impl MasterState {
             if obj.replicas.is_empty() && obj.disk().is_empty() {
                 return Err(format!("{key}: object without any replica"));
             }
+        }
+        for (segment, allocation) in self.replica_tasks.reserved() {
+            let size = self
+                .segments
+                .get(&segment)
+                .map_or(0, |s| s.allocator.size_of(allocation));
+            per_segment
+                .entry(segment)
+                .or_default()
+                .push((allocation.offset(), size));
         }
         for p in &self.pending {
             let size = self

@@ -82,10 +82,10 @@ impl MasterState {
                         capacity: disk_capacity,
                         ..DiskStats::default()
                     },
-                    tasks: VecDeque::new(),
                     offloads: 0,
                 }),
                 report: None,
+                tasks: VecDeque::new(),
             },
         );
         if report.objects > 0 {
@@ -148,6 +148,7 @@ impl MasterState {
         let Some(seg) = self.segments.get(&r.segment) else {
             return;
         };
+        let granted_before = self.grants.next;
         if let Some(o) = self.owners.get_mut(&seg.owner) {
             if o.freed.len() >= MAX_FREED_NOTES {
                 o.freed.pop_front();
@@ -155,6 +156,7 @@ impl MasterState {
             o.freed.push_back(Freed {
                 offset: r.allocation.offset(),
                 put_id,
+                granted_before,
             });
         }
     }
@@ -274,5 +276,7 @@ impl MasterState {
             let at = p.since.plus(self.policy.put_release_timeout);
             self.defer_release(vec![p.replica], at);
         }
+        let now = self.last_tick.unwrap_or_default();
+        self.replica_tasks_lose_segment(id, now);
     }
 }

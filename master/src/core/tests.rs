@@ -68,6 +68,14 @@ fn put(
     Ok(g)
 }
 
+/// The (offset, put id) of the ranges owner `i` is told to forget.
+fn freed(s: &mut MasterState, i: u16) -> Vec<(u64, u64)> {
+    s.take_freed(owner(i))
+        .iter()
+        .map(|f| (f.offset, f.put_id))
+        .collect()
+}
+
 fn upsert() -> ReplicateConfig {
     ReplicateConfig {
         upsert: true,
@@ -109,11 +117,8 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
         "both ranges held while the reader may read"
     );
     assert_eq!(
-        s.take_freed(owner(0)),
-        vec![Freed {
-            offset: first.replicas[0].offset,
-            put_id: second.put_id
-        }]
+        freed(&mut s, 0),
+        vec![(first.replicas[0].offset, second.put_id)]
     );
     s.put_end("a", third.put_id, Millis(7)).unwrap();
     let lease_end = 5 + Policy::default().lease_ttl.as_millis() as u64;
@@ -156,19 +161,19 @@ fn owners_are_told_which_ranges_to_forget_when_objects_go() {
     let b = put(&mut s, "b", 1000, &cfg(1), 0).unwrap();
     let c = s.put_start(&k("c"), 1000, &cfg(1), Millis(0)).unwrap();
     // Nothing went yet; a heartbeat hands out nothing.
-    assert_eq!(s.take_freed(owner(0)), vec![]);
+    assert_eq!(freed(&mut s, 0), vec![]);
     s.remove(&k("a"), false, Millis(1)).unwrap();
     s.put_revoke("c", c.put_id).unwrap();
-    let note = |g: &PutGrant| Freed {
-        offset: g.replicas[0].offset,
-        put_id: g.put_id,
-    };
-    assert_eq!(s.take_freed(owner(0)), vec![note(&a), note(&c)]);
-    assert_eq!(s.take_freed(owner(0)), vec![], "handed out once");
+    let note = |g: &PutGrant| (g.replicas[0].offset, g.put_id);
+    let notes = s.take_freed(owner(0));
+    assert!(notes.iter().all(|f| f.granted_before == s.next_grant()));
+    let notes: Vec<_> = notes.iter().map(|f| (f.offset, f.put_id)).collect();
+    assert_eq!(notes, vec![note(&a), note(&c)]);
+    assert_eq!(freed(&mut s, 0), vec![], "handed out once");
     // Eviction too (everything unleased goes at a high enough ratio).
     s.evict(Millis(2), 64 * MIB);
-    assert_eq!(s.take_freed(owner(0)), vec![note(&b)]);
-    assert_eq!(s.take_freed(owner(9)), vec![], "an unknown owner");
+    assert_eq!(freed(&mut s, 0), vec![note(&b)]);
+    assert_eq!(freed(&mut s, 9), vec![], "an unknown owner");
     s.check_invariants().unwrap();
 }
 
@@ -488,6 +493,12 @@ enum Step {
     OwnerWork(u8, bool),
     /// The owner of segment .1 drops its disk record of key .0.
     DiskDrop(u8, u8),
+    /// A copy of key .0 to segment .1.
+    Copy(u8, u8),
+    /// A move of key .0 from segment .1 to segment .2.
+    Move(u8, u8, u8),
+    /// A replica clear of key .0 on segment .1 (3: whole object).
+    Clear(u8, u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -502,6 +513,13 @@ fn step() -> impl Strategy<Value = Step> {
         any::<u8>().prop_map(|o| Step::Remount(o % 3)),
         (any::<u8>(), any::<bool>()).prop_map(|(o, ok)| Step::OwnerWork(o % 3, ok)),
         (any::<u8>(), any::<u8>()).prop_map(|(k, o)| Step::DiskDrop(k % 32, o % 3)),
+        (any::<u8>(), any::<u8>()).prop_map(|(k, o)| Step::Copy(k % 32, o % 3)),
+        (any::<u8>(), any::<u8>(), any::<u8>()).prop_map(|(k, a, b)| Step::Move(
+            k % 32,
+            a % 3,
+            b % 3
+        )),
+        (any::<u8>(), any::<u8>()).prop_map(|(k, o)| Step::Clear(k % 32, o % 4)),
     ]
 }
 
@@ -543,10 +561,27 @@ proptest! {
                 }
                 Step::OwnerWork(o, ok) => {
                     if let Some(id) = s.segment_id(&seg(o as u16)) {
-                        for t in s.take_tasks(id, 16) {
-                            let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+                        for t in s.take_tasks(id, 16, Millis(now)) {
+                            if t.kind == TaskKind::Copy {
+                                let failure = (!ok).then_some("copy failed");
+                                let _ = s.report_copy(id, t.task_id, &t.key, t.put_id, failure, Millis(now));
+                            } else {
+                                let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+                            }
                         }
                     }
+                }
+                Step::Copy(key, o) => {
+                    let targets = [seg(o as u16)];
+                    let _ = s.create_replica_task(&k(&format!("k{key}")), TaskRequest::Copy { targets: &targets }, Millis(now));
+                }
+                Step::Move(key, a, b) => {
+                    let (source, target) = (seg(a as u16), seg(b as u16));
+                    let _ = s.create_replica_task(&k(&format!("k{key}")), TaskRequest::Move { source: &source, target: &target }, Millis(now));
+                }
+                Step::Clear(key, o) => {
+                    let name = (o < 3).then(|| seg(o as u16));
+                    let _ = s.replica_clear(&[k(&format!("k{key}"))], name.as_ref(), Millis(now));
                 }
                 Step::DiskDrop(key, o) => {
                     let key = k(&format!("k{key}"));

@@ -52,7 +52,7 @@ fn put(s: &mut MasterState, key: &str, size: u64, now: u64) -> Result<u64, Maste
 
 /// The owner does every queued task and reports it (`ok`).
 fn owner_works(s: &mut MasterState, id: SegmentId, ok: bool, now: u64) -> Vec<OwnerTask> {
-    let tasks = s.take_tasks(id, 1000);
+    let tasks = s.take_tasks(id, 1000, Millis(0));
     for t in &tasks {
         let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
     }
@@ -129,9 +129,12 @@ fn disk_only_objects_are_promoted_after_enough_hits() {
     s.evict(Millis(2), MIB); // has a disk copy: memory freed at once
     assert_eq!(s.allocated(), 0);
     assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
-    assert!(s.take_tasks(id, 10).is_empty(), "one hit is not enough");
+    assert!(
+        s.take_tasks(id, 10, Millis(0)).is_empty(),
+        "one hit is not enough"
+    );
     assert_eq!(tiers(&mut s, "a", 4), vec![Tier::Disk]);
-    let tasks = s.take_tasks(id, 10);
+    let tasks = s.take_tasks(id, 10, Millis(0));
     assert_eq!(tasks.len(), 1);
     assert_eq!(tasks[0].kind, TaskKind::Promote);
     assert_eq!(s.allocated(), MIB, "memory is reserved for the promotion");
@@ -152,7 +155,7 @@ fn disk_only_objects_are_promoted_after_enough_hits() {
     s.evict(Millis(20_000), MIB);
     tiers(&mut s, "a", 20_001);
     tiers(&mut s, "a", 20_002);
-    let tasks = s.take_tasks(id, 10);
+    let tasks = s.take_tasks(id, 10, Millis(0));
     s.report_task(
         id,
         TaskKind::Promote,
@@ -195,7 +198,7 @@ fn late_or_stale_reports_change_nothing_and_tell_the_owner_to_drop() {
     let v1 = put(&mut s, "a", MIB, 0).unwrap();
     put(&mut s, "b", MIB, 1).unwrap();
     s.evict(Millis(5), MIB);
-    let tasks = s.take_tasks(id, 10);
+    let tasks = s.take_tasks(id, 10, Millis(0));
     assert_eq!(tasks.len(), 1);
     // The object is removed and put again while the offload is in flight.
     s.remove(&k("a"), true, Millis(6)).unwrap();
@@ -210,7 +213,7 @@ fn late_or_stale_reports_change_nothing_and_tell_the_owner_to_drop() {
     s.start_offload(&k("b"), false, Millis(10));
     owner_works(&mut s, id, true, 11);
     s.remove(&k("b"), true, Millis(12)).unwrap();
-    let drops = s.take_tasks(id, 10);
+    let drops = s.take_tasks(id, 10, Millis(0));
     assert_eq!(drops.len(), 1);
     assert_eq!((drops[0].kind, &drops[0].key), (TaskKind::Drop, &k("b")));
 }
@@ -239,7 +242,7 @@ fn unreported_offloads_time_out() {
     let (mut s, id) = tiered(2 * MIB, policy);
     put(&mut s, "a", MIB, 0).unwrap();
     s.evict(Millis(1), MIB);
-    assert_eq!(s.take_tasks(id, 10).len(), 1);
+    assert_eq!(s.take_tasks(id, 10, Millis(0)).len(), 1);
     s.tick(Millis(3_000));
     assert!(s.offloads_outstanding());
     s.tick(Millis(6_000));
@@ -385,10 +388,10 @@ fn an_object_whose_offload_failed_is_offloaded_again_after_the_timeout() {
     owner_works(&mut s, id, false, 2);
     // Within the timeout: kept in memory (the policy says keep), no new offload.
     s.evict(Millis(3), MIB);
-    assert!(s.take_tasks(id, 10).is_empty());
+    assert!(s.take_tasks(id, 10, Millis(0)).is_empty());
     assert_eq!(s.key_count(), 1);
     // After it: tried again.
     s.evict(Millis(6_000), MIB);
-    assert_eq!(s.take_tasks(id, 10).len(), 1);
+    assert_eq!(s.take_tasks(id, 10, Millis(0)).len(), 1);
     s.check_invariants().unwrap();
 }

@@ -28,6 +28,17 @@ pub enum TaskKind {
     Drop,
     /// Fill the memory range from the disk record.
     Promote,
+    /// Fill the memory range with a copy of a replica on another owner (a replica task).
+    Copy,
+}
+
+/// Where a copy reads the object: a memory replica at `offset` of `segment`, or the disk copy
+/// of `segment`'s SSD tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyFrom {
+    pub segment: mooncake_common::SegmentName,
+    pub offset: u64,
+    pub tier: mooncake_common::Tier,
 }
 
 /// Work for an owner, taken by its long poll.
@@ -38,8 +49,12 @@ pub struct OwnerTask {
     pub put_id: u64,
     pub offset: u64,
     pub size: u64,
-    /// Promote: the grant of the memory range written (0 for other kinds).
+    /// Promote, Copy: the grant of the memory range written (0 for other kinds).
     pub grant: u64,
+    /// Copy: the replica task (0 for other kinds).
+    pub task_id: u64,
+    /// Copy: the replica to read.
+    pub copy_from: Option<CopyFrom>,
 }
 
 /// What eviction does with an object whose owner's SSD tier has a full offload queue.
@@ -83,6 +98,8 @@ impl MasterState {
                     offset: 0,
                     size: obj.size,
                     grant: 0,
+                    task_id: 0,
+                    copy_from: None,
                 },
             );
             let name = self.segment_name(*seg).clone();
@@ -165,13 +182,9 @@ impl MasterState {
         }
     }
 
-    fn queue_task(&mut self, segment: SegmentId, task: OwnerTask) {
-        if let Some(d) = self
-            .segments
-            .get_mut(&segment)
-            .and_then(|s| s.disk.as_mut())
-        {
-            d.tasks.push_back(task);
+    pub(super) fn queue_task(&mut self, segment: SegmentId, task: OwnerTask) {
+        if let Some(s) = self.segments.get_mut(&segment) {
+            s.tasks.push_back(task);
             self.tasks_queued = true;
         }
     }
@@ -196,6 +209,21 @@ impl MasterState {
         owner: mooncake_common::ClientId,
         name: &mooncake_common::SegmentName,
     ) -> Result<SegmentId, MasterError> {
+        let id = self.owned_segment(owner, name)?;
+        if self.segments[&id].disk.is_none() {
+            return Err(MasterError::Invalid(format!(
+                "segment {name} was mounted without an SSD tier"
+            )));
+        }
+        Ok(id)
+    }
+
+    /// The segment `name`, checked to belong to `owner`.
+    pub fn owned_segment(
+        &self,
+        owner: mooncake_common::ClientId,
+        name: &mooncake_common::SegmentName,
+    ) -> Result<SegmentId, MasterError> {
         let id = self
             .segment_id(name)
             .ok_or_else(|| MasterError::SegmentNotFound(name.clone()))?;
@@ -205,27 +233,20 @@ impl MasterState {
                 segment: name.clone(),
             });
         }
-        if seg.disk.is_none() {
-            return Err(MasterError::Invalid(format!(
-                "segment {name} was mounted without an SSD tier"
-            )));
-        }
         Ok(id)
     }
 
     /// Up to `max` tasks for the owner of `segment`, oldest first.
-    pub fn take_tasks(&mut self, segment: SegmentId, max: usize) -> Vec<OwnerTask> {
-        match self
-            .segments
-            .get_mut(&segment)
-            .and_then(|s| s.disk.as_mut())
-        {
-            Some(d) => {
-                let n = d.tasks.len().min(max);
-                d.tasks.drain(..n).collect()
-            }
-            None => Vec::new(),
+    pub fn take_tasks(&mut self, segment: SegmentId, max: usize, now: Millis) -> Vec<OwnerTask> {
+        let Some(s) = self.segments.get_mut(&segment) else {
+            return Vec::new();
+        };
+        let n = s.tasks.len().min(max);
+        let tasks: Vec<OwnerTask> = s.tasks.drain(..n).collect();
+        for t in tasks.iter().filter(|t| t.kind == TaskKind::Copy) {
+            self.replica_tasks.taken(t.task_id, segment, now);
         }
+        tasks
     }
 
     pub fn set_disk_stats(&mut self, owner: mooncake_common::ClientId, stats: DiskStats) {
@@ -280,6 +301,8 @@ impl MasterState {
             offset,
             size: obj.size,
             grant: 0,
+            task_id: 0,
+            copy_from: None,
         };
         let d = self
             .segments
@@ -377,6 +400,8 @@ impl MasterState {
             offset: allocation.offset(),
             size: obj.size,
             grant,
+            task_id: 0,
+            copy_from: None,
         };
         obj.tier_mut().promoting = Some(Promotion {
             replica: Replica {
@@ -477,6 +502,9 @@ impl MasterState {
                 Ok(())
             }
             TaskKind::Drop => unreachable!("handled above"),
+            TaskKind::Copy => Err(MasterError::Invalid(
+                "a copy is reported with its task (report_copy)".into(),
+            )),
         }
     }
 

@@ -8,14 +8,16 @@ mod owners;
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_common::{replica::MAX_REPLICAS, Code, ObjectKey, ReplicaLocation, ReplicateConfig};
+use mooncake_common::{
+    replica::MAX_REPLICAS, Code, ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName,
+};
 use parking_lot::Mutex;
 
 pub use owners::{Polled, TaskReport};
 
 use crate::{
     clock::Clock,
-    core::{MasterState, PutGrant, SegmentStat},
+    core::{MasterState, PutGrant, SegmentStat, TaskInfo, TaskRequest},
     error::MasterError,
     ha::Leadership,
     metrics::{Metrics, Op},
@@ -301,6 +303,75 @@ impl MasterService {
         };
         self.shared.metrics.record(Op::RemoveAll, 1, 0);
         Ok(removed)
+    }
+
+    /// Starts a copy or move of `key` (see `core::replica_tasks`); answers the task id.
+    pub fn create_replica_task(
+        &self,
+        key: &str,
+        request: TaskRequest<'_>,
+    ) -> Result<u64, MasterError> {
+        let res = ObjectKey::new(key)
+            .map_err(MasterError::from)
+            .and_then(|key| {
+                let now = self.shared.clock.now();
+                let mut state = self.shared.state.lock();
+                let res = state.create_replica_task(&key, request, now);
+                self.shared.wake_owners(&mut state);
+                res
+            });
+        self.shared
+            .metrics
+            .record(Op::CreateReplicaTask, 1, res.is_err() as usize);
+        res
+    }
+
+    /// A replica task's state, with its instants on the wall clock (ms since the Unix epoch).
+    pub fn query_task(&self, id: u64) -> Option<(TaskInfo, u64, u64)> {
+        let info = self.shared.state.lock().query_task(id);
+        self.shared
+            .metrics
+            .record(Op::QueryTask, 1, info.is_none() as usize);
+        let info = info?;
+        let now = self.shared.clock.now();
+        let wall_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let wall = |t: crate::clock::Millis| wall_now.saturating_sub(now.0.saturating_sub(t.0));
+        let (created, updated) = (wall(info.created), wall(info.updated));
+        Some((info, created, updated))
+    }
+
+    /// Drops `keys`' memory replicas on `segment`, or whole objects without one (see
+    /// `MasterState::replica_clear`).
+    pub fn replica_clear(
+        &self,
+        keys: &[&str],
+        segment: Option<&SegmentName>,
+    ) -> Vec<Result<(), MasterError>> {
+        let now = self.shared.clock.now();
+        let mut parsed = Vec::with_capacity(keys.len());
+        let mut bad = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            match ObjectKey::new(k) {
+                Ok(k) => parsed.push(k),
+                Err(e) => bad.push((i, MasterError::from(e))),
+            }
+        }
+        let mut cleared = {
+            let mut state = self.shared.state.lock();
+            let cleared = state.replica_clear(&parsed, segment, now);
+            self.shared.wake_owners(&mut state);
+            cleared
+        };
+        for (i, e) in bad {
+            cleared.insert(i, Err(e));
+        }
+        let failed = cleared.iter().filter(|r| r.is_err()).count();
+        self.shared
+            .metrics
+            .record(Op::ReplicaClear, keys.len(), failed);
+        cleared
     }
 
     /// The mounted segments and their usage.

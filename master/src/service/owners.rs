@@ -36,6 +36,9 @@ pub struct TaskReport<'a> {
     pub key: &'a str,
     pub put_id: u64,
     pub done: bool,
+    /// Copy: its replica task, and why it failed.
+    pub task_id: u64,
+    pub message: &'a str,
 }
 
 impl MasterService {
@@ -118,7 +121,7 @@ impl MasterService {
             let work = self.shared.owner_work.notified();
             tokio::pin!(work);
             work.as_mut().enable();
-            let Ok(id) = self.disk_segment(owner, segment) else {
+            let Ok(id) = self.shared.state.lock().owned_segment(owner, segment) else {
                 return Polled {
                     tasks: Vec::new(),
                     remount: true,
@@ -131,7 +134,8 @@ impl MasterService {
                     remount: false,
                 };
             }
-            let tasks = self.shared.state.lock().take_tasks(id, max);
+            let now = self.shared.clock.now();
+            let tasks = self.shared.state.lock().take_tasks(id, max, now);
             if !tasks.is_empty() || tokio::time::timeout_at(deadline, work).await.is_err() {
                 return Polled {
                     tasks,
@@ -143,14 +147,14 @@ impl MasterService {
 
     /// Takes the outcomes of tasks; per report, whether the master still wants what was done
     /// (an error: the owner drops what it wrote). The outer error: the segment is not the
-    /// owner's, or has no SSD tier.
+    /// owner's.
     pub fn report_tasks(
         &self,
         owner: ClientId,
         segment: &SegmentName,
         reports: &[TaskReport<'_>],
     ) -> Result<Vec<Result<(), MasterError>>, MasterError> {
-        let id = self.disk_segment(owner, segment)?;
+        let id = self.shared.state.lock().owned_segment(owner, segment)?;
         let now = self.shared.clock.now();
         let results = {
             let mut state = self.shared.state.lock();
@@ -159,7 +163,13 @@ impl MasterService {
                 .map(|t| {
                     ObjectKey::new(t.key)
                         .map_err(MasterError::from)
-                        .and_then(|k| state.report_task(id, t.kind, &k, t.put_id, t.done, now))
+                        .and_then(|k| match t.kind {
+                            TaskKind::Copy => {
+                                let failure = (!t.done).then_some(t.message);
+                                state.report_copy(id, t.task_id, &k, t.put_id, failure, now)
+                            }
+                            kind => state.report_task(id, kind, &k, t.put_id, t.done, now),
+                        })
                 })
                 .collect();
             self.shared.wake_owners(&mut state);

@@ -214,5 +214,16 @@ async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
         Method::ListSegments => {
             call::<pb::ListSegmentsRequest, _, _, _>(body, |r| grpc.list_segments(r)).await
         }
+        Method::CreateReplicaTask => {
+            call::<pb::CreateReplicaTaskRequest, _, _, _>(body, |r| grpc.create_replica_task(r))
+                .await
+        }
+        Method::QueryTask => {
+            call::<pb::QueryTaskRequest, _, _, _>(body, |r| grpc.query_task(r)).await
+        }
+        Method::BatchReplicaClear => {
+            call::<pb::BatchReplicaClearRequest, _, _, _>(body, |r| grpc.batch_replica_clear(r))
+                .await
+        }
     }
 }

@@ -8,9 +8,13 @@ use mooncake_common::{ObjectKey, Stamp};
 use mooncake_proto::master as pb;
 use tonic::{Request, Response, Status};
 
-use super::{client_id, code, code_and_message, replica_pb, replicate_config, segment, BadRequest};
+use super::{
+    client_id, code, code_and_message, replica_pb, replicate_config, segment, tier_number,
+    BadRequest,
+};
 use crate::{
-    core::{HeartbeatReply, MountReport, OwnerTask, Reported, TaskKind},
+    core::{HeartbeatReply, MountReport, OwnerTask, Reported, TaskKind, TaskRequest},
+    error::MasterError,
     service::{MasterService, TaskReport},
 };
 
@@ -31,6 +35,7 @@ fn kind_to_pb(k: TaskKind) -> pb::TaskKind {
         TaskKind::Offload => pb::TaskKind::Offload,
         TaskKind::Drop => pb::TaskKind::Drop,
         TaskKind::Promote => pb::TaskKind::Promote,
+        TaskKind::Copy => pb::TaskKind::Copy,
     }
 }
 
@@ -39,6 +44,7 @@ fn kind_from_pb(k: i32) -> Result<TaskKind, Status> {
         Ok(pb::TaskKind::Offload) => Ok(TaskKind::Offload),
         Ok(pb::TaskKind::Drop) => Ok(TaskKind::Drop),
         Ok(pb::TaskKind::Promote) => Ok(TaskKind::Promote),
+        Ok(pb::TaskKind::Copy) => Ok(TaskKind::Copy),
         Err(_) => Err(Status::invalid_argument(format!("unknown task kind {k}"))),
     }
 }
@@ -51,7 +57,23 @@ fn task_to_pb(t: OwnerTask) -> pb::OwnerTask {
         offset: t.offset,
         size: t.size,
         grant: t.grant,
+        task_id: t.task_id,
+        source: t
+            .copy_from
+            .as_ref()
+            .map(|c| c.segment.to_string())
+            .unwrap_or_default(),
+        source_offset: t.copy_from.as_ref().map_or(0, |c| c.offset),
+        source_tier: t.copy_from.as_ref().map_or(0, |c| tier_number(c.tier)),
     }
+}
+
+/// Segment names as a request carries them; one that does not parse is the caller's error.
+fn segment_names(names: &[String]) -> Result<Vec<mooncake_common::SegmentName>, MasterError> {
+    names
+        .iter()
+        .map(|n| segment(n).map_err(|e| MasterError::Invalid(e.0)))
+        .collect()
 }
 
 /// A call on the puts named by (key, put id), answered with a code per put.
@@ -116,6 +138,7 @@ impl pb::master_server::Master for GrpcMaster {
                 .map(|f| pb::FreedRange {
                     offset: f.offset,
                     put_id: f.put_id,
+                    granted_before: f.granted_before,
                 })
                 .collect(),
         }))
@@ -218,6 +241,87 @@ impl pb::master_server::Master for GrpcMaster {
         }))
     }
 
+    async fn create_replica_task(
+        &self,
+        req: Request<pb::CreateReplicaTaskRequest>,
+    ) -> Reply<pb::CreateReplicaTaskResponse> {
+        let r = req.into_inner();
+        let res = segment_names(&r.targets).and_then(|targets| {
+            if r.source.is_empty() {
+                return self
+                    .0
+                    .create_replica_task(&r.key, TaskRequest::Copy { targets: &targets });
+            }
+            let source = segment(&r.source).map_err(|e| MasterError::Invalid(e.0))?;
+            match targets.as_slice() {
+                [target] => self.0.create_replica_task(
+                    &r.key,
+                    TaskRequest::Move {
+                        source: &source,
+                        target,
+                    },
+                ),
+                _ => Err(MasterError::Invalid(format!(
+                    "a move names one target, not {}",
+                    targets.len()
+                ))),
+            }
+        });
+        let (code, message) = code_and_message(&res);
+        Ok(Response::new(pb::CreateReplicaTaskResponse {
+            code,
+            message,
+            task_id: res.unwrap_or(0),
+        }))
+    }
+
+    async fn query_task(&self, req: Request<pb::QueryTaskRequest>) -> Reply<pb::QueryTaskResponse> {
+        let id = req.into_inner().task_id;
+        let Some((info, created_at_ms, updated_at_ms)) = self.0.query_task(id) else {
+            return Ok(Response::new(pb::QueryTaskResponse {
+                code: mooncake_common::Code::ObjectNotFound.as_i32(),
+                message: format!("no task {id} (never made, or finished long ago)"),
+                task_id: id,
+                ..Default::default()
+            }));
+        };
+        Ok(Response::new(pb::QueryTaskResponse {
+            code: 0,
+            message: String::new(),
+            task_id: info.id,
+            r#type: info.kind as i32,
+            status: info.status as i32,
+            created_at_ms,
+            updated_at_ms,
+            assigned: info.assigned.iter().map(|s| s.to_string()).collect(),
+            detail: info.detail,
+        }))
+    }
+
+    async fn batch_replica_clear(
+        &self,
+        req: Request<pb::BatchReplicaClearRequest>,
+    ) -> Reply<pb::BatchReplicaClearResponse> {
+        let r = req.into_inner();
+        let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
+        let name = match r.segment.as_str() {
+            "" => None,
+            s => match segment(s) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    let c = MasterError::Invalid(e.0).code().as_i32();
+                    return Ok(Response::new(pb::BatchReplicaClearResponse {
+                        codes: vec![c; keys.len()],
+                    }));
+                }
+            },
+        };
+        let results = self.0.replica_clear(&keys, name.as_ref());
+        Ok(Response::new(pb::BatchReplicaClearResponse {
+            codes: results.iter().map(code).collect(),
+        }))
+    }
+
     async fn list_segments(
         &self,
         _req: Request<pb::ListSegmentsRequest>,
@@ -265,6 +369,8 @@ impl pb::master_server::Master for GrpcMaster {
                     key: &t.key,
                     put_id: t.put_id,
                     done: t.code == 0,
+                    task_id: t.task_id,
+                    message: &t.message,
                 })
             })
             .collect::<Result<Vec<_>, Status>>()?;

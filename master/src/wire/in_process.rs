@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use mooncake_common::{
     master_api::{Call, Found, Grant, Grants, Lookup, MasterApi, SegmentUsage},
-    ApiError, Code, ReplicateConfig,
+    ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig, SegmentName,
 };
 
-use crate::{error::MasterError, service::MasterService};
+use crate::{core::TaskRequest, error::MasterError, service::MasterService};
 
 /// A `MasterApi` on the master's service in this process.
 #[derive(Clone)]
@@ -84,6 +84,68 @@ impl MasterApi for InProcessMaster {
             self.0
                 .remove_all(force, key_regex)
                 .map_err(|e| ApiError::new(e.code(), e.to_string()))
+        })
+    }
+
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        Box::pin(async move {
+            let names = |names: &[&str]| {
+                names
+                    .iter()
+                    .map(|n| SegmentName::parse(n))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ApiError::new(Code::InvalidParams, e.to_string()))
+            };
+            let res = match spec {
+                ReplicaTaskSpec::Copy { targets } => {
+                    let targets = names(targets)?;
+                    self.0
+                        .create_replica_task(key, TaskRequest::Copy { targets: &targets })
+                }
+                ReplicaTaskSpec::Move { source, target } => {
+                    let (source, target) = (names(&[source])?, names(&[target])?);
+                    self.0.create_replica_task(
+                        key,
+                        TaskRequest::Move {
+                            source: &source[0],
+                            target: &target[0],
+                        },
+                    )
+                }
+            };
+            res.map_err(|e| ApiError::new(e.code(), e.to_string()))
+        })
+    }
+
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        Box::pin(async move {
+            let (info, created_at_ms, updated_at_ms) = self
+                .0
+                .query_task(id)
+                .ok_or_else(|| ApiError::new(Code::ObjectNotFound, format!("no task {id}")))?;
+            Ok(ReplicaTaskState {
+                id: info.id,
+                kind: info.kind,
+                status: info.status,
+                created_at_ms,
+                updated_at_ms,
+                assigned: info.assigned.iter().map(|s| s.to_string()).collect(),
+                detail: info.detail,
+            })
+        })
+    }
+
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        Box::pin(async move {
+            let segment = segment
+                .map(SegmentName::parse)
+                .transpose()
+                .map_err(|e| ApiError::new(Code::InvalidParams, e.to_string()))?;
+            Ok(codes(self.0.replica_clear(keys, segment.as_ref())))
         })
     }
 

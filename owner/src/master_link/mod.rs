@@ -5,6 +5,7 @@
 //! The loop that long-polls the master for SSD work and carries it out is `ssd_tasks`; this
 //! module and that one talk to the master, the `ssd` module below them never does.
 
+mod peer_read;
 pub mod ssd_tasks;
 mod target;
 
@@ -234,7 +235,11 @@ impl MasterLink {
         let other = resp.remount || resp.epoch != self.epoch();
         if !other {
             for f in &resp.freed {
-                self.catalog.forget_version(f.offset, f.put_id);
+                // 0: a master that does not send the bound; any grant of that version goes.
+                let before = Some(f.granted_before)
+                    .filter(|b| *b != 0)
+                    .unwrap_or(u64::MAX);
+                self.catalog.forget_version(f.offset, f.put_id, before);
             }
         }
         Ok(other)

@@ -1,8 +1,9 @@
-//! The owner's side of the SSD tier's control loop: long-polls the master for work, offloads
-//! memory ranges to disk, drops records, promotes records back into memory, and reports each
-//! outcome. The master is told before any record is overwritten, and a record is only reported
-//! once its bytes are on disk. Registering the records found on disk after a (re)mount is the
-//! link's (`MasterLink::register_ssd_records`); the disk itself is `crate::ssd`'s.
+//! The owner's side of the master's work queue: long-polls the master for work, offloads
+//! memory ranges to disk, drops records, promotes records back into memory, copies replicas
+//! from other owners (replica tasks), and reports each outcome. The master is told before any
+//! record is overwritten, and a record is only reported once its bytes are on disk. Registering
+//! the records found on disk after a (re)mount is the link's
+//! (`MasterLink::register_ssd_records`); the disk itself is `crate::ssd`'s.
 
 use std::{sync::Arc, time::Duration};
 
@@ -10,7 +11,10 @@ use mooncake_common::{Code, ObjectKey, Stamp};
 use mooncake_proto::master as pb;
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use super::MasterLink;
+use super::{
+    peer_read::{self, PeerRead},
+    MasterLink,
+};
 use crate::{
     catalog::Catalog,
     pool::MemoryPool,
@@ -27,12 +31,18 @@ const REPORT_MAX: usize = 1024;
 /// What the loop needs to do its work.
 pub struct Worker {
     pub link: MasterLink,
-    pub store: Arc<SsdStore>,
+    /// The SSD tier; without one, only copies are done (SSD work fails).
+    pub store: Option<Arc<SsdStore>>,
     pub pool: Arc<MemoryPool>,
     pub catalog: Arc<Catalog>,
     /// Tasks executed at once (disk queue depth for offloads and promotions).
     pub concurrency: usize,
+    /// The longest a copy's read from another owner may take.
+    pub copy_timeout: Duration,
 }
+
+/// A finished task: its code and, for a failure, why.
+type Done = (pb::OwnerTask, i32, String);
 
 /// Why a task failed, as the master's code and a message for the log.
 struct Failure(Code, String);
@@ -48,7 +58,7 @@ impl Worker {
     /// reported as soon as it ends (finished tasks are batched into one report while the
     /// previous report is on its way), so the master frees memory as offloads land.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
-        let (tx, rx) = mpsc::unbounded_channel::<(pb::OwnerTask, i32)>();
+        let (tx, rx) = mpsc::unbounded_channel::<Done>();
         let reporter = tokio::spawn(self.clone().report_loop(rx));
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut backoff = Duration::from_millis(100);
@@ -86,9 +96,9 @@ impl Worker {
                         };
                         let (w, tx) = (self.clone(), tx.clone());
                         tokio::spawn(async move {
-                            let code = w.execute(&t).await;
+                            let (code, message) = w.execute(&t).await;
                             drop(permit);
-                            let _ = tx.send((t, code));
+                            let _ = tx.send((t, code, message));
                         });
                     }
                 }
@@ -111,7 +121,8 @@ impl Worker {
     /// gone unless another replica holds it), then corrupt ones are dropped here, so the next
     /// get answers "not found" instead of failing again.
     async fn report_lost(&self) {
-        let lost = self.store.take_lost();
+        let Some(store) = &self.store else { return };
+        let lost = store.take_lost();
         if lost.is_empty() {
             return;
         }
@@ -122,22 +133,22 @@ impl Worker {
         }
         for l in lost {
             if let Some(seq) = l.corrupt_seq {
-                self.store.delete(&l.key, l.put_id, Some(seq)).await;
+                store.delete(&l.key, l.put_id, Some(seq)).await;
             }
         }
     }
 
-    async fn execute(&self, t: &pb::OwnerTask) -> i32 {
+    async fn execute(&self, t: &pb::OwnerTask) -> (i32, String) {
         match self.one(t).await {
-            Ok(()) => 0,
+            Ok(()) => (0, String::new()),
             Err(Failure(code, message)) => {
-                tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "ssd task failed");
-                code.as_i32()
+                tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "owner task failed");
+                (code.as_i32(), message)
             }
         }
     }
 
-    async fn report_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<(pb::OwnerTask, i32)>) {
+    async fn report_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Done>) {
         while let Some(first) = rx.recv().await {
             let mut done = vec![first];
             while done.len() < REPORT_MAX {
@@ -150,14 +161,16 @@ impl Worker {
         }
     }
 
-    async fn report(&self, done: Vec<(pb::OwnerTask, i32)>) {
+    async fn report(&self, done: Vec<Done>) {
         let results = done
             .iter()
-            .map(|(t, code)| pb::TaskResult {
+            .map(|(t, code, message)| pb::TaskResult {
                 kind: t.kind,
                 key: t.key.clone(),
                 put_id: t.put_id,
                 code: *code,
+                task_id: t.task_id,
+                message: message.clone(),
             })
             .collect();
         let codes = match self.link.report_tasks(results).await {
@@ -169,7 +182,7 @@ impl Worker {
                 return;
             }
         };
-        for ((t, code), answer) in done.iter().zip(codes) {
+        for ((t, code, _), answer) in done.iter().zip(codes) {
             if *code != 0 || answer == 0 {
                 continue;
             }
@@ -180,9 +193,11 @@ impl Worker {
             };
             match t.kind() {
                 pb::TaskKind::Offload => {
-                    self.store.delete(&key, t.put_id, None).await;
+                    if let Some(store) = &self.store {
+                        store.delete(&key, t.put_id, None).await;
+                    }
                 }
-                pb::TaskKind::Promote => {
+                pb::TaskKind::Promote | pb::TaskKind::Copy => {
                     // Only if the range still holds what the promotion wrote.
                     if self.catalog.holds(t.offset, t.size, &key, t.put_id) {
                         self.catalog.forget(t.offset, t.size);
@@ -196,32 +211,68 @@ impl Worker {
     async fn one(&self, t: &pb::OwnerTask) -> Result<(), Failure> {
         let key =
             ObjectKey::new(&t.key).map_err(|e| Failure(Code::InvalidParams, e.to_string()))?;
+        if t.kind() == pb::TaskKind::Copy {
+            return self.copy(&key, t).await;
+        }
+        let Some(store) = &self.store else {
+            return Err(Failure(
+                Code::InvalidParams,
+                "this owner has no SSD tier".into(),
+            ));
+        };
         match t.kind() {
-            pb::TaskKind::Offload => self.offload(&key, t).await,
+            pb::TaskKind::Offload => self.offload(store, &key, t).await,
             pb::TaskKind::Drop => {
-                self.store.delete(&key, t.put_id, None).await;
+                store.delete(&key, t.put_id, None).await;
                 Ok(())
             }
-            pb::TaskKind::Promote => self.promote(&key, t).await,
+            pb::TaskKind::Promote => {
+                let value = store.read(&key, t.put_id, t.size).await?;
+                self.fill(&key, t, &value).await
+            }
+            pb::TaskKind::Copy => unreachable!("handled above"),
         }
     }
 
-    async fn offload(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
-        let mut r = self.store.reserve(key, t.size)?;
+    /// Copies a replica from another owner into the range the master reserved here.
+    async fn copy(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
+        let source = mooncake_common::SegmentName::parse(&t.source)
+            .map_err(|e| Failure(Code::InvalidParams, format!("copy source: {e}")))?;
+        let read = PeerRead {
+            segment: &source,
+            key,
+            put_id: t.put_id,
+            offset: t.source_offset,
+            size: t.size,
+            from_disk: t.source_tier == pb::ReplicaTier::Disk as i32,
+        };
+        let value = peer_read::read(read, self.copy_timeout)
+            .await
+            .map_err(|(code, message)| Failure(code, message))?;
+        self.fill(key, t, &value).await
+    }
+
+    async fn offload(
+        &self,
+        store: &SsdStore,
+        key: &ObjectKey,
+        t: &pb::OwnerTask,
+    ) -> Result<(), Failure> {
+        let mut r = store.reserve(key, t.size)?;
         if !r.victims.is_empty() {
             let records = r.victims.iter().map(|v| (&v.key, v.put_id));
             if let Err(e) = self.link.disk_dropped(records).await {
-                self.store.abandon(r).await;
+                store.abandon(r).await;
                 return Err(Failure(
                     Code::RpcFail,
                     format!("cannot tell the master about records to overwrite: {e}"),
                 ));
             }
-            self.store.evict_victims(&mut r);
+            store.evict_victims(&mut r);
         }
         let encoded = match self.pool.read_range(t.offset, t.size) {
             Ok(guard) if self.catalog.holds(t.offset, t.size, key, t.put_id) => {
-                Ok(self.store.encode(&r, key, t.put_id, &guard))
+                Ok(store.encode(&r, key, t.put_id, &guard))
             }
             Ok(_) => Err(Failure(
                 Code::ObjectNotFound,
@@ -231,18 +282,24 @@ impl Worker {
         };
         match encoded {
             Ok(buf) => {
-                self.store.write(r, buf, key, t.put_id, t.size).await?;
+                store.write(r, buf, key, t.put_id, t.size).await?;
                 Ok(())
             }
             Err(f) => {
-                self.store.abandon(r).await;
+                store.abandon(r).await;
                 Err(f)
             }
         }
     }
 
-    async fn promote(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
-        let value = self.store.read(key, t.put_id, t.size).await?;
+    /// Writes a promotion's or a copy's `value` into the range the master reserved.
+    async fn fill(&self, key: &ObjectKey, t: &pb::OwnerTask, value: &[u8]) -> Result<(), Failure> {
+        if value.len() as u64 != t.size {
+            return Err(Failure(
+                Code::TransferFail,
+                format!("read {} bytes of {key}, expected {}", value.len(), t.size),
+            ));
+        }
         self.catalog.saw_grant(t.grant);
         // The copy is written under the task's grant, so it is fenced like any write (a newer
         // grant's bytes in the range win), and keeps the object's put id as its version.
@@ -254,11 +311,11 @@ impl Worker {
         if let Some(newer) = self.catalog.claim(t.offset, t.size, t.grant) {
             return Err(Failure(
                 Code::TransferFail,
-                format!("the range to promote into already holds newer put {newer}"),
+                format!("the range to fill already holds newer put {newer}"),
             ));
         }
-        guard.copy_from_slice(&value);
-        // The disk record does not keep pins or the replica count: the copy gets the defaults.
+        guard.copy_from_slice(value);
+        // Pins and the replica count are the master's: the copy's record gets the defaults.
         let stamp = Stamp {
             put_id: t.put_id,
             replica_num: 1,

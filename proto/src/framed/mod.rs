@@ -43,6 +43,9 @@ pub enum Method {
     BatchRemove = 9,
     RemoveAll = 10,
     ListSegments = 11,
+    CreateReplicaTask = 12,
+    QueryTask = 13,
+    BatchReplicaClear = 14,
 }
 
 impl Method {
@@ -60,6 +63,9 @@ impl Method {
             9 => BatchRemove,
             10 => RemoveAll,
             11 => ListSegments,
+            12 => CreateReplicaTask,
+            13 => QueryTask,
+            14 => BatchReplicaClear,
             _ => return None,
         })
     }
