@@ -138,3 +138,42 @@ def test_replica_clear_leaves_leased_objects_and_answers_the_keys_cleared(s, tri
     assert s.batch_replica_clear(["c1", "c2"]) == ["c1", "c2"]
     assert s.is_exist("c1") == 0 and s.is_exist("c2") == 0
     assert s.batch_replica_clear(["c1"], "127.0.0.1:1") == []
+
+
+def test_a_disk_only_object_is_copied_from_its_owners_ssd(tmp_path):
+    """An owner with an SSD tier offloads at once (eager offload); once its memory replica is
+    cleared the object lives on disk only, with a DiskDescriptor, and a copy task brings it back
+    to another owner's memory from that disk."""
+    procs = []
+    try:
+        m, rpc = start_master(["--default_kv_lease_ttl", str(LEASE_MS), "--eager_offload"])
+        procs.append(m)
+        o, a = start_owner(rpc, size="32MiB", extra=["--ssd-path", str(tmp_path / "ssd"), "--ssd-size", "64MiB"])
+        procs.append(o)
+        o, b = start_owner(rpc, size="32MiB")
+        procs.append(o)
+        st = new_store(types.SimpleNamespace(master=rpc))
+        try:
+            value = os.urandom(2 << 20)
+            put_on(st, "cold", value, a)
+            deadline = time.monotonic() + 15
+            while not any(r.is_disk_replica() for r in st.get_replica_desc("cold")):
+                assert time.monotonic() < deadline, "the eager offload did not land"
+                time.sleep(0.05)
+            time.sleep(LEASE_MS / 1000 + 0.1)
+            assert st.batch_replica_clear(["cold"], a) == ["cold"]
+            [disk] = st.get_replica_desc("cold")
+            assert disk.is_disk_replica() and not disk.is_memory_replica()
+            d = disk.get_disk_descriptor()
+            assert d.object_size == len(value) and d.file_path
+            assert disk.get_memory_descriptor() is None
+            task_id, code = st.create_copy_task("cold", [b])
+            assert code == 0
+            assert finished(st, task_id).status == TaskStatus.SUCCESS
+            assert holders(st, "cold") == [b]
+            assert st.get("cold") == value
+        finally:
+            st.close()
+    finally:
+        for p in reversed(procs):
+            p.stop()

@@ -315,3 +315,54 @@ def test_memory_mounted_after_setup_serves_as_a_segment(cluster):
         s.remove_all(True)
         s.close()
     assert MooncakeDistributedStore().allocate_and_mount_segment(1 << 20)["ret"] == INVALID
+
+
+def test_the_remaining_names_behave_as_upstream_documents(store, cluster):
+    from mooncake_rs.store import (Descriptor, MemoryDescriptor, MooncakeDistributedStoreAsync,
+                                   QueryTaskResponse, ReplicaDescriptor)
+    # pub_tensor_with_tp / batch_put_tensor_with_tp: shards per rank, read back per rank.
+    w = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+    assert store.pub_tensor_with_tp("rest/w", w, ReplicateConfig(), tp_size=3, split_dim=1) == 0
+    for rank in range(3):
+        got = store.get_tensor_with_tp("rest/w", tp_rank=rank, tp_size=3, split_dim=1)
+        assert np.array_equal(got, w[:, rank * 2:(rank + 1) * 2])
+    assert store.batch_put_tensor_with_tp(["rest/a", "rest/b"], [w, w * 2], tp_size=2, split_dim=0) == [0, 0]
+    got = store.batch_get_tensor_with_tp(["rest/a", "rest/b"], tp_rank=1, tp_size=2)
+    assert np.array_equal(got[0], w[2:]) and np.array_equal(got[1], w[2:] * 2)
+
+    # Replica descriptors, with their memory descriptor; the disk descriptor of a memory replica.
+    [rep] = store.get_replica_desc("rest/a_tp_0")
+    assert isinstance(rep, ReplicaDescriptor) and rep.segment in cluster.segments
+    assert isinstance(rep.get_memory_descriptor(), MemoryDescriptor)
+    assert rep.get_disk_descriptor() is None, "a memory replica has no disk descriptor"
+
+    # Reprs name what they show.
+    c = ReplicateConfig(replica_num=2)
+    assert "replica_num=2" in str(c)
+    d = Descriptor(size=8, buffer_address=4096, transport_endpoint="127.0.0.1:1")
+    assert "size=8" in repr(d) and "127.0.0.1:1" in repr(d)
+
+    # A real task's QueryTaskResponse.
+    task_id, code = store.create_copy_task("rest/a_tp_0", [s for s in cluster.segments if s != rep.segment])
+    assert code == 0
+    resp, code = store.query_task(task_id)
+    assert code == 0 and isinstance(resp, QueryTaskResponse)
+    assert f"id={resp.id}" in repr(resp) and "type=0" in repr(resp)
+
+    # BufferHandle's length is the object's.
+    h = store.get_buffer("rest/a_tp_1")
+    assert isinstance(h, BufferHandle) and len(h) == h.size() > 0
+
+    # The async store: any sync name behind async_, run off the event loop.
+    import asyncio
+
+    a = MooncakeDistributedStoreAsync()
+    assert a.setup("127.0.0.1", "http://unused/metadata", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    try:
+        wrapped = a._make_async_wrapper(a.is_exist)
+        assert asyncio.run(wrapped("rest/a_tp_0")) == 1
+        assert asyncio.run(a.__getattr__("async_get_hostname")()) == a.get_hostname()
+        with pytest.raises(AttributeError):
+            a.__getattr__("not_a_method")
+    finally:
+        a.close()
