@@ -3,7 +3,8 @@
 `async_batch_get_into` calls into other registered memory, every byte checked, the keys removed;
 REPS times. Prints one JSON line per phase and rep.
 
-    python async_bench.py --store ours|mooncake --master HOST:PORT [--metadata URL] --size 1MiB
+    python async_bench.py --store ours|mooncake --master HOST:PORT [--metadata URL] --size 1MiB \
+        [--tag NAME]   # the "store" field of the JSON lines (default: --store)
 """
 
 import argparse
@@ -75,7 +76,7 @@ async def main(args):
             if rep < 0:
                 continue
             for op, secs, errors in (("put", put_s, put_errors), ("get", get_s, get_errors)):
-                print(json.dumps({"store": args.store, "op": op, "size": size, "calls": args.calls,
+                print(json.dumps({"store": args.tag or args.store, "op": op, "size": size, "calls": args.calls,
                                   "keys_per_call": per_call, "gib_s": total * size / secs / (1 << 30),
                                   "errors": errors, "rep": rep}), flush=True)
     finally:
@@ -91,4 +92,5 @@ if __name__ == "__main__":
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tag", default="")
     asyncio.run(main(ap.parse_args()))

@@ -37,6 +37,9 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
         .batch_put_from_device(&refs, &src, device.clone(), &ReplicateConfig::default())
         .await;
     assert!(put.iter().all(|r| r.is_ok()), "{put:?}");
+    // One staging buffer per slice of at most 16 MiB (10 objects), not one per object.
+    let staged = dev.take_staging_sizes();
+    assert_eq!(staged, vec![10 * size, 10 * size, 10 * size, 10 * size]);
 
     // Back into other device memory.
     let dst: Vec<DeviceRange> = (0..n)
@@ -52,6 +55,7 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
         got.iter().all(|r| matches!(r, Ok(n) if *n == size)),
         "{got:?}"
     );
+    assert_eq!(dev.take_staging_sizes(), vec![10 * size; 4]);
     for (k, d) in keys.iter().zip(&dst) {
         let mut out = vec![0u8; size];
         dev.copy_to_host(d.ptr, &mut out).unwrap();

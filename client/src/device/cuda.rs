@@ -1,16 +1,114 @@
 //! NVIDIA GPU memory through the CUDA driver API (cudarc, the driver library loaded at run time):
 //! device pointers are recognised with `cuPointerGetAttribute` and copied with the synchronous
-//! driver copies in the device's primary context. Without a CUDA driver, `open` says so.
+//! driver copies in the device's primary context, through page-locked staging buffers kept for
+//! reuse. Without a CUDA driver, `open` says so.
+
+use std::sync::Arc;
 
 use cudarc::driver::{result, sys, DriverError};
+use parking_lot::Mutex;
 
-use super::{DeviceError, DeviceMemory};
+use super::{staged::SLICE_BYTES, DeviceError, DeviceMemory, Staging, StagingBuffer};
+
+/// Page-locked slabs kept for reuse per device (a staged batch holds about three at once).
+const POOL_SLABS: usize = 4;
 
 pub struct CudaMemory {
     ordinal: i32,
     device: sys::CUdevice,
     ctx: sys::CUcontext,
     name: String,
+    pinned: Arc<PinnedPool>,
+}
+
+/// Page-locked host memory of one device's context: slabs of `SLICE_BYTES` come back here when
+/// a staged slice is done; larger buffers are freed at once. The pool holds its own reference
+/// on the primary context, so buffers still in use outlive a dropped `CudaMemory` safely.
+struct PinnedPool {
+    device: sys::CUdevice,
+    ctx: sys::CUcontext,
+    free: Mutex<Vec<usize>>,
+}
+
+// SAFETY: the context handle is only passed to the thread-safe driver API; the slab addresses
+// are plain host memory owned by the pool.
+unsafe impl Send for PinnedPool {}
+// SAFETY: as above; the free list is behind a mutex.
+unsafe impl Sync for PinnedPool {}
+
+impl PinnedPool {
+    fn new(device: sys::CUdevice) -> Result<Self, DriverError> {
+        // SAFETY: `device` is a valid device handle; the context is released in Drop.
+        let ctx = unsafe { result::primary_ctx::retain(device) }?;
+        Ok(PinnedPool {
+            device,
+            ctx,
+            free: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// `cap` bytes of page-locked memory.
+    fn alloc(&self, cap: usize) -> Result<*mut u8, DriverError> {
+        // SAFETY: the pool's context is retained until Drop.
+        unsafe { result::ctx::set_current(self.ctx) }?;
+        // SAFETY: a plain host allocation of `cap` bytes, freed with `free_host` only.
+        unsafe { result::malloc_host(cap, 0) }.map(|p| p.cast())
+    }
+
+    fn release(&self, ptr: *mut u8) {
+        // SAFETY: `ptr` came from `alloc` of this pool and is freed once; the context is
+        // retained until Drop.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::free_host(ptr.cast());
+        }
+    }
+}
+
+impl Drop for PinnedPool {
+    fn drop(&mut self) {
+        for ptr in std::mem::take(self.free.get_mut()) {
+            self.release(ptr as *mut u8);
+        }
+        // SAFETY: retained once in `new`, released once here.
+        let _ = unsafe { result::primary_ctx::release(self.device) };
+    }
+}
+
+/// A staging buffer in page-locked memory: the first `len` of `cap` bytes.
+struct Pinned {
+    ptr: *mut u8,
+    cap: usize,
+    len: usize,
+    pool: Arc<PinnedPool>,
+}
+
+// SAFETY: the buffer is owned by this value alone until Drop hands it back.
+unsafe impl Send for Pinned {}
+
+impl StagingBuffer for Pinned {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `cap >= len` bytes owned by this value.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.cap == SLICE_BYTES {
+            let mut free = self.pool.free.lock();
+            if free.len() < POOL_SLABS {
+                free.push(self.ptr as usize);
+                return;
+            }
+        }
+        self.pool.release(self.ptr);
+    }
 }
 
 // SAFETY: a primary context may be made current on any thread; every call below does so first,
@@ -38,11 +136,20 @@ impl CudaMemory {
         let device = result::device::get(ordinal).map_err(fail)?;
         // SAFETY: `device` is a valid device handle; the context is released in Drop.
         let ctx = unsafe { result::primary_ctx::retain(device) }.map_err(fail)?;
+        let pinned = match PinnedPool::new(device) {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                // SAFETY: retained just above.
+                let _ = unsafe { result::primary_ctx::release(device) };
+                return Err(fail(e));
+            }
+        };
         Ok(CudaMemory {
             ordinal,
             device,
             ctx,
             name,
+            pinned,
         })
     }
 
@@ -129,6 +236,33 @@ impl DeviceMemory for CudaMemory {
         self.current()?;
         // SAFETY: as in `copy_to_host`, the other way.
         unsafe { result::memcpy_htod_sync(dst as sys::CUdeviceptr, src) }.map_err(|e| self.error(e))
+    }
+
+    /// Page-locked memory: a pooled slab for a slice, an allocation of its own for a larger
+    /// one; pageable memory when the driver has no page-locked memory to give (copies are then
+    /// slower, not wrong).
+    fn staging(&self, len: usize) -> Result<Staging, DeviceError> {
+        let pooled = (len <= SLICE_BYTES)
+            .then(|| self.pinned.free.lock().pop())
+            .flatten();
+        let cap = if len <= SLICE_BYTES { SLICE_BYTES } else { len };
+        let ptr = match pooled {
+            Some(p) => p as *mut u8,
+            None => match self.pinned.alloc(cap) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(device = %self.name, bytes = cap, error = ?e,
+                        "no page-locked staging memory; staging through pageable memory");
+                    return Ok(Box::new(vec![0u8; len]));
+                }
+            },
+        };
+        Ok(Box::new(Pinned {
+            ptr,
+            cap,
+            len,
+            pool: self.pinned.clone(),
+        }))
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use parking_lot::Mutex;
 
-use super::{DeviceError, DeviceMemory};
+use super::{DeviceError, DeviceMemory, Staging};
 
 /// Where allocations start: not a valid user-space address on any 64-bit Linux.
 const BASE: usize = 0x7ead_0000_0000_0000;
@@ -16,6 +16,8 @@ const BASE: usize = 0x7ead_0000_0000_0000;
 pub struct HostBackedDevice {
     /// Allocations by their (fake) address.
     blocks: Mutex<BTreeMap<usize, Vec<u8>>>,
+    /// The size of every staging buffer asked for, in order.
+    staged: Mutex<Vec<usize>>,
 }
 
 impl HostBackedDevice {
@@ -35,6 +37,11 @@ impl HostBackedDevice {
 
     pub fn free(&self, addr: usize) {
         self.blocks.lock().remove(&addr);
+    }
+
+    /// The sizes of the staging buffers transfers asked for since the last call.
+    pub fn take_staging_sizes(&self) -> Vec<usize> {
+        std::mem::take(&mut self.staged.lock())
     }
 
     /// Runs `f` on the block holding `[addr, addr + len)`, at that offset.
@@ -77,6 +84,11 @@ impl DeviceMemory for HostBackedDevice {
 
     fn copy_from_host(&self, src: &[u8], dst: usize) -> Result<(), DeviceError> {
         self.with_range(dst, src.len(), |b| b.copy_from_slice(src))
+    }
+
+    fn staging(&self, len: usize) -> Result<Staging, DeviceError> {
+        self.staged.lock().push(len);
+        Ok(Box::new(vec![0u8; len]))
     }
 }
 

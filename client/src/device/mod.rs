@@ -23,6 +23,25 @@ pub struct DeviceError {
     pub message: String,
 }
 
+/// Host memory a staged transfer copies through: one slice of a batch at a time.
+pub trait StagingBuffer: Send {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl StagingBuffer for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// A staging buffer of any kind.
+pub type Staging = Box<dyn StagingBuffer>;
+
 /// A device's memory as transfers see it: which addresses are its, and copies to and from
 /// host memory. Copies may block the calling thread (they run on blocking threads).
 pub trait DeviceMemory: Send + Sync + 'static {
@@ -37,4 +56,11 @@ pub trait DeviceMemory: Send + Sync + 'static {
 
     /// Copies `src` to device address `dst`.
     fn copy_from_host(&self, src: &[u8], dst: usize) -> Result<(), DeviceError>;
+
+    /// `len` bytes of host memory for staging copies to and from this device. Pageable here;
+    /// a GPU hands out page-locked memory (its copies then run at full bus speed), reused
+    /// across calls.
+    fn staging(&self, len: usize) -> Result<Staging, DeviceError> {
+        Ok(Box::new(vec![0u8; len]))
+    }
 }

@@ -1,17 +1,18 @@
 //! Puts from and gets into device memory through host staging buffers. A batch is cut into
-//! slices of about `SLICE_BYTES`; a blocking thread does the device copies of one slice while
-//! the network transfer of the slice before it is in flight (one slice staged ahead at most, so
-//! staging memory stays at about two slices).
+//! slices of about `SLICE_BYTES`, each staged in one buffer from the device (`staging`: pinned
+//! for a GPU); a blocking thread does the device copies of one slice while the network transfer
+//! of the slice before it is in flight (one slice staged ahead at most, so staging memory stays
+//! at about three slices).
 
 use std::{ops::Range, sync::Arc};
 
 use tokio::sync::mpsc;
 
-use super::{DeviceError, DeviceMemory};
+use super::{DeviceError, DeviceMemory, Staging};
 use crate::{client::Client, error::ClientError, put::PutOutcome, ReplicateConfig};
 
 /// Bytes staged per slice of a batch.
-const SLICE_BYTES: usize = 16 << 20;
+pub(super) const SLICE_BYTES: usize = 16 << 20;
 
 /// An object's bytes in device memory: `len` bytes at device address `ptr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +38,20 @@ fn slices(ranges: &[DeviceRange]) -> Vec<Range<usize>> {
     out
 }
 
+/// Where each key of the slice `keys` lies in the slice's staging buffer, and its total bytes.
+fn layout(ranges: &[DeviceRange], keys: &Range<usize>) -> (Vec<Range<usize>>, usize) {
+    let mut at = 0;
+    let spans = keys
+        .clone()
+        .map(|i| {
+            let span = at..at + ranges[i].len;
+            at = span.end;
+            span
+        })
+        .collect();
+    (spans, at)
+}
+
 fn mismatch<T>(keys: usize, ranges: usize) -> Vec<Result<T, ClientError>> {
     let msg = format!("{keys} keys but {ranges} device ranges");
     (0..keys)
@@ -58,20 +73,32 @@ impl Client {
             return mismatch(keys.len(), ranges.len());
         }
         let plan = slices(ranges);
-        type Staged = (Range<usize>, Vec<Result<Vec<u8>, DeviceError>>);
-        let (tx, mut rx) = mpsc::channel::<Staged>(1);
+        /// A slice staged: its keys, where each lies in the buffer, and each key's copy.
+        type Staged = (
+            Range<usize>,
+            Vec<Range<usize>>,
+            Staging,
+            Vec<Result<(), DeviceError>>,
+        );
+        let (tx, mut rx) = mpsc::channel::<Result<Staged, DeviceError>>(1);
         let stager = {
             let (ranges, plan) = (ranges.to_vec(), plan.clone());
             tokio::task::spawn_blocking(move || {
                 for s in plan {
-                    let bufs = s
-                        .clone()
-                        .map(|i| {
-                            let mut buf = vec![0u8; ranges[i].len];
-                            device.copy_to_host(ranges[i].ptr, &mut buf).map(|()| buf)
-                        })
-                        .collect();
-                    if tx.blocking_send((s, bufs)).is_err() {
+                    let (spans, total) = layout(&ranges, &s);
+                    let staged = device.staging(total).map(|mut buf| {
+                        let copied = s
+                            .clone()
+                            .zip(&spans)
+                            .map(|(i, span)| {
+                                device
+                                    .copy_to_host(ranges[i].ptr, &mut buf.bytes_mut()[span.clone()])
+                            })
+                            .collect();
+                        (s.clone(), spans, buf, copied)
+                    });
+                    let failed = staged.is_err();
+                    if tx.blocking_send(staged).is_err() || failed {
                         return;
                     }
                 }
@@ -79,22 +106,27 @@ impl Client {
         };
         let mut results: Vec<Option<Result<PutOutcome, ClientError>>> =
             (0..keys.len()).map(|_| None).collect();
-        while let Some((s, bufs)) = rx.recv().await {
-            let mut staged = Vec::with_capacity(bufs.len());
-            for (i, b) in s.zip(bufs) {
-                match b {
-                    Ok(buf) => staged.push((i, buf)),
+        while let Some(staged) = rx.recv().await {
+            let (s, spans, buf, copied) = match staged {
+                Ok(x) => x,
+                Err(e) => {
+                    for r in results.iter_mut().filter(|r| r.is_none()) {
+                        *r = Some(Err(e.clone().into()));
+                    }
+                    break;
+                }
+            };
+            let mut parts: Vec<(usize, [&[u8]; 1])> = Vec::with_capacity(spans.len());
+            for ((i, span), c) in s.zip(spans).zip(copied) {
+                match c {
+                    Ok(()) => parts.push((i, [&buf.bytes()[span]])),
                     Err(e) => results[i] = Some(Err(e.into())),
                 }
             }
-            let parts: Vec<[&[u8]; 1]> = staged.iter().map(|(_, b)| [&b[..]]).collect();
-            let items: Vec<(&str, &[&[u8]])> = staged
-                .iter()
-                .zip(&parts)
-                .map(|((i, _), p)| (keys[*i], &p[..]))
-                .collect();
+            let items: Vec<(&str, &[&[u8]])> =
+                parts.iter().map(|(i, p)| (keys[*i], &p[..])).collect();
             let res = self.batch_put_parts(&items, config).await;
-            for ((i, _), r) in staged.iter().zip(res) {
+            for ((i, _), r) in parts.iter().zip(res) {
                 results[*i] = Some(r);
             }
         }
@@ -112,16 +144,25 @@ impl Client {
         if keys.len() != ranges.len() {
             return mismatch(keys.len(), ranges.len());
         }
-        type Read = (Range<usize>, Vec<Result<(usize, Vec<u8>), ClientError>>);
+        /// A slice read: its keys, where each lies in the buffer, and what each read got.
+        type Read = (
+            Range<usize>,
+            Vec<Range<usize>>,
+            Staging,
+            Vec<Result<usize, ClientError>>,
+        );
         let (tx, mut rx) = mpsc::channel::<Read>(1);
         let unstager = {
-            let ranges = ranges.to_vec();
+            let (ranges, device) = (ranges.to_vec(), device.clone());
             tokio::task::spawn_blocking(move || {
                 let mut out: Vec<(usize, Result<usize, ClientError>)> = Vec::new();
-                while let Some((s, read)) = rx.blocking_recv() {
-                    for (i, r) in s.zip(read) {
-                        let r = r.and_then(|(n, buf)| {
-                            device.copy_from_host(&buf[..n], ranges[i].ptr)?;
+                while let Some((s, spans, buf, read)) = rx.blocking_recv() {
+                    for ((i, span), r) in s.zip(spans).zip(read) {
+                        let r = r.and_then(|n| {
+                            device.copy_from_host(
+                                &buf.bytes()[span.start..span.start + n],
+                                ranges[i].ptr,
+                            )?;
                             Ok(n)
                         });
                         out.push((i, r));
@@ -130,16 +171,36 @@ impl Client {
                 out
             })
         };
+        let mut failed = Vec::new();
         for s in slices(ranges) {
-            let mut bufs: Vec<Vec<u8>> = s.clone().map(|i| vec![0u8; ranges[i].len]).collect();
-            let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-            let got = self.batch_get(&keys[s.clone()], &mut dst).await;
-            let read = got
-                .into_iter()
-                .zip(bufs)
-                .map(|(r, b)| r.map(|n| (n, b)))
-                .collect();
-            if tx.send((s, read)).await.is_err() {
+            let (spans, total) = layout(ranges, &s);
+            let staging = {
+                let device = device.clone();
+                tokio::task::spawn_blocking(move || device.staging(total)).await
+            };
+            let mut buf = match staging {
+                Ok(Ok(buf)) => buf,
+                Ok(Err(e)) => {
+                    failed.extend(s.map(|i| (i, ClientError::from(e.clone()))));
+                    continue;
+                }
+                Err(e) => {
+                    let e = ClientError::Invalid(format!("device staging stopped: {e}"));
+                    failed.extend(s.map(|i| (i, e.for_each_key())));
+                    continue;
+                }
+            };
+            let got = {
+                let mut dst: Vec<&mut [u8]> = Vec::with_capacity(spans.len());
+                let mut rest = buf.bytes_mut();
+                for span in &spans {
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(span.len());
+                    dst.push(head);
+                    rest = tail;
+                }
+                self.batch_get(&keys[s.clone()], &mut dst).await
+            };
+            if tx.send((s, spans, buf, got)).await.is_err() {
                 break;
             }
         }
@@ -151,6 +212,9 @@ impl Client {
             for (i, r) in copied.iter() {
                 results[*i] = Some(r.as_ref().map(|n| *n).map_err(ClientError::for_each_key));
             }
+        }
+        for (i, e) in failed {
+            results[i] = Some(Err(e));
         }
         finish(results, copied.map(|_| ()))
     }
