@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use mooncake_client::{
-    device::{DeviceMemory, DeviceRange},
+    device::{DeviceMemory, DeviceParts, DeviceRange},
     ClientError, ReplicateConfig as ClientConfig, Tier,
 };
 use mooncake_common::Code;
@@ -1011,18 +1011,19 @@ impl NativeStore {
     }
 }
 
-/// The keys of a batch whose one buffer is registered device memory: they go through the
+/// The keys of a batch whose buffers are registered memory of one device: they go through the
 /// device's staging path (`Client::batch_put_from_device` / `batch_get_into_device`), beside the
 /// host keys' transfer.
 #[derive(Default)]
 pub(crate) struct OnDevice {
-    /// (key index, device, range), in key order.
-    items: Vec<(usize, Arc<dyn DeviceMemory>, DeviceRange)>,
+    /// (key index, device, the key's buffers), in key order.
+    items: Vec<(usize, Arc<dyn DeviceMemory>, DeviceParts)>,
 }
 
 impl OnDevice {
-    /// Takes key `i` when its buffers are one registered device range; a device range among
-    /// several buffers is not taken (and, not being host memory, is refused with -600).
+    /// Takes key `i` when all its buffers are registered memory of one device; a key that mixes
+    /// device and host buffers (or two devices) is not taken, and, not being all host memory,
+    /// is refused with -600.
     pub(crate) fn take<G>(
         &mut self,
         pinned: &crate::registry::Pinned<G>,
@@ -1032,27 +1033,30 @@ impl OnDevice {
     where
         G: std::ops::Deref<Target = crate::registry::Ranges>,
     {
-        let [(ptr, len)] = ranges else {
+        let Some(&(ptr, len)) = ranges.first() else {
             return false;
         };
-        match pinned.device_of(*ptr, *len) {
-            Some(d) => {
-                self.items.push((
-                    i,
-                    d.clone(),
-                    DeviceRange {
-                        ptr: *ptr,
-                        len: *len,
-                    },
-                ));
-                true
-            }
-            None => false,
+        let Some(d) = pinned.device_of(ptr, len) else {
+            return false;
+        };
+        let same = |&(p, l): &(usize, usize)| {
+            pinned
+                .device_of(p, l)
+                .is_some_and(|other| Arc::ptr_eq(other, d))
+        };
+        if !ranges.iter().all(same) {
+            return false;
         }
+        let parts = ranges
+            .iter()
+            .map(|&(ptr, len)| DeviceRange { ptr, len })
+            .collect();
+        self.items.push((i, d.clone(), parts));
+        true
     }
 
     /// Runs of consecutive items on one device.
-    fn runs(&self) -> impl Iterator<Item = &[(usize, Arc<dyn DeviceMemory>, DeviceRange)]> {
+    fn runs(&self) -> impl Iterator<Item = &[(usize, Arc<dyn DeviceMemory>, DeviceParts)]> {
         self.items.chunk_by(|a, b| Arc::ptr_eq(&a.1, &b.1))
     }
 
@@ -1065,9 +1069,9 @@ impl OnDevice {
         let mut out = Vec::with_capacity(self.items.len());
         for run in self.runs() {
             let names: Vec<&str> = run.iter().map(|(i, _, _)| &*keys[*i]).collect();
-            let ranges: Vec<DeviceRange> = run.iter().map(|(_, _, r)| *r).collect();
+            let values: Vec<DeviceParts> = run.iter().map(|(_, _, r)| r.clone()).collect();
             let res = client
-                .batch_put_from_device(&names, &ranges, run[0].1.clone(), cfg)
+                .batch_put_from_device(&names, &values, run[0].1.clone(), cfg)
                 .await;
             out.extend(run.iter().zip(&res).map(|((i, _, _), r)| (*i, put_code(r))));
         }
@@ -1082,9 +1086,9 @@ impl OnDevice {
         let mut out = Vec::with_capacity(self.items.len());
         for run in self.runs() {
             let names: Vec<&str> = run.iter().map(|(i, _, _)| &*keys[*i]).collect();
-            let ranges: Vec<DeviceRange> = run.iter().map(|(_, _, r)| *r).collect();
+            let values: Vec<DeviceParts> = run.iter().map(|(_, _, r)| r.clone()).collect();
             let res = client
-                .batch_get_into_device(&names, &ranges, run[0].1.clone())
+                .batch_get_into_device(&names, &values, run[0].1.clone())
                 .await;
             out.extend(run.iter().zip(&res).map(|((i, _, _), r)| (*i, get_code(r))));
         }

@@ -36,11 +36,19 @@ def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
     assert store.get_into("gpu/one", dst[0], size) == 1000
     assert dev.read(dst[0], 1000) == data[3][:1000]
 
-    # Device memory that was never registered, and device memory among several buffers of a
+    # A layer's K and V apart in device memory: one object, read back into two device buffers.
+    assert store.batch_put_from_multi_buffers(["gpu/kv"], [[src[0], src[1]]], [[100, 200]]) == [0]
+    assert store.get("gpu/kv") == data[0][:100] + data[1][:200]
+    assert store.batch_get_into_multi_buffers(["gpu/kv"], [[dst[1], dst[2]]], [[100, 200]]) == [300]
+    assert dev.read(dst[1], 100) == data[0][:100] and dev.read(dst[2], 200) == data[1][:200]
+
+    # Device memory that was never registered, and device memory mixed with host memory in one
     # key, are refused, never touched.
     stray = dev.alloc(4096)
     assert store.put_from("gpu/stray", stray, 4096) == INVALID
-    assert store.batch_put_from_multi_buffers(["gpu/multi"], [[src[0], src[1]]], [[10, 10]]) == [INVALID]
+    mixed = [[src[0], host.ctypes.data]]
+    assert store.batch_put_from_multi_buffers(["gpu/mixed"], mixed, [[10, 10]]) == [INVALID]
+    assert store.batch_get_into_multi_buffers(["gpu/kv"], mixed, [[100, 200]]) == [INVALID]
     for p in src + dst:
         assert store.unregister_buffer(p) == 0
     assert store.put_from("gpu/after", src[0], 10) == INVALID, "unregistered"

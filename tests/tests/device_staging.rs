@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use mooncake_client::{
-    device::{host_backed::HostBackedDevice, DeviceMemory, DeviceRange},
+    device::{host_backed::HostBackedDevice, DeviceMemory, DeviceParts, DeviceRange},
     Code, ReplicateConfig,
 };
 use mooncake_tests::{payload, Cluster};
@@ -33,8 +33,14 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
         })
         .collect();
     let device: Arc<dyn DeviceMemory> = dev.clone();
+    let one = |rs: &[DeviceRange]| -> Vec<DeviceParts> { rs.iter().map(|r| vec![*r]).collect() };
     let put = client
-        .batch_put_from_device(&refs, &src, device.clone(), &ReplicateConfig::default())
+        .batch_put_from_device(
+            &refs,
+            &one(&src),
+            device.clone(),
+            &ReplicateConfig::default(),
+        )
         .await;
     assert!(put.iter().all(|r| r.is_ok()), "{put:?}");
     // One staging buffer per slice of at most 16 MiB (10 objects), not one per object.
@@ -49,7 +55,7 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
         })
         .collect();
     let got = client
-        .batch_get_into_device(&refs, &dst, device.clone())
+        .batch_get_into_device(&refs, &one(&dst), device.clone())
         .await;
     assert!(
         got.iter().all(|r| matches!(r, Ok(n) if *n == size)),
@@ -74,7 +80,7 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
     let put = client
         .batch_put_from_device(
             &["dev/bad", "dev/good"],
-            &[bad, src[0]],
+            &one(&[bad, src[0]]),
             device.clone(),
             &ReplicateConfig::default(),
         )
@@ -84,7 +90,7 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
     let got = client
         .batch_get_into_device(
             &["dev/good", "dev/missing", "dev/0", "dev/1"],
-            &[
+            &one(&[
                 dst[0],
                 dst[1],
                 DeviceRange {
@@ -92,7 +98,7 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
                     len: size,
                 },
                 bad,
-            ],
+            ]),
             device.clone(),
         )
         .await;
@@ -108,11 +114,60 @@ async fn objects_move_between_device_memory_and_the_store_through_staging() {
         Code::InvalidParams,
         "staging smaller than the object"
     );
-    let mismatched = client.batch_get_into_device(&["dev/0"], &[], device).await;
+    let mismatched = client
+        .batch_get_into_device(&["dev/0"], &[], device.clone())
+        .await;
     assert_eq!(
         mismatched[0].as_ref().unwrap_err().code(),
         Code::InvalidParams
     );
+
+    // A layer's K and V apart in device memory make one object, read back into two other
+    // device buffers and as one value into host memory.
+    let half = 300_001;
+    let kv: Vec<DeviceParts> = (0..3)
+        .map(|l| {
+            let value = payload(&format!("dev/kv/{l}"), 2 * half);
+            [&value[..half], &value[half..]]
+                .iter()
+                .map(|part| {
+                    let ptr = dev.alloc(half);
+                    dev.copy_from_host(part, ptr).unwrap();
+                    DeviceRange { ptr, len: half }
+                })
+                .collect()
+        })
+        .collect();
+    let names = ["dev/kv/0", "dev/kv/1", "dev/kv/2"];
+    let put = client
+        .batch_put_from_device(&names, &kv, device.clone(), &ReplicateConfig::default())
+        .await;
+    assert!(put.iter().all(|r| r.is_ok()), "{put:?}");
+    let back: Vec<DeviceParts> = (0..3)
+        .map(|_| {
+            (0..2)
+                .map(|_| DeviceRange {
+                    ptr: dev.alloc(half),
+                    len: half,
+                })
+                .collect()
+        })
+        .collect();
+    let got = client.batch_get_into_device(&names, &back, device).await;
+    assert!(
+        got.iter().all(|r| matches!(r, Ok(n) if *n == 2 * half)),
+        "{got:?}"
+    );
+    for (l, parts) in back.iter().enumerate() {
+        let value = payload(&format!("dev/kv/{l}"), 2 * half);
+        let mut out = vec![0u8; 2 * half];
+        dev.copy_to_host(parts[0].ptr, &mut out[..half]).unwrap();
+        dev.copy_to_host(parts[1].ptr, &mut out[half..]).unwrap();
+        assert!(out == value, "layer {l} read back wrong");
+        let mut host = vec![0u8; 2 * half];
+        assert_eq!(client.get(names[l], &mut host).await.unwrap(), 2 * half);
+        assert!(host == value);
+    }
     c.shutdown().await;
 }
 

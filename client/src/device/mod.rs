@@ -13,7 +13,7 @@ pub mod cuda;
 pub mod host_backed;
 mod staged;
 
-pub use staged::DeviceRange;
+pub use staged::{DeviceParts, DeviceRange};
 
 /// A device copy that failed, with the device's reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -14,42 +14,83 @@ use crate::{client::Client, error::ClientError, put::PutOutcome, ReplicateConfig
 /// Bytes staged per slice of a batch.
 pub(super) const SLICE_BYTES: usize = 16 << 20;
 
-/// An object's bytes in device memory: `len` bytes at device address `ptr`.
+/// Bytes in device memory: `len` bytes at device address `ptr`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceRange {
     pub ptr: usize,
     pub len: usize,
 }
 
+/// An object's value in device memory: its parts in order (one, or several such as a layer's K
+/// and V), which together make the value.
+pub type DeviceParts = Vec<DeviceRange>;
+
+fn value_len(parts: &[DeviceRange]) -> usize {
+    parts.iter().map(|r| r.len).sum()
+}
+
 /// Consecutive runs of keys of about `SLICE_BYTES` each (at least one key per run).
-fn slices(ranges: &[DeviceRange]) -> Vec<Range<usize>> {
+fn slices(values: &[DeviceParts]) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
-    for (i, r) in ranges.iter().enumerate() {
-        if i > start && bytes + r.len > SLICE_BYTES {
+    for (i, parts) in values.iter().enumerate() {
+        let len = value_len(parts);
+        if i > start && bytes + len > SLICE_BYTES {
             out.push(start..i);
             (start, bytes) = (i, 0);
         }
-        bytes += r.len;
+        bytes += len;
     }
-    if start < ranges.len() {
-        out.push(start..ranges.len());
+    if start < values.len() {
+        out.push(start..values.len());
     }
     out
 }
 
 /// Where each key of the slice `keys` lies in the slice's staging buffer, and its total bytes.
-fn layout(ranges: &[DeviceRange], keys: &Range<usize>) -> (Vec<Range<usize>>, usize) {
+fn layout(values: &[DeviceParts], keys: &Range<usize>) -> (Vec<Range<usize>>, usize) {
     let mut at = 0;
     let spans = keys
         .clone()
         .map(|i| {
-            let span = at..at + ranges[i].len;
+            let span = at..at + value_len(&values[i]);
             at = span.end;
             span
         })
         .collect();
     (spans, at)
+}
+
+/// Copies a value's parts from the device into `dst` (their total length), in order.
+fn gather(
+    device: &dyn DeviceMemory,
+    parts: &[DeviceRange],
+    dst: &mut [u8],
+) -> Result<(), DeviceError> {
+    let mut at = 0;
+    for r in parts {
+        device.copy_to_host(r.ptr, &mut dst[at..at + r.len])?;
+        at += r.len;
+    }
+    Ok(())
+}
+
+/// Copies `src` (a value read) to the device, filling the parts in order.
+fn scatter(
+    device: &dyn DeviceMemory,
+    src: &[u8],
+    parts: &[DeviceRange],
+) -> Result<(), DeviceError> {
+    let mut at = 0;
+    for r in parts {
+        let n = r.len.min(src.len() - at);
+        if n == 0 {
+            break;
+        }
+        device.copy_from_host(&src[at..at + n], r.ptr)?;
+        at += n;
+    }
+    Ok(())
 }
 
 fn mismatch<T>(keys: usize, ranges: usize) -> Vec<Result<T, ClientError>> {
@@ -60,12 +101,12 @@ fn mismatch<T>(keys: usize, ranges: usize) -> Vec<Result<T, ClientError>> {
 }
 
 impl Client {
-    /// Puts each key's value from device memory: copied slice by slice into host staging
-    /// buffers, each slice put as a batch while the next one is copied.
+    /// Puts each key's value from device memory (its parts, joined in order): copied slice by
+    /// slice into host staging buffers, each slice put as a batch while the next one is copied.
     pub async fn batch_put_from_device(
         &self,
         keys: &[&str],
-        ranges: &[DeviceRange],
+        ranges: &[DeviceParts],
         device: Arc<dyn DeviceMemory>,
         config: &ReplicateConfig,
     ) -> Vec<Result<PutOutcome, ClientError>> {
@@ -91,8 +132,7 @@ impl Client {
                             .clone()
                             .zip(&spans)
                             .map(|(i, span)| {
-                                device
-                                    .copy_to_host(ranges[i].ptr, &mut buf.bytes_mut()[span.clone()])
+                                gather(&*device, &ranges[i], &mut buf.bytes_mut()[span.clone()])
                             })
                             .collect();
                         (s.clone(), spans, buf, copied)
@@ -133,12 +173,13 @@ impl Client {
         finish(results, stager.await)
     }
 
-    /// Reads each key into device memory: slice by slice into host staging buffers, each slice
-    /// copied to the device while the next one is read. Answers the bytes read per key.
+    /// Reads each key into device memory (filling its parts in order): slice by slice into
+    /// host staging buffers, each slice copied to the device while the next one is read.
+    /// Answers the bytes read per key.
     pub async fn batch_get_into_device(
         &self,
         keys: &[&str],
-        ranges: &[DeviceRange],
+        ranges: &[DeviceParts],
         device: Arc<dyn DeviceMemory>,
     ) -> Vec<Result<usize, ClientError>> {
         if keys.len() != ranges.len() {
@@ -159,10 +200,8 @@ impl Client {
                 while let Some((s, spans, buf, read)) = rx.blocking_recv() {
                     for ((i, span), r) in s.zip(spans).zip(read) {
                         let r = r.and_then(|n| {
-                            device.copy_from_host(
-                                &buf.bytes()[span.start..span.start + n],
-                                ranges[i].ptr,
-                            )?;
+                            let read = &buf.bytes()[span.start..span.start + n];
+                            scatter(&*device, read, &ranges[i])?;
                             Ok(n)
                         });
                         out.push((i, r));
@@ -245,7 +284,7 @@ mod tests {
 
     #[test]
     fn batches_are_cut_into_slices_of_bounded_bytes() {
-        let r = |len| DeviceRange { ptr: 0, len };
+        let r = |len| vec![DeviceRange { ptr: 0, len }];
         assert_eq!(slices(&[]), Vec::<Range<usize>>::new());
         assert_eq!(
             slices(&[r(SLICE_BYTES * 3)]),
@@ -258,5 +297,14 @@ mod tests {
             slices(&[r(1), r(SLICE_BYTES), r(1)]),
             vec![0..1, 1..2, 2..3]
         );
+        // A value's parts count together.
+        let kv = vec![
+            DeviceRange {
+                ptr: 0,
+                len: SLICE_BYTES / 2
+            };
+            2
+        ];
+        assert_eq!(slices(&[kv.clone(), kv]), vec![0..1, 1..2]);
     }
 }
