@@ -182,7 +182,8 @@ impl Client {
         Ok(self.master.remove_all(force, None).await?)
     }
 
-    /// Removes the objects whose keys `pattern` matches anywhere (Rust `regex` syntax; leased
+    /// Removes the objects whose keys `pattern` matches anywhere (ECMAScript-style syntax, as
+    /// Mooncake's `std::regex` search; leased
     /// ones only with `force`); answers how many. A pattern that does not compile is
     /// INVALID_PARAMS.
     pub async fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64, ClientError> {

@@ -60,7 +60,8 @@ pub trait MasterApi: Send + Sync {
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;
 
     /// Removes every object (leased ones only with `force`); answers how many.
-    /// With `key_regex`, only the keys it matches anywhere (Rust `regex` syntax); a pattern
+    /// With `key_regex`, only the keys it matches anywhere (ECMAScript-style syntax, look-around
+    /// and back-references included, as Mooncake's `std::regex` search); a pattern
     /// that does not compile answers INVALID_PARAMS.
     fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64>;
 

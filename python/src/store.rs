@@ -610,8 +610,9 @@ impl NativeStore {
         })
     }
 
-    /// Removes the objects whose keys `regex_pattern` matches anywhere (Rust `regex` syntax:
-    /// no look-around or back-references); how many, or a negative code (-600 for a pattern
+    /// Removes the objects whose keys `regex_pattern` matches anywhere (ECMAScript-style syntax,
+    /// look-around and back-references included, as Mooncake's std::regex search); how many, or
+    /// a negative code (-600 for a pattern
     /// that does not compile).
     #[pyo3(signature = (regex_pattern, force=false))]
     fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
@@ -687,18 +688,18 @@ impl NativeStore {
     /// Drops each key's memory replica on `segment_name` (the object goes when nothing else
     /// holds it), or whole objects when it is empty; answers the keys cleared. Leased objects
     /// are left (their lease must have run out).
-    #[pyo3(signature = (object_keys, segment_name=""))]
+    #[pyo3(signature = (keys, segment_name=""))]
     fn batch_replica_clear(
         &self,
         py: Python<'_>,
-        object_keys: Vec<String>,
+        keys: Vec<String>,
         segment_name: &str,
     ) -> Vec<String> {
-        let refs: Vec<&str> = object_keys.iter().map(String::as_str).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let segment = Some(segment_name).filter(|s| !s.is_empty());
         self.with_session(py, Vec::new(), |s| {
             match s.rt.block_on(s.client.batch_replica_clear(&refs, segment)) {
-                Ok(codes) => object_keys
+                Ok(codes) => keys
                     .iter()
                     .zip(codes)
                     .filter(|(_, c)| c.is_ok())

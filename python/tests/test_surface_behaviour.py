@@ -232,6 +232,12 @@ def test_remove_by_regex_removes_matching_keys_that_are_not_in_use(store):
     assert store.remove_by_regex(r"^rx/") == 0, "the leased one stays without force"
     assert store.remove_by_regex(r"^rx/", True) == 1
     assert store.remove_by_regex(r"nothing matches") == 0
+    # ECMAScript features Mooncake's std::regex has: look-around and back-references.
+    for k in ("ab/ab", "ab/cd", "xy/keep", "xy/drop"):
+        assert store.put(k, b"v") == 0
+    assert store.remove_by_regex(r"^(\w+)/\1$") == 1
+    assert store.remove_by_regex(r"^xy/(?!keep)") == 1
+    assert store.batch_is_exist(["ab/ab", "ab/cd", "xy/keep", "xy/drop"]) == [0, 1, 1, 0]
     assert store.remove_by_regex(r"(unclosed") == INVALID
     assert MooncakeDistributedStore().remove_by_regex("x") == INVALID, "not set up"
 

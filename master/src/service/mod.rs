@@ -280,7 +280,7 @@ impl MasterService {
     pub fn remove_all(&self, force: bool, key_regex: Option<&str>) -> Result<u64, MasterError> {
         let regex = key_regex
             .map(|p| {
-                regex::Regex::new(p)
+                fancy_regex::Regex::new(p)
                     .map_err(|e| MasterError::Invalid(format!("key regex {p:?}: {e}")))
             })
             .transpose();
@@ -295,7 +295,8 @@ impl MasterService {
         let removed = {
             let mut state = self.shared.state.lock();
             let removed = match &regex {
-                Some(r) => state.remove_matching(force, |k| r.is_match(k), now),
+                // A search that gives up (backtracking limit) matches nothing.
+                Some(r) => state.remove_matching(force, |k| r.is_match(k).unwrap_or(false), now),
                 None => state.remove_all(force, now),
             };
             self.shared.wake_owners(&mut state);

@@ -127,9 +127,9 @@ mod tests {
         bad[4] = 7;
         assert!(check_hello(&bad).unwrap_err().contains("version 7"));
         assert!(check_hello(b"PRI * HT").is_err());
-        for m in 1..=11 {
+        for m in 1..=14 {
             assert_eq!(Method::from_u32(m).unwrap() as u32, m);
         }
-        assert!(Method::from_u32(12).is_none());
+        assert!(Method::from_u32(15).is_none());
     }
 }
