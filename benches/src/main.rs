@@ -3,10 +3,13 @@
 //! Without `--master` it runs on an embedded default: a master and one owner on loopback in this
 //! process (with an SSD tier when `--ssd-path` is given), stopped at the end. `--op put` leaves
 //! the values in the store under `--key-prefix`, so `--op get` in another run (another process,
-//! node, or after an owner restart) reads them back and verifies them.
+//! node, or after an owner restart) reads them back and verifies them. `--trace FILE` replays a
+//! prefix-cache trace instead (see `trace`): requests/s, the block hit ratio next to exact LRU's
+//! and Belady's MIN at the same capacity, and lookup+get and put latencies.
 
 mod pattern;
 mod stats;
+mod trace;
 
 use std::time::{Duration, Instant};
 
@@ -68,6 +71,23 @@ struct Args {
     /// Embedded mode: offload every value to the SSD tier as its put ends.
     #[arg(long)]
     eager_offload: bool,
+    /// Replay this prefix-cache trace (JSON lines with `hash_ids`, as ../shared/data) instead
+    /// of the uniform phases; in embedded mode the segment defaults to 512 MiB.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+    /// Trace mode: bytes per KV block.
+    #[arg(long, default_value = "64KiB")]
+    block_size: ByteSize,
+    /// Embedded mode: the master's eviction high watermark (fraction of memory in use).
+    #[arg(long, default_value_t = 0.95)]
+    eviction_watermark: f64,
+    /// Trace mode: only simulate exact LRU and Belady's MIN at the capacity `--segment-size`
+    /// (512 MiB by default) holds under `--eviction-watermark`; no store is started.
+    #[arg(long)]
+    simulate_only: bool,
+    /// Embedded mode: the master's read lease, e.g. 10s or 200ms.
+    #[arg(long, value_parser = mooncake_common::config::parse_duration)]
+    lease_ttl: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -119,6 +139,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    if let (Some(path), true) = (&args.trace, args.simulate_only) {
+        return simulate(&args, path);
+    }
     let embedded = match &args.master {
         Some(_) => None,
         None => Some(Embedded::start(&args).await?),
@@ -143,6 +166,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
             e.owners.len(),
             ByteSize(e.segment_size)
         );
+    }
+    if let Some(path) = &args.trace {
+        let res = replay_trace(&client, &args, path, embedded.as_ref()).await;
+        if let Some(e) = embedded {
+            e.stop().await;
+        }
+        return res;
     }
     if !args.json {
         println!(
@@ -203,6 +233,108 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if failed {
         bail!("some operations failed (see the errors column)");
+    }
+    Ok(())
+}
+
+/// Trace mode without a store: the hit ratios of exact LRU and Belady's MIN.
+fn simulate(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
+    let t = trace::Trace::load(path)?;
+    let block = args.block_size.bytes();
+    anyhow::ensure!(block > 0, "--block-size must be positive");
+    let memory = args.segment_size.map_or(512 << 20, |s| s.bytes()) * args.owners.max(1) as u64;
+    let capacity = (memory as f64 * args.eviction_watermark / block as f64) as usize;
+    let (lru, min) = (
+        trace::lru_hit_ratio(&t, capacity),
+        trace::min_hit_ratio(&t, capacity),
+    );
+    if args.json {
+        let v = serde_json::json!({
+            "requests": t.requests.len(), "blocks": t.blocks(), "unique_blocks": t.unique_blocks(),
+            "capacity_blocks": capacity, "lru_hit_ratio": lru, "min_hit_ratio": min,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "trace {}: {} requests, {} blocks ({} unique); {capacity} blocks fit: LRU {lru:.3}, MIN {min:.3}",
+            path.display(),
+            t.requests.len(),
+            t.blocks(),
+            t.unique_blocks()
+        );
+    }
+    Ok(())
+}
+
+/// Trace mode: replays the trace and prints what it measured.
+async fn replay_trace(
+    client: &Client,
+    args: &Args,
+    path: &std::path::Path,
+    embedded: Option<&Embedded>,
+) -> anyhow::Result<()> {
+    let t = trace::Trace::load(path)?;
+    let block = args.block_size.bytes() as usize;
+    anyhow::ensure!(block > 0, "--block-size must be positive");
+    // The simulations get the blocks the store keeps before it evicts: its memory under the
+    // watermark.
+    let memory: u64 = match embedded {
+        Some(e) => e.segment_size * e.owners.len() as u64,
+        None => client
+            .list_segments()
+            .await?
+            .iter()
+            .map(|s| s.capacity)
+            .sum(),
+    };
+    let capacity = (memory as f64 * args.eviction_watermark / block as f64) as usize;
+    let prefix = args
+        .key_prefix
+        .clone()
+        .unwrap_or_else(|| format!("trace/{}", std::process::id()));
+    warm_up(client, std::process::id()).await;
+    let r = trace::replay(client, &t, block, &prefix, capacity).await;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "trace {}: {} requests, {} blocks ({} unique) of {}, {} blocks fit",
+            path.display(),
+            r.requests,
+            r.blocks,
+            r.unique_blocks,
+            ByteSize(r.block_size),
+            r.capacity_blocks
+        );
+        println!(
+            "{:>10} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>9} {:>7}",
+            "req/s",
+            "hit",
+            "LRU",
+            "MIN",
+            "lookup_p50",
+            "lookup_p99",
+            "put_p50",
+            "put_p99",
+            "verified",
+            "errors"
+        );
+        println!(
+            "{:>10.0} {:>8.3} {:>8.3} {:>8.3} {:>12.0} {:>12.0} {:>10.0} {:>10.0} {:>9} {:>7}",
+            r.requests_per_s,
+            r.hit_ratio,
+            r.lru_hit_ratio,
+            r.min_hit_ratio,
+            r.lookup_get_p50_us,
+            r.lookup_get_p99_us,
+            r.put_p50_us,
+            r.put_p99_us,
+            r.verified,
+            r.wrong_bytes + r.failed_gets + r.failed_puts
+        );
+    }
+    if r.wrong_bytes > 0 {
+        bail!("{} blocks read back wrong", r.wrong_bytes);
     }
     Ok(())
 }
@@ -418,17 +550,22 @@ impl Embedded {
         let total: u64 = args.value_size.iter().map(|s| s.bytes()).sum();
         let needed =
             total * args.keys as u64 * args.replicas.max(1) as u64 / args.owners.max(1) as u64;
-        // Stay below the eviction watermark so the bench measures transfers, not eviction.
-        let segment_size = args
-            .segment_size
-            .map(|s| s.bytes())
-            .unwrap_or((needed * 100 / 85 + (64 << 20)).next_multiple_of(1 << 20));
+        // Stay below the eviction watermark so the bench measures transfers, not eviction; a
+        // trace runs against a cache smaller than its working set on purpose.
+        let default_size = match args.trace {
+            Some(_) => 512 << 20,
+            None => (needed * 100 / 85 + (64 << 20)).next_multiple_of(1 << 20),
+        };
+        let segment_size = args.segment_size.map_or(default_size, |s| s.bytes());
+        let defaults = MasterConfig::default();
         let master = RunningMaster::start(MasterConfig {
             bind_address: "127.0.0.1".into(),
             rpc_port: 0,
             metrics_port: 0,
             eager_offload: args.eager_offload,
-            ..Default::default()
+            eviction_high_watermark_ratio: args.eviction_watermark,
+            default_kv_lease_ttl: args.lease_ttl.unwrap_or(defaults.default_kv_lease_ttl),
+            ..defaults
         })
         .await
         .context("cannot start the embedded master")?;

@@ -4,6 +4,8 @@
 #   start_ours PORT SEGMENT_MIB    -> OURS_MASTER_PID; master at 127.0.0.1:PORT, metrics PORT+1
 #   start_peer PORT SEGMENT_MIB    -> PEER_MASTER_PID PEER_VENV PEER_RPC PEER_METADATA (ports PORT..PORT+3)
 #   stop_all                         stops what was started, newest first
+# MASTER_ARGS (words): extra flags for either master, e.g. "--eviction_high_watermark_ratio=0.95"
+# (a spelling both masters take).
 
 out=$(mktemp -d)
 pids=()
@@ -32,8 +34,9 @@ stop_all() {
 
 start_ours() {
   local port=$1 segment_mib=$2
+  # shellcheck disable=SC2086
   target/release/mooncake_master --rpc_address 127.0.0.1 --rpc_port "$port" --metrics_port $((port + 1)) \
-    > "$out/master.log" 2>&1 &
+    ${MASTER_ARGS:-} > "$out/master.log" 2>&1 &
   OURS_MASTER_PID=$!
   pids+=("$OURS_MASTER_PID")
   wait_for "our master" 100 grep -q ready "$out/master.log"
@@ -54,7 +57,7 @@ start_peer() {
   "$mcdir/mooncake_master" --rpc_port="$rpc" --rpc_address=127.0.0.1 \
     --enable_http_metadata_server=true --http_metadata_server_host=127.0.0.1 \
     --http_metadata_server_port="$http" --metrics_host=127.0.0.1 --metrics_port="$metrics" \
-    --logtostderr > "$out/peer-master.log" 2>&1 &
+    --logtostderr ${MASTER_ARGS:-} > "$out/peer-master.log" 2>&1 &
   PEER_MASTER_PID=$!
   pids+=("$PEER_MASTER_PID")
   wait_for "Mooncake's master" 300 bash -c "ss -Hltn 'sport = :$rpc' | grep -q . && ss -Hltn 'sport = :$http' | grep -q ."

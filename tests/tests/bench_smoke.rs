@@ -89,3 +89,67 @@ fn the_bench_writes_to_an_ssd_tier_and_a_second_run_reads_it_back_from_disk() {
     assert_eq!(rows[0]["tier"], "disk");
     assert_eq!(rows[0]["disk_keys"], 64);
 }
+
+/// Trace mode: a small trace whose working set fits the cache twice over replays with every
+/// repeated prefix hit and every block verified; one that does not fit stays at or below what
+/// Belady's MIN can reach.
+#[test]
+fn the_bench_replays_a_trace_and_reports_hits_next_to_lru_and_min() {
+    let dir = TempDir::new("bench-trace");
+    let path = dir.path().join("trace.jsonl");
+    // 40 requests over 4 conversations: each turn extends its conversation's prefix by 2.
+    let mut lines = String::new();
+    for turn in 0..10u64 {
+        for conv in 0..4u64 {
+            let ids: Vec<u64> = (0..2 * (turn + 1)).map(|b| conv * 1000 + b).collect();
+            lines.push_str(&format!("{{\"hash_ids\": {ids:?}}}\n"));
+        }
+    }
+    std::fs::write(&path, lines).unwrap();
+    let trace = path.to_str().unwrap();
+    let roomy = run_json(&[
+        "--trace",
+        trace,
+        "--block-size",
+        "16KiB",
+        "--segment-size",
+        "64MiB",
+        "--json",
+    ]);
+    let r = &roomy[0];
+    // Turn t (t >= 1) finds the 2t blocks of the turn before: 2 * (1 + ... + 9) = 90 per
+    // conversation of 110 blocks.
+    let expected = 90.0 * 4.0 / 440.0;
+    for field in ["hit_ratio", "lru_hit_ratio", "min_hit_ratio"] {
+        let v = r[field].as_f64().unwrap();
+        assert!(
+            (v - expected).abs() < 1e-9,
+            "{field} = {v}, expected {expected}: {r}"
+        );
+    }
+    assert_eq!(r["verified"], 360);
+    assert_eq!(r["wrong_bytes"], 0);
+    assert_eq!(r["failed_gets"], 0);
+    assert_eq!(r["failed_puts"], 0);
+    assert_eq!(r["unique_blocks"], 80);
+    // Only the simulations, at a capacity of 16 blocks: MIN beats LRU on this cyclic pattern.
+    let sim = run_json(&[
+        "--trace",
+        trace,
+        "--simulate-only",
+        "--block-size",
+        "1MiB",
+        "--segment-size",
+        "16MiB",
+        "--eviction-watermark",
+        "1.0",
+        "--json",
+    ]);
+    let s = &sim[0];
+    assert_eq!(s["capacity_blocks"], 16);
+    let (lru, min) = (
+        s["lru_hit_ratio"].as_f64().unwrap(),
+        s["min_hit_ratio"].as_f64().unwrap(),
+    );
+    assert!(min > lru, "MIN {min} must beat LRU {lru} here");
+}

@@ -1,0 +1,119 @@
+"""One store's prefix-cache trace replay through Mooncake's Python API, for scripts/trace_compare
+(the same steps as `mooncake_bench --trace`): per request, `batch_is_exist` over its blocks,
+`batch_get_into` of the longest cached prefix (every byte checked against the block's pattern),
+then `batch_put_from` of the blocks that were missing, from registered memory. Prints one JSON
+line: requests/s, the block hit ratio, p50/p99 of lookup+get and of put, and the errors.
+
+    python trace_bench.py --store ours|mooncake --master HOST:PORT [--metadata URL] \
+        --trace FILE [--block-size 65536] [--tag NAME]
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def block_bytes(block_id, size):
+    """The block's content: its id repeated, so a wrong or stale read shows (made per use:
+    keeping them would take the working set's size in memory)."""
+    unit = f"<{block_id:014x}>".encode()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def load(path):
+    with open(path) as f:
+        return [json.loads(line)["hash_ids"] for line in f if line.strip()]
+
+
+def open_store(args):
+    if args.store == "ours":
+        from mooncake_rs.store import MooncakeDistributedStore
+    else:
+        from mooncake.store import MooncakeDistributedStore
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", args.metadata, 0, 64 << 20, "tcp", "", args.master)
+    if rc != 0:
+        sys.exit(f"{args.store}: setup failed with {rc}")
+    return store
+
+
+def pct(values, p):
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[round((len(values) - 1) * p)] * 1e6
+
+
+def main(args):
+    requests = load(args.trace)
+    size = args.block_size
+    longest = max(len(r) for r in requests)
+    store = open_store(args)
+    src = np.zeros(longest * size, dtype=np.uint8)
+    dst = np.zeros(longest * size, dtype=np.uint8)
+    for a in (src, dst):
+        if store.register_buffer(a.ctypes.data, a.nbytes) != 0:
+            sys.exit("register_buffer failed")
+    lookups, puts = [], []
+    hits = blocks = verified = wrong = failed_gets = failed_puts = 0
+    prefix = f"trace/{args.tag or args.store}"
+    started = time.perf_counter()
+    try:
+        for req in requests:
+            keys = [f"{prefix}/{b}" for b in req]
+            blocks += len(req)
+            t = time.perf_counter()
+            found = [c == 1 for c in store.batch_is_exist(keys)]
+            cached = next((i for i, f in enumerate(found) if not f), len(found))
+            usable = cached
+            if cached:
+                got = store.batch_get_into(keys[:cached], [dst.ctypes.data + i * size for i in range(cached)],
+                                           [size] * cached)
+                usable = next((i for i, n in enumerate(got) if n != size), cached)
+                for i, n in enumerate(got):
+                    if n == size:
+                        if dst[i * size:(i + 1) * size].tobytes() == block_bytes(req[i], size):
+                            verified += 1
+                        else:
+                            wrong += 1
+                    else:
+                        failed_gets += 1
+            lookups.append(time.perf_counter() - t)
+            hits += usable
+            missing = [i for i in range(usable, len(req)) if i < cached or not found[i]]
+            if not missing:
+                continue
+            for slot, i in enumerate(missing):
+                src[slot * size:(slot + 1) * size] = np.frombuffer(block_bytes(req[i], size), dtype=np.uint8)
+            t = time.perf_counter()
+            codes = store.batch_put_from([keys[i] for i in missing],
+                                         [src.ctypes.data + slot * size for slot in range(len(missing))],
+                                         [size] * len(missing))
+            puts.append(time.perf_counter() - t)
+            failed_puts += sum(1 for c in codes if c not in (0, -705))
+        seconds = time.perf_counter() - started
+    finally:
+        store.close()
+    print(json.dumps({
+        "store": args.tag or args.store, "requests": len(requests), "blocks": blocks, "seconds": seconds,
+        "requests_per_s": len(requests) / seconds, "hit_ratio": hits / max(blocks, 1),
+        "lookup_get_p50_us": pct(lookups, 0.5), "lookup_get_p99_us": pct(lookups, 0.99),
+        "put_p50_us": pct(puts, 0.5), "put_p99_us": pct(puts, 0.99),
+        "verified": verified, "wrong_bytes": wrong, "failed_gets": failed_gets, "failed_puts": failed_puts,
+    }), flush=True)
+    if wrong:
+        sys.exit(f"{args.store}: {wrong} blocks read back wrong")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", choices=["ours", "mooncake"], required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--block-size", type=int, default=64 << 10)
+    ap.add_argument("--tag", default="")
+    main(ap.parse_args())
