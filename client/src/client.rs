@@ -32,6 +32,14 @@ pub struct Client {
     pub(crate) transport: Arc<dyn DataTransport>,
     pub(crate) preferred: Option<SegmentName>,
     pub(crate) tiers: TierCounters,
+    /// The read leases this client holds, handed back when its reads are done.
+    pub(crate) leases: Arc<crate::leases::Leases>,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.leases.close();
+    }
 }
 
 /// Keys and bytes of successful gets, by the tier that served them.
@@ -108,6 +116,7 @@ impl Client {
         master.list_segments().await?;
         Ok(Client {
             tiers: TierCounters::default(),
+            leases: crate::leases::Leases::start(master.clone()),
             master,
             transport,
             preferred,
@@ -146,10 +155,17 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        Ok(self
-            .master
-            .exists(keys)
-            .await?
+        let found = self.master.exists(keys).await;
+        // The holds of the previous call's checks go back; a get of these hits usually follows.
+        self.leases.call_ended();
+        let found = found?;
+        self.leases.keep(
+            keys.iter()
+                .zip(&found)
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .map(|(k, _)| *k),
+        );
+        Ok(found
             .into_iter()
             .map(|r| r.map_err(|c| ClientError::master(c, "exists")))
             .collect())
@@ -229,7 +245,15 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
-        let lookup = self.master.get_replicas(keys).await?;
+        let lookup = self.master.get_replicas(keys).await;
+        self.leases.call_ended();
+        let lookup = lookup?;
+        self.leases.keep(
+            keys.iter()
+                .zip(lookup.results())
+                .filter(|(_, r)| r.is_ok())
+                .map(|(k, _)| *k),
+        );
         Ok(lookup
             .results()
             .iter()

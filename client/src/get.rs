@@ -130,6 +130,15 @@ impl Client {
                 }
             });
         join_all(retries).await;
+        // The reads are over: the holds the lookup took go back, and those kept for this call.
+        self.leases.done(
+            names
+                .iter()
+                .zip(lookup.results())
+                .filter(|(_, r)| r.is_ok())
+                .map(|(k, _)| *k),
+        );
+        self.leases.call_ended();
         self.count_served(&jobs);
         for job in jobs {
             let n: usize = job.dst.iter().map(|d| d.len()).sum();
@@ -286,6 +295,12 @@ impl Client {
             }
         };
         let lease_deadline = asked_at + lookup.lease_ttl;
+        let leased: Vec<String> = names
+            .iter()
+            .zip(lookup.results())
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| k.to_string())
+            .collect();
         let mut found = lookup.results().iter();
         let lookup = &lookup;
         // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
@@ -311,7 +326,10 @@ impl Client {
             }
             Ok(buf)
         });
-        join_all(reads).await
+        let got = join_all(reads).await;
+        self.leases.done(leased.iter().map(String::as_str));
+        self.leases.call_ended();
+        got
     }
 
     /// Replicas in the order to try them: memory before disk, the preferred segment first

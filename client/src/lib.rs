@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 mod get;
 mod group;
+mod leases;
 pub mod master;
 mod put;
 mod spin;

@@ -79,6 +79,7 @@ impl Client {
         }
         self.tiers.put_keys.fetch_add(keys, Ordering::Relaxed);
         self.tiers.put_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.leases.call_ended();
         results
             .into_iter()
             .map(|r| r.expect("every item answered"))

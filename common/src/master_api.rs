@@ -68,6 +68,10 @@ pub trait MasterApi: Send + Sync {
     /// The mounted segments and their usage.
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>>;
 
+    /// This reader is done with `keys` (a key once per hold its lookups and existence checks
+    /// took): with the master's lease mode "reads", a lease whose last hold goes ends at once.
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()>;
+
     /// Starts a copy of `key` to more segments, or a move of its replica to another one;
     /// answers the task's id. Refusals (no such object, unknown segment, no room) are errors
     /// with Mooncake's codes.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use mooncake_common::config::duration;
 use serde::{Deserialize, Serialize};
 
-use crate::core::{AllocationStrategy, Policy, WhenDiskBehind};
+use crate::core::{AllocationStrategy, LeaseMode, Policy, WhenDiskBehind};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -17,9 +17,13 @@ pub struct MasterConfig {
     pub rpc_port: u16,
     /// HTTP /metrics, /health, /get_all_segments (Mooncake: 9003). 0 picks a free port.
     pub metrics_port: u16,
-    /// Read lease granted by a get or a hit of exists.
+    /// Read lease granted by a get or a hit of exists: with `lease_mode` "reads", the longest
+    /// a reader that never says it is done keeps the object.
     #[serde(with = "duration")]
     pub default_kv_lease_ttl: Duration,
+    /// What ends a read lease: "reads" (its readers being done; eviction skips only objects
+    /// being read) or "ttl" (the TTL alone, as Mooncake).
+    pub lease_mode: LeaseMode,
     /// How long a soft pin protects an object from eviction.
     #[serde(with = "duration")]
     pub soft_pin_ttl: Duration,
@@ -81,6 +85,7 @@ impl Default for MasterConfig {
             rpc_port: 50051,
             metrics_port: 9003,
             default_kv_lease_ttl: p.lease_ttl,
+            lease_mode: p.lease_mode,
             soft_pin_ttl: p.soft_pin_ttl,
             eviction_high_watermark_ratio: p.eviction_high_watermark,
             eviction_ratio: p.eviction_ratio,
@@ -193,6 +198,7 @@ impl MasterConfig {
     pub fn policy(&self) -> Policy {
         Policy {
             lease_ttl: self.default_kv_lease_ttl,
+            lease_mode: self.lease_mode,
             soft_pin_ttl: self.soft_pin_ttl,
             eviction_high_watermark: self.eviction_high_watermark_ratio,
             eviction_ratio: self.eviction_ratio,

@@ -25,10 +25,11 @@ pub enum Op {
     CreateReplicaTask,
     QueryTask,
     ReplicaClear,
+    ReleaseLeases,
 }
 
 impl Op {
-    const ALL: [Op; 15] = [
+    const ALL: [Op; 16] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Heartbeat,
@@ -44,6 +45,7 @@ impl Op {
         Op::CreateReplicaTask,
         Op::QueryTask,
         Op::ReplicaClear,
+        Op::ReleaseLeases,
     ];
 
     fn name(self) -> &'static str {
@@ -63,6 +65,7 @@ impl Op {
             Op::CreateReplicaTask => "create_replica_task",
             Op::QueryTask => "query_task",
             Op::ReplicaClear => "batch_replica_clear",
+            Op::ReleaseLeases => "release_leases",
         }
     }
 }

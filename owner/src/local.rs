@@ -104,7 +104,7 @@ impl LocalServer {
             match op {
                 LocalOp::Hello => self.hello(&mut stream, &mut r).await?,
                 LocalOp::BeginWrite => {
-                    let reply = self.begin(&mut r, &mut held, true).map_err(invalid)?;
+                    let reply = self.begin(&mut r, &mut held, true).await.map_err(invalid)?;
                     stream.write_all(&reply).await?;
                 }
                 LocalOp::EndWrite => {
@@ -112,7 +112,10 @@ impl LocalServer {
                     stream.write_all(&reply).await?;
                 }
                 LocalOp::BeginRead => {
-                    let reply = self.begin(&mut r, &mut held, false).map_err(invalid)?;
+                    let reply = self
+                        .begin(&mut r, &mut held, false)
+                        .await
+                        .map_err(invalid)?;
                     stream.write_all(&reply).await?;
                 }
                 LocalOp::EndRead => {
@@ -157,7 +160,7 @@ impl LocalServer {
         Ok(())
     }
 
-    fn begin(
+    async fn begin(
         &self,
         r: &mut FrameReader<'_>,
         held: &mut Held,
@@ -178,7 +181,11 @@ impl LocalServer {
                 Err(_) => Code::InvalidParams,
                 Ok(key) if write => {
                     self.catalog.saw_grant(item.grant);
-                    match self.pool.lock_range(offset, len, Some(item.grant)) {
+                    let taken = self
+                        .pool
+                        .lock_range_granted(offset, len, item.grant, self.frame_timeout)
+                        .await;
+                    match taken {
                         Err(e) => e.code(),
                         // Holding the range, nobody else records over it: a newer grant's bytes
                         // already there make this write stale; otherwise, as on TCP, the range
@@ -193,7 +200,7 @@ impl LocalServer {
                         }
                     }
                 }
-                Ok(key) => match self.pool.lock_range(offset, len, None) {
+                Ok(key) => match self.pool.lock_range(offset, len) {
                     Err(e) => e.code(),
                     Ok(lock) if self.catalog.holds(offset, len, &key, item.grant) => {
                         held.reads.push(((offset, len), lock));

@@ -8,7 +8,9 @@
 //! with the older grant is stale (a transfer abandoned by its client, still draining from a
 //! socket). A newer write supersedes it (`write_range_granted`): the older one is told to stop at
 //! its next chunk, and the newer one takes the range as soon as it is let go. An older write
-//! that meets a newer one is refused.
+//! that meets a newer one is refused. A granted write that meets readers waits for them (up to
+//! its patience): the master ends a read lease when the reader says it is done, which can reach
+//! it a moment before the owner has finished sending that reader's last bytes.
 
 use std::{
     fs::File,
@@ -192,9 +194,9 @@ impl MemoryPool {
     }
 
     /// Exclusive access to `[offset, offset + len)` for a write under `grant`. Writes of older
-    /// grants in the way are superseded and waited for, up to `patience` (see the module's
-    /// doc); a newer one in the way, any read, or a write still there at the deadline is a
-    /// refusal.
+    /// grants in the way are superseded and waited for, and reads in the way waited for, up to
+    /// `patience` (see the module's doc); a newer write in the way, or an access still there at
+    /// the deadline, is a refusal.
     pub async fn write_range_granted(
         &self,
         offset: u64,
@@ -202,15 +204,26 @@ impl MemoryPool {
         grant: u64,
         patience: std::time::Duration,
     ) -> Result<WriteGuard<'_>, RangeError> {
-        let guard = || WriteGuard {
+        self.take_for_write(offset, len, grant, patience).await?;
+        Ok(WriteGuard {
             pool: self,
             offset,
             len,
             grant,
-        };
+        })
+    }
+
+    /// Takes the range for a write under `grant`, waiting as `write_range_granted` says.
+    async fn take_for_write(
+        &self,
+        offset: u64,
+        len: u64,
+        grant: u64,
+        patience: std::time::Duration,
+    ) -> Result<(), RangeError> {
         // The usual case: nothing in the way, nothing to register.
         if self.try_write(offset, len, grant)? {
-            return Ok(guard());
+            return Ok(());
         }
         let deadline = tokio::time::Instant::now() + patience;
         let _waiting = Waiting::register(&self.waiting);
@@ -220,16 +233,21 @@ impl MemoryPool {
             tokio::pin!(released);
             released.as_mut().enable();
             match self.try_write(offset, len, grant) {
-                Ok(true) => return Ok(guard()),
+                Ok(true) => return Ok(()),
                 Ok(false) if tokio::time::Instant::now() < deadline => {
                     let _ = tokio::time::timeout_at(deadline, released).await;
                 }
                 Ok(false) => {
+                    let by_write = self
+                        .active
+                        .lock()
+                        .iter()
+                        .any(|a| a.write && a.overlaps(offset, offset + len));
                     return Err(RangeError::Busy {
                         offset,
                         len,
-                        by_write: true,
-                    })
+                        by_write,
+                    });
                 }
                 Err(e) => return Err(e),
             }
@@ -237,19 +255,16 @@ impl MemoryPool {
     }
 
     /// Takes the range for a write under `grant` (true), or marks the older writes in the way
-    /// superseded and wakes them (false: wait for their release).
+    /// superseded and wakes them (false: wait for their release, and for readers in the way).
     fn try_write(&self, offset: u64, len: u64, grant: u64) -> Result<bool, RangeError> {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
-        let mut older = false;
+        let (mut older, mut readers) = (false, false);
         for a in active.iter().filter(|a| a.overlaps(start, end)) {
             if !a.write {
-                return Err(RangeError::Busy {
-                    offset,
-                    len,
-                    by_write: false,
-                });
+                readers = true;
+                continue;
             }
             if a.grant > grant {
                 return Err(RangeError::Stale {
@@ -278,6 +293,9 @@ impl MemoryPool {
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             drop(active);
             self.superseding.notify_waiters();
+            return Ok(false);
+        }
+        if readers {
             return Ok(false);
         }
         active.push(Active {
@@ -315,37 +333,36 @@ impl MemoryPool {
         })
     }
 
-    /// Holds `[offset, offset + len)` for a same-host client that copies through its own mapping:
-    /// conflicting transfers are refused until the lock is dropped. No bytes are exposed here.
-    /// A write lock carries the write's grant: a newer grant's write waits for it (the copy runs
-    /// in the client and cannot be stopped) and an older one is refused.
-    pub fn lock_range(
-        self: &Arc<Self>,
-        offset: u64,
-        len: u64,
-        write: Option<u64>,
-    ) -> Result<RangeLock, RangeError> {
-        let grant = match write {
-            Some(grant) => {
-                if !self.try_write(offset, len, grant)? {
-                    return Err(RangeError::Busy {
-                        offset,
-                        len,
-                        by_write: true,
-                    });
-                }
-                grant
-            }
-            None => {
-                self.acquire(offset, len, false)?;
-                0
-            }
-        };
+    /// Holds `[offset, offset + len)` for reading on behalf of a same-host client that copies
+    /// through its own mapping: conflicting transfers are refused until the lock is dropped. No
+    /// bytes are exposed here.
+    pub fn lock_range(self: &Arc<Self>, offset: u64, len: u64) -> Result<RangeLock, RangeError> {
+        self.acquire(offset, len, false)?;
         Ok(RangeLock {
             pool: self.clone(),
             offset,
             len,
-            write: write.is_some(),
+            write: false,
+            grant: 0,
+        })
+    }
+
+    /// A range held for a write under `grant` on behalf of a same-host client, waiting for
+    /// what is in the way as `write_range_granted` does. A newer grant's write waits for this
+    /// one (the copy runs in the client and cannot be stopped) and an older one is refused.
+    pub async fn lock_range_granted(
+        self: &Arc<Self>,
+        offset: u64,
+        len: u64,
+        grant: u64,
+        patience: std::time::Duration,
+    ) -> Result<RangeLock, RangeError> {
+        self.take_for_write(offset, len, grant, patience).await?;
+        Ok(RangeLock {
+            pool: self.clone(),
+            offset,
+            len,
+            write: true,
             grant,
         })
     }
@@ -669,10 +686,13 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(1));
         drop(held);
 
-        // A reader in the way is not waited for; an older writer only until the deadline.
+        // A reader in the way is waited for: the write goes ahead when it is done, or is refused
+        // at the deadline; an older writer is waited for only until the deadline too.
         let reader = pool.read_range(0, 10).unwrap();
         let t = Instant::now();
-        let refused = pool.write_range_granted(0, 10, 30, patience).await;
+        let refused = pool
+            .write_range_granted(0, 10, 29, Duration::from_millis(100))
+            .await;
         assert!(matches!(
             refused,
             Err(RangeError::Busy {
@@ -680,8 +700,22 @@ mod tests {
                 ..
             })
         ));
-        assert!(t.elapsed() < Duration::from_secs(1));
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        let pool2 = pool.clone();
+        let waiting = tokio::spawn(async move {
+            pool2
+                .write_range_granted(0, 10, 30, patience)
+                .await
+                .map(|_| ())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "the write waits for the reader");
         drop(reader);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("a finished read wakes the writer")
+            .unwrap()
+            .unwrap();
         let writer = pool.write_range_granted(0, 10, 31, patience).await.unwrap();
         let told = writer.supersession();
         let t = Instant::now();

@@ -167,7 +167,9 @@ def test_objects_scattered_over_several_buffers(store):
 
 def test_remove_and_leases(store):
     store.put("r", b"data")
-    assert store.get("r") == b"data"  # the read leases it
+    assert store.get("r") == b"data"
+    # A check holds the object for this client's next read (until its next call ends).
+    assert store.is_exist("r") == 1
     assert store.remove("r") == HAS_LEASE
     assert store.remove("r", True) == 0
     assert store.remove("r") == NOT_FOUND

@@ -1,11 +1,16 @@
-//! Leases, eviction and abandoned puts through the running master: a leased object refuses a
-//! plain remove, eviction frees space under pressure without touching leased objects, and an
-//! abandoned put's space returns after the release timeout on an injected clock.
+//! Leases, eviction and abandoned puts through the running master: eviction frees space under
+//! pressure without touching an object being read, a finished read pins nothing (lease mode
+//! "reads") while Mooncake's TTL leases keep a store full of read objects full, and an abandoned
+//! put's space returns after the release timeout on an injected clock.
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_client::ReplicateConfig;
-use mooncake_master::clock::{ManualClock, Millis};
+use mooncake_client::{MasterApi, ReplicateConfig};
+use mooncake_master::{
+    clock::{ManualClock, Millis},
+    core::LeaseMode,
+    MasterConfig,
+};
 use mooncake_proto::master::{master_client::MasterClient, BatchPutStartRequest, PutStartItem};
 use mooncake_tests::{master_config, payload, Cluster};
 
@@ -20,7 +25,9 @@ async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() 
         .put("leased", &payload("leased", MIB as usize), &cfg)
         .await
         .unwrap();
-    assert!(client.exists("leased").await.unwrap()); // leases it for 10 s
+    // A reader that has looked it up and not said it is done: held until the TTL (10 s).
+    let reader = c.master.in_process();
+    assert_eq!(reader.exists(&["leased"]).await.unwrap(), vec![Ok(true)]);
 
     // Write 40 MiB into a 16 MiB segment: every put must succeed by evicting older objects.
     for i in 0..40 {
@@ -44,6 +51,58 @@ async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() 
     assert!(buf == payload("fill/39", MIB as usize));
     c.master.with_state(|s| s.check_invariants()).unwrap();
     c.shutdown().await;
+}
+
+/// Four objects fill the store and are read; then a fifth is put. With lease mode "reads" the
+/// finished reads hold nothing and the put evicts one (after the client's releases reach the
+/// master, which they do in the background); with "ttl" every read keeps its object for the
+/// TTL and the put finds no room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_read_pins_nothing_unless_leases_last_their_ttl() {
+    for mode in [LeaseMode::Reads, LeaseMode::Ttl] {
+        let config = MasterConfig {
+            lease_mode: mode,
+            ..master_config()
+        };
+        let c = Cluster::start_with(config, &[4 * MIB]).await;
+        let client = c.client().await;
+        let cfg = ReplicateConfig::default();
+        let keys = ["r/0", "r/1", "r/2", "r/3"];
+        for k in keys {
+            client
+                .put(k, &payload(k, MIB as usize), &cfg)
+                .await
+                .unwrap();
+        }
+        let mut bufs = vec![vec![0u8; MIB as usize]; 4];
+        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        for r in client.batch_get(&keys, &mut dst).await {
+            assert_eq!(r.unwrap(), MIB as usize);
+        }
+        let value = payload("more", MIB as usize);
+        match mode {
+            LeaseMode::Reads => {
+                let mut stored = false;
+                for _ in 0..100 {
+                    if client.put("more", &value, &cfg).await.is_ok() {
+                        stored = true;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert!(stored, "the reads' leases were never released");
+                let mut buf = vec![0u8; MIB as usize];
+                assert_eq!(client.get("more", &mut buf).await.unwrap(), MIB as usize);
+                assert!(buf == value);
+            }
+            LeaseMode::Ttl => {
+                let err = client.put("more", &value, &cfg).await.unwrap_err();
+                assert_eq!(err.code().as_i32(), -200, "{err}");
+            }
+        }
+        c.master.with_state(|s| s.check_invariants()).unwrap();
+        c.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -350,7 +350,8 @@ async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
             Code::ObjectNotFound,
             "{kind:?}"
         );
-        // A clear of whole objects: the leased one stays until forced out.
+        // A clear of whole objects: the leased one (looked up, its reader not done) stays.
+        m.get_replicas(&["task"]).await.unwrap();
         let cleared = m.replica_clear(&["task", "nope"], None).await.unwrap();
         assert_eq!(
             codes(&cleared),

@@ -192,6 +192,10 @@ impl MasterApi for Following {
         on_leader!(self, Retry::Always, |m| m.list_segments())
     }
 
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+        on_leader!(self, Retry::Never, |m| m.release_leases(keys))
+    }
+
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
         on_leader!(self, Retry::NewLeader, |m| m.create_replica_task(key, spec))
     }

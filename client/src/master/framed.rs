@@ -188,6 +188,17 @@ impl MasterApi for FramedMaster {
         })
     }
 
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+        Box::pin(async move {
+            let req = pb::BatchReleaseLeasesRequest {
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+            };
+            let _: pb::BatchReleaseLeasesResponse =
+                self.call(Method::BatchReleaseLeases, &req).await?;
+            Ok(())
+        })
+    }
+
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
         Box::pin(async move {
             let req = replica_task_pb(key, spec);

@@ -198,6 +198,15 @@ impl MasterApi for GrpcMaster {
         })
     }
 
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+        Box::pin(async move {
+            let req = pb::BatchReleaseLeasesRequest { keys: owned(keys) };
+            self.unary(|mut c| async move { c.batch_release_leases(req).await })
+                .await?;
+            Ok(())
+        })
+    }
+
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
         Box::pin(async move {
             let req = replica_task_pb(key, spec);

@@ -101,6 +101,10 @@ impl MasterApi for Patient {
         self.inner.list_segments()
     }
 
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+        self.inner.release_leases(keys)
+    }
+
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
         self.inner.create_replica_task(key, spec)
     }

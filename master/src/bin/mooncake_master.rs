@@ -48,6 +48,9 @@ struct Args {
     /// Offload objects to their owner's SSD tier when their put ends (not only on eviction).
     #[arg(long = "eager_offload", alias = "eager-offload")]
     eager_offload: bool,
+    /// What ends a read lease: "reads" (its readers being done) or "ttl" (the TTL alone).
+    #[arg(long = "lease_mode", alias = "lease-mode")]
+    lease_mode: Option<mooncake_master::core::LeaseMode>,
     /// When an owner's SSD is behind, eviction "keep"s objects in memory or "drop"s them.
     #[arg(long = "when_disk_behind", alias = "when-disk-behind")]
     when_disk_behind: Option<mooncake_master::core::WhenDiskBehind>,
@@ -107,6 +110,7 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         put_start_release_timeout <- args.put_start_release_timeout,
         allocation_strategy <- args.allocation_strategy,
         when_disk_behind <- args.when_disk_behind,
+        lease_mode <- args.lease_mode,
         promote_after_hits <- args.promote_after_hits,
         rebuild_grace <- args.rebuild_grace,
         rebuild_window <- args.rebuild_window,

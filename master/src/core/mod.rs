@@ -28,7 +28,7 @@ use rand::{rngs::StdRng, SeedableRng};
 
 use crate::clock::Millis;
 use allocator::{Allocation, OffsetAllocator};
-pub use objects::PutGrant;
+pub use objects::{LeaseMode, PutGrant};
 pub use placement::AllocationStrategy;
 pub use rebuild::{ReportOutcome, Reported};
 pub use replica_tasks::{TaskInfo, TaskRequest};
@@ -44,6 +44,8 @@ pub struct SegmentId(pub u64);
 #[derive(Debug, Clone)]
 pub struct Policy {
     pub lease_ttl: Duration,
+    /// What ends a read lease: its readers being done, or the TTL alone.
+    pub lease_mode: LeaseMode,
     pub soft_pin_ttl: Duration,
     pub eviction_high_watermark: f64,
     pub eviction_ratio: f64,
@@ -72,6 +74,7 @@ impl Default for Policy {
     fn default() -> Self {
         Policy {
             lease_ttl: Duration::from_secs(10),
+            lease_mode: LeaseMode::Reads,
             soft_pin_ttl: Duration::from_secs(30 * 60),
             eviction_high_watermark: 0.90,
             eviction_ratio: 0.05,

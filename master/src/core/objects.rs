@@ -79,6 +79,77 @@ impl Pin {
     }
 }
 
+/// A read lease, one word: the instant it ends at the latest (milliseconds, low 40 bits: 34
+/// years) and how many reads hold it (high 24 bits). A reader that is done releases its hold;
+/// with `LeaseMode::Reads` the lease ends when the last hold goes, so a finished read pins
+/// nothing. The instant still ends it for a reader that never says (it died).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Lease(u64);
+
+impl Lease {
+    const UNTIL_BITS: u32 = 40;
+    const UNTIL_MASK: u64 = (1 << Self::UNTIL_BITS) - 1;
+    const MAX_HOLDS: u64 = (1 << (64 - Self::UNTIL_BITS)) - 1;
+
+    pub const NONE: Lease = Lease(0);
+
+    pub fn until(self) -> Millis {
+        Millis(self.0 & Self::UNTIL_MASK)
+    }
+
+    fn holds(self) -> u64 {
+        self.0 >> Self::UNTIL_BITS
+    }
+
+    fn new(holds: u64, until: Millis) -> Lease {
+        Lease(holds.min(Self::MAX_HOLDS) << Self::UNTIL_BITS | until.0.min(Self::UNTIL_MASK))
+    }
+
+    pub fn is_active(self, now: Millis) -> bool {
+        self.until() > now
+    }
+
+    /// One more read holds the lease, which lasts at least `ttl` from `now`.
+    pub fn grant(&mut self, now: Millis, ttl: std::time::Duration) {
+        let holds = if self.is_active(now) { self.holds() } else { 0 };
+        *self = Lease::new(holds + 1, self.until().max(now.plus(ttl)));
+    }
+
+    /// A read that held the lease is done; the last one ends it at `now`. A release after the
+    /// lease ran out changes nothing.
+    pub fn release(&mut self, now: Millis) {
+        if !self.is_active(now) || self.holds() == 0 {
+            return;
+        }
+        let holds = self.holds() - 1;
+        let until = if holds == 0 { now } else { self.until() };
+        *self = Lease::new(holds, until);
+    }
+}
+
+/// What ends a read lease.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseMode {
+    /// Its readers being done (each releases its hold after its transfer), or the TTL for a
+    /// reader that never says: eviction skips only objects being read.
+    #[default]
+    Reads,
+    /// The TTL alone, as Mooncake: every lookup keeps the object for `lease_ttl`.
+    Ttl,
+}
+
+impl std::str::FromStr for LeaseMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reads" => Ok(LeaseMode::Reads),
+            "ttl" => Ok(LeaseMode::Ttl),
+            _ => Err(format!("expected reads or ttl, got {s:?}")),
+        }
+    }
+}
+
 /// Where an object stands with its owner's SSD tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) enum Offload {
@@ -127,8 +198,8 @@ pub(super) struct Object {
     pub phase: Phase,
     pub pin: Pin,
     pub replicas: Replicas,
-    /// The object may be read until this instant: no eviction, no non-forced removal.
-    pub lease_until: Millis,
+    /// Reads in progress (or until an instant): no eviction, no non-forced removal.
+    pub lease: Lease,
     /// Last put or lease grant: eviction takes the least recently used first.
     pub last_access: Millis,
     tier: Option<Box<TierState>>,
@@ -155,7 +226,7 @@ impl Object {
             phase,
             pin,
             replicas,
-            lease_until: Millis(0),
+            lease: Lease::NONE,
             last_access: now,
             tier: None,
         })
@@ -166,7 +237,7 @@ impl Object {
     }
 
     pub fn is_leased(&self, now: Millis) -> bool {
-        self.lease_until > now
+        self.lease.is_active(now)
     }
 
     /// Segments whose SSD tier holds a copy.
@@ -346,7 +417,7 @@ impl MasterState {
         for r in &replicas {
             self.note_freed(r, old.put_id);
         }
-        self.defer_release(replicas, old.lease_until.max(now));
+        self.defer_release(replicas, old.lease.until().max(now));
         self.discard(*old, now);
     }
 
@@ -463,7 +534,7 @@ impl MasterState {
         key: &str,
         now: Millis,
     ) -> Result<(u64, Vec<ReplicaLocation>), MasterError> {
-        let lease = now.plus(self.policy.lease_ttl);
+        let ttl = self.policy.lease_ttl;
         let owned = || ObjectKey::new(key).map_err(MasterError::from);
         let Some(obj) = self.objects.get_mut(key) else {
             if self.rebuilding(now) {
@@ -474,7 +545,7 @@ impl MasterState {
         if !obj.phase.is_complete() {
             return Err(MasterError::NotReady(owned()?));
         }
-        obj.lease_until = obj.lease_until.max(lease);
+        obj.lease.grant(now, ttl);
         obj.last_access = obj.last_access.max(now);
         if !obj.replicas.is_empty() {
             // The usual case: one lookup of the key (the segments are a different field).
@@ -492,14 +563,28 @@ impl MasterState {
     /// Whether a readable object exists; a hit is leased, as a prefix lookup is usually followed
     /// by a get of the same keys.
     pub fn exists<K: std::borrow::Borrow<str> + ?Sized>(&mut self, key: &K, now: Millis) -> bool {
-        let lease = now.plus(self.policy.lease_ttl);
+        let ttl = self.policy.lease_ttl;
         match self.objects.get_mut(key) {
             Some(obj) if obj.phase.is_complete() => {
-                obj.lease_until = obj.lease_until.max(lease);
+                obj.lease.grant(now, ttl);
                 obj.last_access = obj.last_access.max(now);
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Readers of `keys` are done: each releases the hold its lookup (or existence check) took.
+    /// With `LeaseMode::Reads` a lease whose last hold goes ends now; with `Ttl` nothing
+    /// changes. Unknown keys are skipped (removed meanwhile, or never leased).
+    pub fn release_leases<K: std::borrow::Borrow<str>>(&mut self, keys: &[K], now: Millis) {
+        if self.policy.lease_mode == LeaseMode::Ttl {
+            return;
+        }
+        for k in keys {
+            if let Some(obj) = self.objects.get_mut(k.borrow()) {
+                obj.lease.release(now);
+            }
         }
     }
 

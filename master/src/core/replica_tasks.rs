@@ -480,7 +480,7 @@ impl MasterState {
                     return None;
                 }
                 let at = obj.replicas.iter().position(|r| r.segment == source)?;
-                Some((obj.replicas.remove(at), obj.lease_until))
+                Some((obj.replicas.remove(at), obj.lease.until()))
             });
             match released {
                 Some((replica, lease_until)) if lease_until > now => {

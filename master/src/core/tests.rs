@@ -270,6 +270,60 @@ fn preferred_segment_first_then_fallback() {
 }
 
 #[test]
+fn a_lease_ends_when_its_last_reader_is_done_or_at_its_ttl() {
+    let mut s = state_with(&[8 * MIB]);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    let ttl = Policy::default().lease_ttl.as_millis() as u64;
+    // Two readers: the lookup of one and the existence check of another.
+    s.get_replicas(&k("a"), Millis(100)).unwrap();
+    assert!(s.exists(&k("a"), Millis(110)));
+    s.release_leases(&["a"], Millis(120));
+    assert!(
+        s.remove(&k("a"), false, Millis(130)).is_err(),
+        "one reader is still at it"
+    );
+    s.release_leases(&["a", "unknown"], Millis(140));
+    s.remove(&k("a"), false, Millis(150)).unwrap();
+    // A reader that never says it is done holds until the TTL; a late release changes nothing
+    // for a later reader's lease.
+    put(&mut s, "b", MIB, &cfg(1), 0).unwrap();
+    s.get_replicas(&k("b"), Millis(1000)).unwrap();
+    assert!(s.remove(&k("b"), false, Millis(1000 + ttl - 1)).is_err());
+    s.get_replicas(&k("b"), Millis(1000 + ttl + 5)).unwrap();
+    s.release_leases(&["b"], Millis(1000 + ttl + 6));
+    assert!(
+        s.remove(&k("b"), false, Millis(1000 + ttl + 7)).is_ok(),
+        "the one hold there was went with the release"
+    );
+    // More releases than holds never underflow into a lease.
+    put(&mut s, "c", MIB, &cfg(1), 0).unwrap();
+    s.release_leases(&["c", "c"], Millis(5000));
+    s.get_replicas(&k("c"), Millis(5001)).unwrap();
+    assert!(s.remove(&k("c"), false, Millis(5002)).is_err());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn with_ttl_leases_a_release_changes_nothing() {
+    let policy = Policy {
+        lease_mode: LeaseMode::Ttl,
+        client_ttl: Duration::from_secs(3600),
+        ..Policy::default()
+    };
+    let mut s = state_with_policy(&[8 * MIB], policy);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    s.get_replicas(&k("a"), Millis(100)).unwrap();
+    s.release_leases(&["a"], Millis(120));
+    assert_eq!(
+        s.remove(&k("a"), false, Millis(130))
+            .unwrap_err()
+            .code()
+            .as_i32(),
+        -706
+    );
+}
+
+#[test]
 fn lease_blocks_plain_remove_and_force_frees_at_once() {
     let mut s = state_with(&[8 * MIB]);
     put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
@@ -499,6 +553,8 @@ enum Step {
     Move(u8, u8, u8),
     /// A replica clear of key .0 on segment .1 (3: whole object).
     Clear(u8, u8),
+    /// A reader of key .0 is done.
+    Release(u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -520,6 +576,7 @@ fn step() -> impl Strategy<Value = Step> {
             b % 3
         )),
         (any::<u8>(), any::<u8>()).prop_map(|(k, o)| Step::Clear(k % 32, o % 4)),
+        any::<u8>().prop_map(|k| Step::Release(k % 32)),
     ]
 }
 
@@ -579,6 +636,7 @@ proptest! {
                     let (source, target) = (seg(a as u16), seg(b as u16));
                     let _ = s.create_replica_task(&k(&format!("k{key}")), TaskRequest::Move { source: &source, target: &target }, Millis(now));
                 }
+                Step::Release(key) => s.release_leases(&[format!("k{key}")], Millis(now)),
                 Step::Clear(key, o) => {
                     let name = (o < 3).then(|| seg(o as u16));
                     let _ = s.replica_clear(&[k(&format!("k{key}"))], name.as_ref(), Millis(now));

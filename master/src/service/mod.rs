@@ -375,6 +375,13 @@ impl MasterService {
         cleared
     }
 
+    /// A reader is done with `keys` (a key once per hold it took).
+    pub fn release_leases(&self, keys: &[&str]) {
+        let now = self.shared.clock.now();
+        self.shared.state.lock().release_leases(keys, now);
+        self.shared.metrics.record(Op::ReleaseLeases, keys.len(), 0);
+    }
+
     /// The mounted segments and their usage.
     pub fn list_segments(&self) -> Vec<SegmentStat> {
         let segments = self.shared.state.lock().segment_stats();

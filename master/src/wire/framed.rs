@@ -221,6 +221,10 @@ async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
         Method::QueryTask => {
             call::<pb::QueryTaskRequest, _, _, _>(body, |r| grpc.query_task(r)).await
         }
+        Method::BatchReleaseLeases => {
+            call::<pb::BatchReleaseLeasesRequest, _, _, _>(body, |r| grpc.batch_release_leases(r))
+                .await
+        }
         Method::BatchReplicaClear => {
             call::<pb::BatchReplicaClearRequest, _, _, _>(body, |r| grpc.batch_replica_clear(r))
                 .await

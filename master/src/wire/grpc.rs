@@ -322,6 +322,16 @@ impl pb::master_server::Master for GrpcMaster {
         }))
     }
 
+    async fn batch_release_leases(
+        &self,
+        req: Request<pb::BatchReleaseLeasesRequest>,
+    ) -> Reply<pb::BatchReleaseLeasesResponse> {
+        let r = req.into_inner();
+        let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
+        self.0.release_leases(&keys);
+        Ok(Response::new(pb::BatchReleaseLeasesResponse {}))
+    }
+
     async fn list_segments(
         &self,
         _req: Request<pb::ListSegmentsRequest>,

@@ -149,6 +149,13 @@ impl MasterApi for InProcessMaster {
         })
     }
 
+    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+        Box::pin(async move {
+            self.0.release_leases(keys);
+            Ok(())
+        })
+    }
+
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
         Box::pin(async move {
             Ok(self

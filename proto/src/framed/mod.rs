@@ -46,6 +46,7 @@ pub enum Method {
     CreateReplicaTask = 12,
     QueryTask = 13,
     BatchReplicaClear = 14,
+    BatchReleaseLeases = 15,
 }
 
 impl Method {
@@ -66,6 +67,7 @@ impl Method {
             12 => CreateReplicaTask,
             13 => QueryTask,
             14 => BatchReplicaClear,
+            15 => BatchReleaseLeases,
             _ => return None,
         })
     }
@@ -127,9 +129,9 @@ mod tests {
         bad[4] = 7;
         assert!(check_hello(&bad).unwrap_err().contains("version 7"));
         assert!(check_hello(b"PRI * HT").is_err());
-        for m in 1..=14 {
+        for m in 1..=15 {
             assert_eq!(Method::from_u32(m).unwrap() as u32, m);
         }
-        assert!(Method::from_u32(15).is_none());
+        assert!(Method::from_u32(16).is_none());
     }
 }

@@ -1,0 +1,91 @@
+//! The read leases this client holds, handed back as soon as its reads are done, so a finished
+//! read pins nothing in the cache (with the master's lease mode "reads"; with "ttl" the master
+//! ignores them). A get's holds go back when its transfers end; the holds of an existence check
+//! or a descriptor lookup, which a get of the same keys usually follows, go back when this
+//! client's next call ends. Releases leave off the calls' path: a background task sends them in
+//! one batch per round trip, and a release that fails is only logged (the lease then ends at
+//! its TTL, as it would have without).
+
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
+
+use mooncake_common::MasterApi;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+/// Keys released in one call at most.
+const BATCH: usize = 4096;
+
+#[derive(Default)]
+pub(crate) struct Leases {
+    /// Holds to hand back: a key once per hold.
+    queue: Mutex<Vec<String>>,
+    /// Holds of existence checks and descriptor lookups, queued when the next call ends.
+    held: Mutex<Vec<String>>,
+    wake: Notify,
+    closed: AtomicBool,
+}
+
+impl Leases {
+    /// Starts the task that sends releases to `master`; it ends after `close`.
+    pub fn start(master: Arc<dyn MasterApi>) -> Arc<Leases> {
+        let leases = Arc::new(Leases::default());
+        tokio::spawn(leases.clone().run(master));
+        leases
+    }
+
+    /// The reads of `keys` are done: their holds go back.
+    pub fn done<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+        let mut q = self.queue.lock();
+        let before = q.len();
+        q.extend(keys.into_iter().map(str::to_owned));
+        if q.len() > before {
+            drop(q);
+            self.wake.notify_one();
+        }
+    }
+
+    /// A call ended: the holds kept for it (see `keep`) go back.
+    pub fn call_ended(&self) {
+        let held = std::mem::take(&mut *self.held.lock());
+        if !held.is_empty() {
+            self.queue.lock().extend(held);
+            self.wake.notify_one();
+        }
+    }
+
+    /// Holds a get of the same keys usually follows: kept until the next call ends.
+    pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+        self.held.lock().extend(keys.into_iter().map(str::to_owned));
+    }
+
+    /// Stops the sender once it has sent what is queued now (and what is held).
+    pub fn close(&self) {
+        self.call_ended();
+        self.closed.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    async fn run(self: Arc<Self>, master: Arc<dyn MasterApi>) {
+        loop {
+            let batch: Vec<String> = {
+                let mut q = self.queue.lock();
+                let n = q.len().min(BATCH);
+                q.drain(..n).collect()
+            };
+            if batch.is_empty() {
+                if self.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                self.wake.notified().await;
+                continue;
+            }
+            let keys: Vec<&str> = batch.iter().map(String::as_str).collect();
+            if let Err(e) = master.release_leases(&keys).await {
+                tracing::debug!(keys = keys.len(), error = %e, "releasing read leases failed; they end at their TTL");
+            }
+        }
+    }
+}
