@@ -85,6 +85,9 @@ struct Args {
     /// (512 MiB by default) holds under `--eviction-watermark`; no store is started.
     #[arg(long)]
     simulate_only: bool,
+    /// Embedded mode: what ends a read lease, reads (its readers being done) or ttl.
+    #[arg(long)]
+    lease_mode: Option<mooncake_master::core::LeaseMode>,
     /// Embedded mode: the master's read lease, e.g. 10s or 200ms.
     #[arg(long, value_parser = mooncake_common::config::parse_duration)]
     lease_ttl: Option<Duration>,
@@ -565,6 +568,7 @@ impl Embedded {
             eager_offload: args.eager_offload,
             eviction_high_watermark_ratio: args.eviction_watermark,
             default_kv_lease_ttl: args.lease_ttl.unwrap_or(defaults.default_kv_lease_ttl),
+            lease_mode: args.lease_mode.unwrap_or(defaults.lease_mode),
             ..defaults
         })
         .await
