@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+import bench_stores
+
 ROUND_BYTES = 128 << 20  # per phase: CALLS x keys x size
 
 
@@ -28,15 +30,7 @@ def parse_size(s):
 
 
 def open_store(args):
-    if args.store == "ours":
-        from mooncake_rs.store import MooncakeDistributedStoreAsync
-    else:
-        from mooncake.async_store import MooncakeDistributedStoreAsync
-    store = MooncakeDistributedStoreAsync()
-    rc = store.setup("127.0.0.1", args.metadata, 0, 64 << 20, "tcp", "", args.master)
-    if rc != 0:
-        sys.exit(f"{args.store}: setup failed with {rc}")
-    return store
+    return bench_stores.open_store(args.store, args.master, args.metadata, asynchronous=True)
 
 
 async def phase(calls):

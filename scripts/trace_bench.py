@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+import bench_stores
+
 
 def block_bytes(block_id, size):
     """The block's content: its id repeated, so a wrong or stale read shows (made per use:
@@ -29,15 +31,7 @@ def load(path):
 
 
 def open_store(args):
-    if args.store == "ours":
-        from mooncake_rs.store import MooncakeDistributedStore
-    else:
-        from mooncake.store import MooncakeDistributedStore
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", args.metadata, 0, 64 << 20, "tcp", "", args.master)
-    if rc != 0:
-        sys.exit(f"{args.store}: setup failed with {rc}")
-    return store
+    return bench_stores.open_store(args.store, args.master, args.metadata, asynchronous=False)
 
 
 def pct(values, p):

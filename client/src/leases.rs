@@ -2,9 +2,9 @@
 //! read pins nothing in the cache (with the master's lease mode "reads"; with "ttl" the master
 //! ignores them). A get's holds go back when its transfers end; the holds of an existence check
 //! or a descriptor lookup, which a get of the same keys usually follows, go back when this
-//! client's next call ends. Releases leave off the calls' path: a background task sends them in
-//! one batch per round trip, and a release that fails is only logged (the lease then ends at
-//! its TTL, as it would have without).
+//! client's next call ends. Releases leave off the calls' path: a background task lets them
+//! gather for a moment and sends them in one batch per round trip, and a release that fails is
+//! only logged (the lease then ends at its TTL, as it would have without).
 
 use std::sync::{
     atomic::{AtomicBool, Ordering},
@@ -17,6 +17,9 @@ use tokio::sync::Notify;
 
 /// Keys released in one call at most.
 const BATCH: usize = 4096;
+/// How long the sender lets releases gather before it sends them: a lease ends this much later
+/// at most, and a client doing back-to-back gets sends one release per several of them.
+const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
 
 #[derive(Default)]
 pub(crate) struct Leases {
@@ -80,6 +83,9 @@ impl Leases {
                     return;
                 }
                 self.wake.notified().await;
+                if !self.closed.load(Ordering::Acquire) && self.queue.lock().len() < BATCH {
+                    tokio::time::sleep(LINGER).await;
+                }
                 continue;
             }
             let keys: Vec<&str> = batch.iter().map(String::as_str).collect();
