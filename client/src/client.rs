@@ -155,7 +155,9 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        let found = self.master.exists(keys).await;
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        let found = self.master.exists(keys, &release).await;
         // The holds of the previous call's checks go back; a get of these hits usually follows.
         self.leases.call_ended();
         let found = found?;
@@ -245,7 +247,9 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
-        let lookup = self.master.get_replicas(keys).await;
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        let lookup = self.master.get_replicas(keys, &release).await;
         self.leases.call_ended();
         let lookup = lookup?;
         self.leases.keep(

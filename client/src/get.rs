@@ -101,7 +101,9 @@ impl Client {
         self.tiers
             .get_keys
             .fetch_add(names.len() as u64, Ordering::Relaxed);
-        let lookup = match self.master.get_replicas(&names).await {
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        let lookup = match self.master.get_replicas(&names, &release).await {
             Ok(l) => l,
             Err(e) => return fill(results, valid, &e.into()),
         };
@@ -287,7 +289,9 @@ impl Client {
         self.tiers
             .get_keys
             .fetch_add(names.len() as u64, Ordering::Relaxed);
-        let lookup = match self.master.get_replicas(&names).await {
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        let lookup = match self.master.get_replicas(&names, &release).await {
             Ok(l) => l,
             Err(e) => {
                 let e = ClientError::from(e);

@@ -2,9 +2,10 @@
 //! read pins nothing in the cache (with the master's lease mode "reads"; with "ttl" the master
 //! ignores them). A get's holds go back when its transfers end; the holds of an existence check
 //! or a descriptor lookup, which a get of the same keys usually follows, go back when this
-//! client's next call ends. Releases leave off the calls' path: a background task lets them
-//! gather for a moment and sends them in one batch per round trip, and a release that fails is
-//! only logged (the lease then ends at its TTL, as it would have without).
+//! client's next call ends. Releases ride on this client's next lookup or existence check (no
+//! call of their own); when none comes within a moment, a background task sends them. A
+//! release that fails is only logged, never sent again (a hold handed back twice would take
+//! another reader's): the lease then ends at its TTL, as it would have without.
 
 use std::sync::{
     atomic::{AtomicBool, Ordering},
@@ -64,6 +65,13 @@ impl Leases {
         self.held.lock().extend(keys.into_iter().map(str::to_owned));
     }
 
+    /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`).
+    pub fn take(&self) -> Vec<String> {
+        let mut q = self.queue.lock();
+        let n = q.len().min(BATCH);
+        q.drain(..n).collect()
+    }
+
     /// Stops the sender once it has sent what is queued now (and what is held).
     pub fn close(&self) {
         self.call_ended();
@@ -73,11 +81,7 @@ impl Leases {
 
     async fn run(self: Arc<Self>, master: Arc<dyn MasterApi>) {
         loop {
-            let batch: Vec<String> = {
-                let mut q = self.queue.lock();
-                let n = q.len().min(BATCH);
-                q.drain(..n).collect()
-            };
+            let batch = self.take();
             if batch.is_empty() {
                 if self.closed.load(Ordering::Acquire) {
                     return;

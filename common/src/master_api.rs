@@ -50,11 +50,16 @@ pub trait MasterApi: Send + Sync {
     /// Gives up the puts named by (key, put id): their space is freed, the keys stay absent.
     fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>>;
 
-    /// Where each key's replicas are; every hit is leased for `Lookup::lease_ttl`.
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup>;
+    /// Where each key's replicas are; every hit is leased for `Lookup::lease_ttl`. The holds in
+    /// `release` are handed back first, in the same call (see `release_leases`).
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup>;
 
-    /// Whether each key exists (hits are leased, like a lookup).
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>>;
+    /// Whether each key exists (hits are leased, like a lookup); `release` as in `get_replicas`.
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>>;
 
     /// Removes each key; leased ones only with `force`.
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;

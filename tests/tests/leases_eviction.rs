@@ -27,7 +27,10 @@ async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() 
         .unwrap();
     // A reader that has looked it up and not said it is done: held until the TTL (10 s).
     let reader = c.master.in_process();
-    assert_eq!(reader.exists(&["leased"]).await.unwrap(), vec![Ok(true)]);
+    assert_eq!(
+        reader.exists(&["leased"], &[]).await.unwrap(),
+        vec![Ok(true)]
+    );
 
     // Write 40 MiB into a 16 MiB segment: every put must succeed by evicting older objects.
     for i in 0..40 {

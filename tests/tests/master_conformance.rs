@@ -84,7 +84,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
         assert!(!dup.message.is_empty(), "{kind:?}: refusals carry a text");
 
         // Not readable before its put ends.
-        let early = m.get_replicas(&["a"]).await.unwrap();
+        let early = m.get_replicas(&["a"], &[]).await.unwrap();
         assert_eq!(lookup_codes(&early), [Code::ReplicaIsNotReady], "{kind:?}");
 
         let ends = m
@@ -97,7 +97,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
 
-        let l = m.get_replicas(&["a", "none", "", "b"]).await.unwrap();
+        let l = m.get_replicas(&["a", "none", "", "b"], &[]).await.unwrap();
         assert_eq!(
             lookup_codes(&l),
             [
@@ -122,7 +122,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
         );
 
         assert_eq!(
-            m.exists(&["a", "none", ""]).await.unwrap(),
+            m.exists(&["a", "none", ""], &[]).await.unwrap(),
             [Ok(true), Ok(false), Err(Code::InvalidParams)],
             "{kind:?}"
         );
@@ -141,7 +141,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
         assert_eq!(
-            lookup_codes(&m.get_replicas(&["c"]).await.unwrap()),
+            lookup_codes(&m.get_replicas(&["c"], &[]).await.unwrap()),
             [Code::ObjectNotFound],
             "{kind:?}"
         );
@@ -206,8 +206,8 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             .unwrap()
             .results
             .is_empty());
-        assert!(m.get_replicas(&[]).await.unwrap().results().is_empty());
-        assert!(m.exists(&[]).await.unwrap().is_empty());
+        assert!(m.get_replicas(&[], &[]).await.unwrap().results().is_empty());
+        assert!(m.exists(&[], &[]).await.unwrap().is_empty());
         assert!(m.put_end(&[]).await.unwrap().is_empty());
         assert!(m.remove(&[], true).await.unwrap().is_empty());
         c.shutdown().await;
@@ -245,6 +245,42 @@ async fn a_client_on_every_master_api_moves_the_same_bytes() {
         assert!(bufs == values, "{kind:?}: bytes differ");
         let desc = client.batch_get_replica_desc(&names[..1]).await.unwrap();
         assert_eq!(desc[0].as_ref().unwrap().replicas.len(), 2, "{kind:?}");
+        c.shutdown().await;
+    }
+}
+
+/// Holds handed back with a lookup, with an existence check, or on their own: the last one
+/// ends the lease at once (lease mode "reads", the default), so a plain remove then works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_api_hands_back_read_holds_the_same() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT]).await;
+        let m = api(&c, kind);
+        let client = Client::with_master(m.clone(), None, transport(&c.client_config()))
+            .await
+            .unwrap();
+        let cfg = ReplicateConfig::default();
+        for k in ["h/a", "h/b", "h/c"] {
+            client.put(k, &payload(k, 1000), &cfg).await.unwrap();
+        }
+        // Two holds on a, one on b and c.
+        m.get_replicas(&["h/a", "h/b"], &[]).await.unwrap();
+        m.exists(&["h/a", "h/c"], &[]).await.unwrap();
+        // One of a's and b's go back with a lookup of nothing, c's with a check of nothing.
+        m.get_replicas(&[], &["h/a", "h/b"]).await.unwrap();
+        m.exists(&[], &["h/c"]).await.unwrap();
+        let removed = m.remove(&["h/a", "h/b", "h/c"], false).await.unwrap();
+        assert_eq!(
+            codes(&removed),
+            vec![Code::ObjectHasLease, Code::Ok, Code::Ok],
+            "{kind:?}"
+        );
+        m.release_leases(&["h/a"]).await.unwrap();
+        assert_eq!(
+            codes(&m.remove(&["h/a"], false).await.unwrap()),
+            vec![Code::Ok],
+            "{kind:?}"
+        );
         c.shutdown().await;
     }
 }
@@ -292,7 +328,7 @@ async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
             t.detail
         );
         assert_eq!(t.assigned, vec![b.clone()], "{kind:?}");
-        let lookup = m.get_replicas(&["task"]).await.unwrap();
+        let lookup = m.get_replicas(&["task"], &[]).await.unwrap();
         let found = lookup.objects.results[0].as_ref().unwrap();
         assert_eq!(lookup.objects.run(&found.replicas).len(), 2, "{kind:?}");
         // The lookup leased the object: its replicas stay.
@@ -351,7 +387,7 @@ async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
             "{kind:?}"
         );
         // A clear of whole objects: the leased one (looked up, its reader not done) stays.
-        m.get_replicas(&["task"]).await.unwrap();
+        m.get_replicas(&["task"], &[]).await.unwrap();
         let cleared = m.replica_clear(&["task", "nope"], None).await.unwrap();
         assert_eq!(
             codes(&cleared),
@@ -376,7 +412,7 @@ async fn the_wire_apis_fail_within_their_deadline_when_the_master_is_gone() {
     ];
     for m in apis {
         let started = std::time::Instant::now();
-        let e = m.get_replicas(&["k"]).await.unwrap_err();
+        let e = m.get_replicas(&["k"], &[]).await.unwrap_err();
         assert!(matches!(e.code, Code::RpcFail | Code::RpcTimeout), "{e}");
         assert!(e.code.is_retryable(), "{e}");
         assert!(started.elapsed() < Duration::from_secs(3), "{e}");

@@ -20,6 +20,8 @@ use mooncake_common::{
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::first_try;
+
 /// Builds the wire adapter for a leader's address (or says why the address is no good).
 pub type Connector = Box<dyn Fn(&str) -> Result<Arc<dyn MasterApi>, String> + Send + Sync>;
 
@@ -172,12 +174,22 @@ impl MasterApi for Following {
         on_leader!(self, Retry::Never, |m| m.put_revoke(puts))
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
-        on_leader!(self, Retry::Always, |m| m.get_replicas(keys))
+    // A lookup may go again (to another leader, or after a broken call): its releases go with
+    // the first try only, so that no hold is handed back twice.
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+        let first = std::sync::atomic::AtomicBool::new(true);
+        on_leader!(self, Retry::Always, |m| m
+            .get_replicas(keys, first_try(&first, release)))
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
-        on_leader!(self, Retry::Always, |m| m.exists(keys))
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>> {
+        let first = std::sync::atomic::AtomicBool::new(true);
+        on_leader!(self, Retry::Always, |m| m
+            .exists(keys, first_try(&first, release)))
     }
 
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {

@@ -127,13 +127,17 @@ impl MasterApi for FramedMaster {
         Box::pin(self.by_refs(Method::BatchPutRevoke, puts))
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
         Box::pin(async move {
             let body = self
                 .raw(
                     Method::BatchGetReplicas,
-                    keys::strings_len(fields::KEYS, keys),
-                    |buf| keys::encode_strings(fields::KEYS, keys, buf),
+                    keys::strings_len(fields::KEYS, keys)
+                        + keys::strings_len(fields::RELEASE, release),
+                    |buf| {
+                        keys::encode_strings(fields::KEYS, keys, buf);
+                        keys::encode_strings(fields::RELEASE, release, buf);
+                    },
                 )
                 .await?;
             let lookup = answers::lookup_from_frame(&body)?;
@@ -142,13 +146,21 @@ impl MasterApi for FramedMaster {
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>> {
         Box::pin(async move {
             let body = self
                 .raw(
                     Method::BatchExists,
-                    keys::strings_len(fields::KEYS, keys),
-                    |buf| keys::encode_strings(fields::KEYS, keys, buf),
+                    keys::strings_len(fields::KEYS, keys)
+                        + keys::strings_len(fields::RELEASE, release),
+                    |buf| {
+                        keys::encode_strings(fields::KEYS, keys, buf);
+                        keys::encode_strings(fields::RELEASE, release, buf);
+                    },
                 )
                 .await?;
             let resp =

@@ -141,9 +141,12 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
         Box::pin(async move {
-            let req = pb::BatchGetReplicasRequest { keys: owned(keys) };
+            let req = pb::BatchGetReplicasRequest {
+                keys: owned(keys),
+                release: owned(release),
+            };
             let resp = self
                 .unary(|mut c| async move { c.batch_get_replicas(req).await })
                 .await?;
@@ -153,9 +156,16 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>> {
         Box::pin(async move {
-            let req = pb::BatchExistsRequest { keys: owned(keys) };
+            let req = pb::BatchExistsRequest {
+                keys: owned(keys),
+                release: owned(release),
+            };
             let resp = self
                 .unary(|mut c| async move { c.batch_exists(req).await })
                 .await?;

@@ -88,6 +88,16 @@ async fn within<T>(
 }
 
 /// A batch answer must hold one result per item.
+/// `release` on the first call made with `first`, nothing after: a call that goes again must
+/// not hand back the same holds twice (another reader's hold would go with them).
+fn first_try<'a>(first: &std::sync::atomic::AtomicBool, release: &'a [&'a str]) -> &'a [&'a str] {
+    if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
+        release
+    } else {
+        &[]
+    }
+}
+
 fn check_len(what: &str, got: usize, want: usize) -> Result<(), ApiError> {
     if got == want {
         Ok(())

@@ -14,6 +14,8 @@ use mooncake_common::{
 };
 use tokio::time::Instant;
 
+use super::first_try;
+
 const FIRST_PAUSE: Duration = Duration::from_millis(20);
 const LONGEST_PAUSE: Duration = Duration::from_millis(250);
 
@@ -75,16 +77,23 @@ impl MasterApi for Patient {
         self.inner.put_revoke(puts)
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+    // Releases go with the first try only (see `first_try`).
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+        let first = std::sync::atomic::AtomicBool::new(true);
         self.until_definite(
-            move || self.inner.get_replicas(keys),
+            move || self.inner.get_replicas(keys, first_try(&first, release)),
             |l: &Lookup| l.results().iter().any(|r| r.as_ref().is_err_and(not_yet)),
         )
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>> {
+        let first = std::sync::atomic::AtomicBool::new(true);
         self.until_definite(
-            move || self.inner.exists(keys),
+            move || self.inner.exists(keys, first_try(&first, release)),
             |r: &Vec<Result<bool, Code>>| r.iter().any(|r| r.as_ref().is_err_and(not_yet)),
         )
     }

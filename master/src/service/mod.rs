@@ -208,17 +208,20 @@ impl MasterService {
         results
     }
 
-    /// Looks up (and leases) every key under one lock and hands each answer to `answer` in
-    /// order (so an adapter encodes straight from it); returns the lease every hit got.
+    /// Hands back the holds in `release` (see `release_leases`), then looks up (and leases)
+    /// every key under the same lock and hands each answer to `answer` in order (so an adapter
+    /// encodes straight from it); returns the lease every hit got.
     pub fn get_replicas(
         &self,
         keys: &[&str],
+        release: &[&str],
         mut answer: impl FnMut(Result<(u64, Vec<ReplicaLocation>), MasterError>),
     ) -> Duration {
         let now = self.shared.clock.now();
         let mut failed = 0;
         let lease_ttl = {
             let mut state = self.shared.state.lock();
+            state.release_leases(release, now);
             for k in keys {
                 let found = validated(k).and_then(|k| state.get_replicas_str(k, now));
                 failed += usize::from(found.is_err());
@@ -233,11 +236,17 @@ impl MasterService {
         lease_ttl
     }
 
-    /// Whether each key exists (leasing the hits), under one lock; and the lease they got.
-    pub fn exists(&self, keys: &[&str]) -> (Vec<Result<bool, MasterError>>, Duration) {
+    /// Hands back the holds in `release`, then whether each key exists (leasing the hits),
+    /// under one lock; and the lease they got.
+    pub fn exists(
+        &self,
+        keys: &[&str],
+        release: &[&str],
+    ) -> (Vec<Result<bool, MasterError>>, Duration) {
         let now = self.shared.clock.now();
         let (results, lease_ttl) = {
             let mut state = self.shared.state.lock();
+            state.release_leases(release, now);
             let rebuilding = state.rebuilding(now);
             let results: Vec<_> = keys
                 .iter()

@@ -167,12 +167,12 @@ async fn put_start(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
 /// `BatchGetReplicas`: keys borrowed from the frame, the answer encoded straight from the
 /// state (no message structs, no `String` per replica).
 fn get_replicas(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
-    let keys = match keys::decode_strings(body, fields::KEYS) {
-        Ok(keys) => keys,
+    let (keys, release) = match keys_and_release(body) {
+        Ok(k) => k,
         Err(e) => return bad_request(e),
     };
     let mut enc = Encoder::with_capacity(keys.len() * 48);
-    let lease_ttl = svc.get_replicas(&keys, |found| {
+    let lease_ttl = svc.get_replicas(&keys, &release, |found| {
         let code = code(&found);
         match found {
             Ok((size, replicas)) => enc.result(code, size, replicas.iter().map(replica_ref)),
@@ -180,6 +180,14 @@ fn get_replicas(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
         }
     });
     (rpc_wire::STATUS_OK, enc.finish(grpc::millis(lease_ttl)))
+}
+
+/// A lookup's or existence check's keys, and the holds it hands back.
+fn keys_and_release(body: &[u8]) -> Result<(Vec<&str>, Vec<&str>), String> {
+    Ok((
+        keys::decode_strings(body, fields::KEYS)?,
+        keys::decode_strings(body, fields::RELEASE)?,
+    ))
 }
 
 async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
@@ -198,10 +206,10 @@ async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
         Method::BatchPutEnd => by_refs(body, |refs| svc.put_end(refs)),
         Method::BatchPutRevoke => by_refs(body, |refs| svc.put_revoke(refs)),
         Method::BatchGetReplicas => get_replicas(svc, body),
-        Method::BatchExists => match keys::decode_strings(body, fields::KEYS) {
-            Ok(keys) => (
+        Method::BatchExists => match keys_and_release(body) {
+            Ok((keys, release)) => (
                 rpc_wire::STATUS_OK,
-                grpc::exists(svc, &keys).encode_to_vec(),
+                grpc::exists(svc, &keys, &release).encode_to_vec(),
             ),
             Err(e) => bad_request(e),
         },

@@ -193,10 +193,11 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchGetReplicasRequest>,
     ) -> Reply<pb::BatchGetReplicasResponse> {
-        let keys = req.into_inner().keys;
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let r = req.into_inner();
+        let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
+        let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
         let mut results = Vec::with_capacity(keys.len());
-        let lease_ttl = self.0.get_replicas(&keys, |found| {
+        let lease_ttl = self.0.get_replicas(&keys, &release, |found| {
             let code = code(&found);
             let (size, replicas) = found.unwrap_or_default();
             results.push(pb::GetReplicasResult {
@@ -215,9 +216,10 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchExistsRequest>,
     ) -> Reply<pb::BatchExistsResponse> {
-        let keys = req.into_inner().keys;
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        Ok(Response::new(exists(&self.0, &keys)))
+        let r = req.into_inner();
+        let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
+        let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
+        Ok(Response::new(exists(&self.0, &keys, &release)))
     }
 
     async fn batch_remove(
@@ -465,8 +467,12 @@ impl pb::master_server::Master for GrpcMaster {
 }
 
 /// A batch exists answer: 1 exists, 0 missing, negative an error code.
-pub(super) fn exists(svc: &MasterService, keys: &[&str]) -> pb::BatchExistsResponse {
-    let (results, lease_ttl) = svc.exists(keys);
+pub(super) fn exists(
+    svc: &MasterService,
+    keys: &[&str],
+    release: &[&str],
+) -> pb::BatchExistsResponse {
+    let (results, lease_ttl) = svc.exists(keys, release);
     pb::BatchExistsResponse {
         codes: results
             .iter()

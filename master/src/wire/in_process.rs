@@ -52,10 +52,10 @@ impl MasterApi for InProcessMaster {
         Box::pin(async move { Ok(codes(self.0.put_revoke(puts))) })
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
         Box::pin(async move {
             let mut objects = mooncake_common::master_api::Runs::with_capacity(keys.len());
-            let lease_ttl = self.0.get_replicas(keys, |found| match found {
+            let lease_ttl = self.0.get_replicas(keys, release, |found| match found {
                 Ok((size, replicas)) => {
                     objects.push_ok(replicas, |replicas| Found { size, replicas })
                 }
@@ -65,9 +65,13 @@ impl MasterApi for InProcessMaster {
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        release: &'a [&'a str],
+    ) -> Call<'a, Vec<Result<bool, Code>>> {
         Box::pin(async move {
-            let (results, _) = self.0.exists(keys);
+            let (results, _) = self.0.exists(keys, release);
             Ok(results
                 .into_iter()
                 .map(|r| r.map_err(|e| e.code()))

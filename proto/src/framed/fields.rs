@@ -5,6 +5,9 @@
 /// `BatchGetReplicasRequest`, `BatchExistsRequest`, `BatchRemoveRequest`: `repeated string keys`.
 pub const KEYS: u32 = 1;
 
+/// `BatchGetReplicasRequest`, `BatchExistsRequest`: `repeated string release`.
+pub const RELEASE: u32 = 2;
+
 /// `BatchPutStartRequest`.
 pub mod put_start_request {
     /// `repeated PutStartItem items`.

@@ -150,8 +150,15 @@ mod tests {
             let mut ours = Vec::new();
             encode_strings(1, &refs, &mut ours);
             prop_assert_eq!(ours.len(), strings_len(1, &refs));
-            let theirs = pb::BatchExistsRequest { keys: keys.clone() }.encode_to_vec();
+            let theirs = pb::BatchExistsRequest { keys: keys.clone(), release: vec![] }.encode_to_vec();
             prop_assert_eq!(&ours, &theirs);
+            // Keys and releases together, as a lookup carries them: prost reads both back.
+            let mut both = ours.clone();
+            encode_strings(2, &refs[..refs.len() / 2], &mut both);
+            let read = pb::BatchGetReplicasRequest::decode(&both[..]).unwrap();
+            prop_assert_eq!(&read.keys, &keys);
+            prop_assert_eq!(&read.release[..], &keys[..keys.len() / 2]);
+            prop_assert_eq!(decode_strings(&both, 2).unwrap(), &refs[..refs.len() / 2]);
             // Reading skips other fields (here the bool of a remove request).
             let remove = pb::BatchRemoveRequest { keys: keys.clone(), force }.encode_to_vec();
             prop_assert_eq!(decode_strings(&remove, 1).unwrap(), refs);
