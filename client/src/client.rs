@@ -155,9 +155,7 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
-        let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        let found = self.master.exists(keys, &release).await;
+        let found = self.check(keys).await;
         // The holds of the previous call's checks go back; a get of these hits usually follows.
         self.leases.call_ended();
         let found = found?;
@@ -247,17 +245,10 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
-        let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        let lookup = self.master.get_replicas(keys, &release).await;
+        let lookup = self.lookup(keys).await;
         self.leases.call_ended();
         let lookup = lookup?;
-        self.leases.keep(
-            keys.iter()
-                .zip(lookup.results())
-                .filter(|(_, r)| r.is_ok())
-                .map(|(k, _)| *k),
-        );
+        self.leases.keep(crate::leases::found(keys, &lookup));
         Ok(lookup
             .results()
             .iter()

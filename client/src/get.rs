@@ -12,7 +12,7 @@ use mooncake_common::{
     Code, ObjectKey, ReplicaLocation, SegmentName, Tier,
 };
 
-use crate::{client::Client, error::ClientError, group::Groups, put::fill};
+use crate::{client::Client, error::ClientError, group::Groups, leases::found, put::fill};
 
 type GetResult = Result<usize, ClientError>;
 
@@ -101,9 +101,7 @@ impl Client {
         self.tiers
             .get_keys
             .fetch_add(names.len() as u64, Ordering::Relaxed);
-        let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        let lookup = match self.master.get_replicas(&names, &release).await {
+        let lookup = match self.lookup(&names).await {
             Ok(l) => l,
             Err(e) => return fill(results, valid, &e.into()),
         };
@@ -133,13 +131,7 @@ impl Client {
             });
         join_all(retries).await;
         // The reads are over: the holds the lookup took go back, and those kept for this call.
-        self.leases.done(
-            names
-                .iter()
-                .zip(lookup.results())
-                .filter(|(_, r)| r.is_ok())
-                .map(|(k, _)| *k),
-        );
+        self.leases.done(found(&names, &lookup));
         self.leases.call_ended();
         self.count_served(&jobs);
         for job in jobs {
@@ -289,9 +281,7 @@ impl Client {
         self.tiers
             .get_keys
             .fetch_add(names.len() as u64, Ordering::Relaxed);
-        let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        let lookup = match self.master.get_replicas(&names, &release).await {
+        let lookup = match self.lookup(&names).await {
             Ok(l) => l,
             Err(e) => {
                 let e = ClientError::from(e);
@@ -299,12 +289,8 @@ impl Client {
             }
         };
         let lease_deadline = asked_at + lookup.lease_ttl;
-        let leased: Vec<String> = names
-            .iter()
-            .zip(lookup.results())
-            .filter(|(_, r)| r.is_ok())
-            .map(|(k, _)| k.to_string())
-            .collect();
+        // Owned: `names` borrows the keys the jobs below take.
+        let leased: Vec<String> = found(&names, &lookup).map(str::to_owned).collect();
         let mut found = lookup.results().iter();
         let lookup = &lookup;
         // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
@@ -331,7 +317,7 @@ impl Client {
             Ok(buf)
         });
         let got = join_all(reads).await;
-        self.leases.done(leased.iter().map(String::as_str));
+        self.leases.done(leased);
         self.leases.call_ended();
         got
     }

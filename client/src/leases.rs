@@ -12,9 +12,11 @@ use std::sync::{
     Arc,
 };
 
-use mooncake_common::MasterApi;
+use mooncake_common::{master_api::Lookup, ApiError, Code, MasterApi};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
+
+use crate::client::Client;
 
 /// Keys released in one call at most.
 const BATCH: usize = 4096;
@@ -41,10 +43,10 @@ impl Leases {
     }
 
     /// The reads of `keys` are done: their holds go back.
-    pub fn done<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+    pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>) {
         let mut q = self.queue.lock();
         let before = q.len();
-        q.extend(keys.into_iter().map(str::to_owned));
+        q.extend(keys.into_iter().map(Into::into));
         if q.len() > before {
             drop(q);
             self.wake.notify_one();
@@ -97,5 +99,32 @@ impl Leases {
                 tracing::debug!(keys = keys.len(), error = %e, "releasing read leases failed; they end at their TTL");
             }
         }
+    }
+}
+
+/// The keys a lookup found (each of which it leased), in order.
+pub(crate) fn found<'a, 'k>(
+    keys: &'a [&'k str],
+    lookup: &'a Lookup,
+) -> impl Iterator<Item = &'k str> + 'a {
+    keys.iter()
+        .zip(lookup.results())
+        .filter(|(_, r)| r.is_ok())
+        .map(|(k, _)| *k)
+}
+
+impl Client {
+    /// A lookup of `keys` that hands back this client's pending holds with it.
+    pub(crate) async fn lookup(&self, keys: &[&str]) -> Result<Lookup, ApiError> {
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        self.master.get_replicas(keys, &release).await
+    }
+
+    /// An existence check of `keys` that hands back this client's pending holds with it.
+    pub(crate) async fn check(&self, keys: &[&str]) -> Result<Vec<Result<bool, Code>>, ApiError> {
+        let release = self.leases.take();
+        let release: Vec<&str> = release.iter().map(String::as_str).collect();
+        self.master.exists(keys, &release).await
     }
 }

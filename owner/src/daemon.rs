@@ -10,7 +10,7 @@ use crate::{
     catalog::Catalog,
     config::OwnerConfig,
     dataplane,
-    master_link::{ssd_tasks::Worker, LinkError, MasterLink},
+    master_link::{tasks::Worker, LinkError, MasterLink},
     pool::MemoryPool,
     ssd::{SsdError, SsdStore},
 };
@@ -46,9 +46,9 @@ pub struct RunningOwner {
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
-    /// The work queue's worker (SSD tier, copies) and its own stop signal: it stops before the unmount, so its last
-    /// reports reach a master that still knows this owner.
-    worker: Option<(watch::Sender<bool>, JoinHandle<()>)>,
+    /// The work queue's worker (SSD tier, copies) and its own stop signal: it stops before the
+    /// unmount, so its last reports reach a master that still knows this owner.
+    worker: (watch::Sender<bool>, JoinHandle<()>),
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -152,7 +152,7 @@ impl RunningOwner {
             copy_timeout: config.frame_timeout,
         });
         let (tx, rx) = watch::channel(false);
-        let worker = Some((tx, tokio::spawn(w.run(rx))));
+        let worker = (tx, tokio::spawn(w.run(rx)));
         tasks.push(tokio::spawn(
             link.clone()
                 .heartbeat_loop(config.heartbeat_interval, stopped),
@@ -194,10 +194,9 @@ impl RunningOwner {
 
     /// Unmounts (best effort, within the RPC deadline) and stops serving.
     pub async fn shutdown(self) {
-        if let Some((stop, task)) = self.worker {
-            let _ = stop.send(true);
-            let _ = task.await;
-        }
+        let (stop, task) = self.worker;
+        let _ = stop.send(true);
+        let _ = task.await;
         if let Err(e) = self.link.unmount().await {
             tracing::warn!(error = %e, "unmount at shutdown failed; the master will expire this owner");
         }

@@ -340,13 +340,14 @@ impl MasterState {
         if &task.key != key || task.put_id != put_id {
             return Err(stale());
         }
-        let Some(target) = task
+        let Some(at) = task
             .targets
-            .iter_mut()
-            .find(|x| x.segment == segment && matches!(x.step, Step::Queued | Step::Taken))
+            .iter()
+            .position(|x| x.segment == segment && matches!(x.step, Step::Queued | Step::Taken))
         else {
             return Err(stale());
         };
+        let target = &mut task.targets[at];
         let allocation = target.allocation.take().expect("a copy under way has room");
         let name = target.name.clone();
         task.updated = now;
@@ -380,13 +381,7 @@ impl MasterState {
             }
         };
         let task = self.replica_tasks.tasks.get_mut(&id).expect("found above");
-        if let Some(x) = task.targets.iter_mut().find(|x| {
-            x.segment == segment
-                && x.allocation.is_none()
-                && matches!(x.step, Step::Queued | Step::Taken)
-        }) {
-            x.step = step;
-        }
+        task.targets[at].step = step;
         task.failures.extend(note);
         self.settle_task(id, now);
         outcome

@@ -2,12 +2,12 @@
 //! again when the master has forgotten this owner (reporting the pool's catalog, so a restarted
 //! master loses nothing the pool holds), unmount at shutdown, the SSD tier's RPCs, and
 //! registering the records found on disk after a (re)mount. Every call has a deadline.
-//! The loop that long-polls the master for SSD work and carries it out is `ssd_tasks`; this
-//! module and that one talk to the master, the `ssd` module below them never does.
+//! The loop that long-polls the master for work (SSD tier, copies) and carries it out is
+//! `tasks`; this module and that one talk to the master, the `ssd` module below them never does.
 
 mod peer_read;
-pub mod ssd_tasks;
 mod target;
+pub mod tasks;
 
 use std::time::{Duration, Instant};
 

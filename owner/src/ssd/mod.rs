@@ -2,7 +2,7 @@
 //! and from a file opened with O_DIRECT (the `DiskEngine` seam, its io_uring and pread
 //! implementations, and the factory that picks one), the on-disk record formats, and the ring-log
 //! store that decides where objects live on the disk. It never talks to the master: the control
-//! loop that takes work from the master is `crate::master_link::ssd_tasks`.
+//! loop that takes work from the master is `crate::master_link::tasks`.
 
 #[allow(unsafe_code)]
 mod buf;
