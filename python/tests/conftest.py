@@ -1,5 +1,6 @@
 """Fixtures: a real master and owners (the project's binaries) on loopback, stopped by pid."""
 
+import contextlib
 import os
 import pathlib
 import queue
@@ -66,22 +67,29 @@ def start_owner(master, size="128MiB", extra=()):
     return o, seg
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    """One master and two owners for the whole session."""
+@contextlib.contextmanager
+def running_cluster(owners=2, size="128MiB", master_args=()):
+    """A master (with `master_args`) and `owners` owners of `size`, stopped on exit."""
     procs = []
     try:
-        m, rpc = start_master()
+        m, rpc = start_master(master_args)
         procs.append(m)
         segments = []
-        for _ in range(2):
-            o, seg = start_owner(rpc)
+        for _ in range(owners):
+            o, seg = start_owner(rpc, size=size)
             procs.append(o)
             segments.append(seg)
         yield types.SimpleNamespace(master=rpc, segments=segments)
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """One master and two owners for the whole session."""
+    with running_cluster() as c:
+        yield c
 
 
 def new_store(cluster, segment_size=0):

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from conftest import new_store, start_master, start_owner
+from conftest import new_store, running_cluster, start_master, start_owner
 from mooncake_rs.store import TaskStatus, TaskType
 
 LEASE_MS = 300
@@ -17,19 +17,8 @@ LEASE_MS = 300
 @pytest.fixture(scope="module")
 def trio():
     """A master with a short read lease and three owners."""
-    procs = []
-    try:
-        m, rpc = start_master(["--default_kv_lease_ttl", str(LEASE_MS)])
-        procs.append(m)
-        segments = []
-        for _ in range(3):
-            o, seg = start_owner(rpc, size="64MiB")
-            procs.append(o)
-            segments.append(seg)
-        yield types.SimpleNamespace(master=rpc, segments=segments)
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with running_cluster(3, "64MiB", ["--default_kv_lease_ttl", str(LEASE_MS)]) as c:
+        yield c
 
 
 @pytest.fixture
