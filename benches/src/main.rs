@@ -88,6 +88,9 @@ struct Args {
     /// Embedded mode: what ends a read lease, reads (its readers being done) or ttl.
     #[arg(long)]
     lease_mode: Option<mooncake_master::core::LeaseMode>,
+    /// Embedded mode: which objects eviction takes first, car or lru.
+    #[arg(long)]
+    eviction_policy: Option<mooncake_master::core::EvictionPolicy>,
     /// Embedded mode: the master's read lease, e.g. 10s or 200ms.
     #[arg(long, value_parser = mooncake_common::config::parse_duration)]
     lease_ttl: Option<Duration>,
@@ -569,6 +572,7 @@ impl Embedded {
             eviction_high_watermark_ratio: args.eviction_watermark,
             default_kv_lease_ttl: args.lease_ttl.unwrap_or(defaults.default_kv_lease_ttl),
             lease_mode: args.lease_mode.unwrap_or(defaults.lease_mode),
+            eviction_policy: args.eviction_policy.unwrap_or(defaults.eviction_policy),
             ..defaults
         })
         .await

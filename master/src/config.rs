@@ -6,7 +6,7 @@ use std::time::Duration;
 use mooncake_common::config::duration;
 use serde::{Deserialize, Serialize};
 
-use crate::core::{AllocationStrategy, LeaseMode, Policy, WhenDiskBehind};
+use crate::core::{AllocationStrategy, EvictionPolicy, LeaseMode, Policy, WhenDiskBehind};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -31,6 +31,9 @@ pub struct MasterConfig {
     pub eviction_high_watermark_ratio: f64,
     /// Fraction of total capacity freed by one eviction round, at least.
     pub eviction_ratio: f64,
+    /// Which objects eviction takes first: "car" (adaptive between recency and frequency;
+    /// blocks used once do not flush shared ones) or "lru" (least recently used, as Mooncake).
+    pub eviction_policy: EvictionPolicy,
     /// An owner not heard from for this long is dropped with its segments.
     #[serde(with = "duration")]
     pub client_ttl: Duration,
@@ -89,6 +92,7 @@ impl Default for MasterConfig {
             soft_pin_ttl: p.soft_pin_ttl,
             eviction_high_watermark_ratio: p.eviction_high_watermark,
             eviction_ratio: p.eviction_ratio,
+            eviction_policy: p.eviction_policy,
             client_ttl: p.client_ttl,
             put_start_discard_timeout: p.put_discard_timeout,
             put_start_release_timeout: p.put_release_timeout,
@@ -202,6 +206,7 @@ impl MasterConfig {
             soft_pin_ttl: self.soft_pin_ttl,
             eviction_high_watermark: self.eviction_high_watermark_ratio,
             eviction_ratio: self.eviction_ratio,
+            eviction_policy: self.eviction_policy,
             client_ttl: self.client_ttl,
             put_discard_timeout: self.put_start_discard_timeout,
             put_release_timeout: self.put_start_release_timeout,

@@ -137,6 +137,44 @@ fn render_state(out: &mut String, state: &MasterState) {
         "Owners with a live heartbeat.",
         state.active_owners() as u64,
     );
+    let e = state.eviction_stats();
+    gauge(
+        "master_eviction_recent_keys",
+        "Objects with memory in the eviction order's recent list (seen once lately).",
+        e.recent,
+    );
+    gauge(
+        "master_eviction_frequent_keys",
+        "Objects with memory in the eviction order's frequent list (read again).",
+        e.frequent,
+    );
+    gauge(
+        "master_eviction_recent_target_keys",
+        "CAR's adaptive target for the recent list.",
+        e.recent_target,
+    );
+    gauge(
+        "master_eviction_order_bytes",
+        "Memory of the eviction order beyond the objects (queues and remembered keys).",
+        state.eviction_order_bytes() as u64,
+    );
+    for (name, help, v) in [
+        (
+            "master_eviction_recent_ghost_hits_total",
+            "Keys put again soon after eviction took them from the recent list.",
+            e.recent_ghost_hits,
+        ),
+        (
+            "master_eviction_frequent_ghost_hits_total",
+            "Keys put again soon after eviction took them from the frequent list.",
+            e.frequent_ghost_hits,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+        );
+    }
 }
 
 /// Allocation and capacity per segment.

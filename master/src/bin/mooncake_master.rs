@@ -48,6 +48,9 @@ struct Args {
     /// Offload objects to their owner's SSD tier when their put ends (not only on eviction).
     #[arg(long = "eager_offload", alias = "eager-offload")]
     eager_offload: bool,
+    /// Which objects eviction takes first: "car" (adaptive recency/frequency) or "lru".
+    #[arg(long = "eviction_policy", alias = "eviction-policy")]
+    eviction_policy: Option<mooncake_master::core::EvictionPolicy>,
     /// What ends a read lease: "reads" (its readers being done) or "ttl" (the TTL alone).
     #[arg(long = "lease_mode", alias = "lease-mode")]
     lease_mode: Option<mooncake_master::core::LeaseMode>,
@@ -111,6 +114,7 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         allocation_strategy <- args.allocation_strategy,
         when_disk_behind <- args.when_disk_behind,
         lease_mode <- args.lease_mode,
+        eviction_policy <- args.eviction_policy,
         promote_after_hits <- args.promote_after_hits,
         rebuild_grace <- args.rebuild_grace,
         rebuild_window <- args.rebuild_window,

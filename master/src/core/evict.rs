@@ -1,7 +1,7 @@
 //! Periodic upkeep and eviction: expiring silent owners and abandoned puts, releasing deferred
-//! space, and evicting the least recently used objects when memory runs high or an allocation
-//! failed. Leased, hard-pinned and unfinished objects are never evicted; soft-pinned ones only
-//! when nothing else is left. An object whose owner has an SSD tier goes to disk first: its
+//! space, and evicting objects in the order of the eviction policy (`order`) when memory runs
+//! high or an allocation failed. Leased, hard-pinned and unfinished objects are never evicted;
+//! soft-pinned ones only when nothing else is left. An object whose owner has an SSD tier goes to disk first: its
 //! memory is freed once the disk copy is reported (at once when it has one already).
 
 use mooncake_common::ObjectKey;
@@ -65,103 +65,161 @@ impl MasterState {
     }
 
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
-    /// many evictable bytes exist; least recently used (put or leased) first, soft-pinned last.
-    /// Bytes of offloads under way that free memory when they land count as freed already.
-    /// Returns the bytes freed at once.
+    /// many evictable bytes exist, in the order of the eviction policy (see `order`); objects
+    /// being read or written, hard-pinned ones and those on their way to disk are passed over,
+    /// soft-pinned ones are taken only when nothing else is left. Each object is looked at once
+    /// per round. Bytes of offloads under way that free memory when they land count as freed
+    /// already. Returns the bytes freed at once.
     pub(super) fn evict(&mut self, now: Millis, need: u64) -> u64 {
         self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
-        // Offloads under way free their memory when they land: that room is coming already.
-        let mut pending = self.offload_freeing;
-        if pending >= target {
+        let mut round = Round {
+            freed: 0,
+            count: 0,
+            target,
+        };
+        if self.offload_freeing >= target {
             return 0;
         }
-        // (soft-pinned?, last access, key): unpinned objects sort first, then least recently used.
-        let mut candidates: Vec<(bool, Millis, ObjectKey)> = Vec::new();
-        for o in self.objects.iter() {
-            if matches!(
+        let mut soft = Vec::new();
+        // Objects passed over in a row per list: once a whole list was, it is done this round.
+        let mut passed = [0usize; 2];
+        let mut exhausted = [false; 2];
+        let budget = 2 * self.objects.order_len();
+        for _ in 0..budget {
+            if round.done(self.offload_freeing) {
+                break;
+            }
+            let Some(c) = self.objects.next_candidate(exhausted) else {
+                break;
+            };
+            let l = c.list as usize;
+            let o = self.objects.candidate(c);
+            if o.replicas.is_empty() {
+                // On disk only: nothing to free until it is read back.
+                self.objects.unlink(c);
+                continue;
+            }
+            passed[l] += 1;
+            exhausted[l] = passed[l] >= self.objects.order_live(c.list);
+            let on_its_way = matches!(
                 o.offload(),
                 Offload::Pending {
                     evict_after: true,
                     ..
                 }
-            ) {
+            );
+            if on_its_way || !o.phase.is_complete() || o.is_leased(now) || o.pin.is_hard() {
+                self.objects.keep(c);
                 continue;
             }
-            if !o.phase.is_complete() || o.is_leased(now) || o.replicas.is_empty() {
+            let key = o.key().clone();
+            if o.pin.is_soft_at(now) {
+                soft.push(key);
+                self.objects.keep(c);
                 continue;
             }
-            if o.pin.is_hard() {
-                continue;
-            }
-            candidates.push((o.pin.is_soft_at(now), o.last_access, o.key().clone()));
+            passed[l] = 0;
+            exhausted[l] = false;
+            self.objects.evicted(c);
+            self.free_memory(key, now, &mut round);
         }
-        candidates.sort_unstable();
-        let mut freed = 0u64;
-        let mut count = 0u64;
-        for (_, _, key) in candidates {
-            if freed + pending >= target {
+        // Soft-pinned objects, only when nothing else was left.
+        for key in soft {
+            if round.done(self.offload_freeing) {
                 break;
             }
-            let obj = self.objects.get_mut(&key).expect("candidate exists");
-            if let Offload::Pending {
-                evict_after: false,
-                bytes,
-                segment,
-                since,
-            } = obj.offload()
-            {
-                // An eager offload is on its way already: its memory goes when it lands.
-                obj.tier_mut().offload = Offload::Pending {
-                    evict_after: true,
-                    bytes,
-                    segment,
-                    since,
-                };
-                self.offload_freeing += bytes;
-                pending = self.offload_freeing;
+            let Some(o) = self.objects.get(&key) else {
+                continue;
+            };
+            if o.is_leased(now) || o.replicas.is_empty() {
                 continue;
             }
-            let obj = &self.objects[&key];
-            let size: u64 = obj.replicas.iter().map(|r| self.reserved(r)).sum();
-            if !obj.disk().is_empty() {
-                // A disk copy exists: the memory goes, the object stays readable from disk.
-                let obj = self.objects.get_mut(&key).expect("candidate exists");
-                let (replicas, put_id) = (std::mem::take(&mut obj.replicas), obj.put_id);
-                self.drop_replicas(replicas, put_id);
-                freed += size;
-                count += 1;
-                continue;
-            }
-            if self.has_disk_tier(obj) {
-                let failed_lately = matches!(obj.offload(), Offload::Failed { at }
-                    if now < at.plus(self.policy.offload_timeout));
-                if !failed_lately && self.start_offload(&key, true, now) {
-                    pending = self.offload_freeing;
-                    continue;
-                }
-                if self.policy.when_disk_behind == WhenDiskBehind::Keep {
-                    self.counters.kept_disk_behind += 1;
-                    continue;
-                }
-                self.counters.dropped_disk_behind += 1;
-            }
-            let obj = self.objects.remove(&key).expect("candidate exists");
-            freed += size;
-            count += 1;
-            self.discard(*obj, now);
+            self.objects.unlink_key(&key);
+            self.free_memory(key, now, &mut round);
         }
         self.counters.eviction_rounds += 1;
-        self.counters.evicted_objects += count;
-        self.counters.evicted_bytes += freed;
-        if count > 0 || pending > 0 {
+        self.counters.evicted_objects += round.count;
+        self.counters.evicted_bytes += round.freed;
+        if round.count > 0 || self.offload_freeing > 0 {
             tracing::debug!(
-                objects = count,
-                bytes = freed,
-                offloading = pending,
+                objects = round.count,
+                bytes = round.freed,
+                offloading = self.offload_freeing,
                 "evicted"
             );
         }
-        freed
+        round.freed
+    }
+
+    /// Frees the memory of `key`, out of the eviction order already: at once when a disk copy
+    /// exists or there is no SSD tier (the object goes), else by offloading it first. An object
+    /// whose memory stays for now goes back in the order.
+    fn free_memory(&mut self, key: ObjectKey, now: Millis, round: &mut Round) {
+        let obj = self
+            .objects
+            .get_mut(&key)
+            .expect("an evicted candidate exists");
+        if let Offload::Pending {
+            evict_after: false,
+            bytes,
+            segment,
+            since,
+        } = obj.offload()
+        {
+            // An eager offload is on its way already: its memory goes when it lands.
+            obj.tier_mut().offload = Offload::Pending {
+                evict_after: true,
+                bytes,
+                segment,
+                since,
+            };
+            self.offload_freeing += bytes;
+            self.objects.link(&key);
+            return;
+        }
+        let obj = &self.objects[&key];
+        let size: u64 = obj.replicas.iter().map(|r| self.reserved(r)).sum();
+        if !obj.disk().is_empty() {
+            // A disk copy exists: the memory goes, the object stays readable from disk.
+            let obj = self.objects.get_mut(&key).expect("checked above");
+            let (replicas, put_id) = (std::mem::take(&mut obj.replicas), obj.put_id);
+            self.drop_replicas(replicas, put_id);
+            round.freed += size;
+            round.count += 1;
+            return;
+        }
+        if self.has_disk_tier(obj) {
+            let failed_lately = matches!(obj.offload(), Offload::Failed { at }
+                if now < at.plus(self.policy.offload_timeout));
+            if !failed_lately && self.start_offload(&key, true, now) {
+                self.objects.link(&key);
+                return;
+            }
+            if self.policy.when_disk_behind == WhenDiskBehind::Keep {
+                self.counters.kept_disk_behind += 1;
+                self.objects.link(&key);
+                return;
+            }
+            self.counters.dropped_disk_behind += 1;
+        }
+        let obj = self.objects.remove(&key).expect("checked above");
+        round.freed += size;
+        round.count += 1;
+        self.discard(*obj, now);
+    }
+}
+
+/// One eviction round's progress.
+struct Round {
+    freed: u64,
+    count: u64,
+    target: u64,
+}
+
+impl Round {
+    /// Whether the bytes freed, with those of offloads under way, reach the target.
+    fn done(&self, freeing: u64) -> bool {
+        self.freed + freeing >= self.target
     }
 }

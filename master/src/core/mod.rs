@@ -4,7 +4,11 @@
 
 pub mod allocator;
 mod evict;
+#[cfg(test)]
+mod evict_tests;
+mod ghosts;
 mod objects;
+mod order;
 pub mod placement;
 mod rebuild;
 #[cfg(test)]
@@ -29,6 +33,7 @@ use rand::{rngs::StdRng, SeedableRng};
 use crate::clock::Millis;
 use allocator::{Allocation, OffsetAllocator};
 pub use objects::{LeaseMode, PutGrant};
+pub use order::{EvictionPolicy, OrderStats};
 pub use placement::AllocationStrategy;
 pub use rebuild::{ReportOutcome, Reported};
 pub use replica_tasks::{TaskInfo, TaskRequest};
@@ -49,6 +54,8 @@ pub struct Policy {
     pub soft_pin_ttl: Duration,
     pub eviction_high_watermark: f64,
     pub eviction_ratio: f64,
+    /// Which objects eviction takes first.
+    pub eviction_policy: EvictionPolicy,
     pub client_ttl: Duration,
     pub put_discard_timeout: Duration,
     pub put_release_timeout: Duration,
@@ -78,6 +85,7 @@ impl Default for Policy {
             soft_pin_ttl: Duration::from_secs(30 * 60),
             eviction_high_watermark: 0.90,
             eviction_ratio: 0.05,
+            eviction_policy: EvictionPolicy::Car,
             client_ttl: Duration::from_secs(10),
             put_discard_timeout: Duration::from_secs(30),
             put_release_timeout: Duration::from_secs(600),
@@ -260,12 +268,13 @@ impl MasterState {
     /// Deterministic placement for tests.
     pub fn with_seed(policy: Policy, seed: u64) -> Self {
         let rng = StdRng::seed_from_u64(seed);
+        let eviction_policy = policy.eviction_policy;
         MasterState {
             policy,
             segments: BTreeMap::new(),
             by_name: HashMap::new(),
             owners: HashMap::new(),
-            objects: table::ObjectTable::new(),
+            objects: table::ObjectTable::new(eviction_policy),
             pending: Vec::new(),
             next_segment: 1,
             grants: Grants {
@@ -300,6 +309,16 @@ impl MasterState {
 
     pub fn key_count(&self) -> usize {
         self.objects.len()
+    }
+
+    /// The eviction order's lists and adaptation.
+    pub fn eviction_stats(&self) -> OrderStats {
+        self.objects.order_stats()
+    }
+
+    /// Bytes the eviction order holds beyond the objects (its queues and remembered keys).
+    pub fn eviction_order_bytes(&self) -> usize {
+        self.objects.order_bytes()
     }
 
     pub fn active_owners(&self) -> usize {
@@ -421,6 +440,7 @@ impl MasterState {
                 }
             }
         }
+        self.objects.check_order()?;
         if let Some((id, _)) = per_segment.into_iter().next() {
             return Err(format!("ranges on unknown segment {id:?}"));
         }

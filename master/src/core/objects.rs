@@ -8,6 +8,7 @@ use mooncake_common::{ObjectKey, ReplicaLocation, ReplicateConfig, Tier};
 
 use super::{
     allocator::Allocation,
+    order::Place,
     placement::{self, Candidate},
     MasterState, PendingRelease, Segment, SegmentId,
 };
@@ -200,8 +201,8 @@ pub(super) struct Object {
     pub replicas: Replicas,
     /// Reads in progress (or until an instant): no eviction, no non-forced removal.
     pub lease: Lease,
-    /// Last put or lease grant: eviction takes the least recently used first.
-    pub last_access: Millis,
+    /// Where the object stands in the eviction order (kept by the object table).
+    place: Place,
     tier: Option<Box<TierState>>,
 }
 
@@ -209,7 +210,8 @@ pub(super) struct Object {
 const _: () = assert!(std::mem::size_of::<Object>() <= 104);
 
 impl Object {
-    /// A new object with no lease, no disk copy and no SSD work, last accessed `now`.
+    /// A new object with no lease, no disk copy and no SSD work (the object table places it in
+    /// the eviction order).
     pub fn new(
         key: ObjectKey,
         size: u64,
@@ -217,7 +219,6 @@ impl Object {
         phase: Phase,
         replicas: Replicas,
         pin: Pin,
-        now: Millis,
     ) -> Box<Self> {
         Box::new(Object {
             key,
@@ -227,13 +228,28 @@ impl Object {
             pin,
             replicas,
             lease: Lease::NONE,
-            last_access: now,
+            place: Place::UNLINKED,
             tier: None,
         })
     }
 
     pub fn key(&self) -> &ObjectKey {
         &self.key
+    }
+
+    pub fn place(&self) -> Place {
+        self.place
+    }
+
+    /// Only the object table moves an object in the eviction order.
+    pub(super) fn set_place(&mut self, place: Place) {
+        self.place = place;
+    }
+
+    /// A read lease was granted: eviction gives the object a second chance.
+    fn read(&mut self, now: Millis, ttl: std::time::Duration) {
+        self.lease.grant(now, ttl);
+        self.place.touch();
     }
 
     pub fn is_leased(&self, now: Millis) -> bool {
@@ -361,7 +377,6 @@ impl MasterState {
             Phase::processing(now),
             replicas.into_iter().collect(),
             pin,
-            now,
         ));
         Ok(PutGrant {
             put_id,
@@ -398,7 +413,6 @@ impl MasterState {
         obj.size = size;
         obj.phase = Phase::processing(now);
         obj.pin = pin;
-        obj.last_access = now;
         let obj = &self.objects[key];
         let replicas = obj
             .replicas
@@ -545,8 +559,7 @@ impl MasterState {
         if !obj.phase.is_complete() {
             return Err(MasterError::NotReady(owned()?));
         }
-        obj.lease.grant(now, ttl);
-        obj.last_access = obj.last_access.max(now);
+        obj.read(now, ttl);
         if !obj.replicas.is_empty() {
             // The usual case: one lookup of the key (the segments are a different field).
             return Ok((obj.size, views_of(&self.segments, obj)));
@@ -566,8 +579,7 @@ impl MasterState {
         let ttl = self.policy.lease_ttl;
         match self.objects.get_mut(key) {
             Some(obj) if obj.phase.is_complete() => {
-                obj.lease.grant(now, ttl);
-                obj.last_access = obj.last_access.max(now);
+                obj.read(now, ttl);
                 true
             }
             _ => false,

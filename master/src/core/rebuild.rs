@@ -247,6 +247,7 @@ impl MasterState {
                 return Err(replica.allocation);
             }
             obj.replicas.push(replica);
+            self.objects.link(&r.key);
             return Ok(());
         }
         let pin = Pin::asked(
@@ -263,7 +264,6 @@ impl MasterState {
             Phase::COMPLETE,
             replicas,
             pin,
-            now,
         ));
         Ok(())
     }

@@ -363,6 +363,7 @@ impl MasterState {
         let (step, note, outcome) = match (failure, current) {
             (None, Some(obj)) => {
                 obj.replicas.push(replica);
+                self.objects.link(key);
                 (Step::Done, None, Ok(()))
             }
             (None, None) => {

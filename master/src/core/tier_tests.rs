@@ -267,13 +267,13 @@ fn the_owner_dropping_a_record_removes_a_disk_only_object() {
 #[test]
 fn records_found_after_a_restart_are_registered_unless_the_key_is_taken() {
     let (mut s, id) = tiered(2 * MIB, Policy::default());
-    let v = s.register_disk(id, &k("a"), 1000, 77, Millis(0)).unwrap();
+    let v = s.register_disk(id, &k("a"), 1000, 77).unwrap();
     assert_eq!(tiers(&mut s, "a", 1), vec![Tier::Disk]);
     // The same version again (a remount) is fine; another one is not.
-    assert_eq!(s.register_disk(id, &k("a"), 1000, v, Millis(2)), Ok(v));
+    assert_eq!(s.register_disk(id, &k("a"), 1000, v), Ok(v));
     put(&mut s, "b", 100, 3).unwrap();
     assert!(matches!(
-        s.register_disk(id, &k("b"), 100, 5, Millis(4)),
+        s.register_disk(id, &k("b"), 100, 5),
         Err(MasterError::Exists(_))
     ));
     // A segment without an SSD tier cannot take disk work.
@@ -347,7 +347,7 @@ fn a_removed_version_is_not_registered_again_by_an_owner_that_never_dropped_it()
     )
     .unwrap();
     let id = s.disk_segment(owner(7), &seg(0)).unwrap();
-    assert!(s.register_disk(id, &k("a"), MIB, v, Millis(5)).is_err());
+    assert!(s.register_disk(id, &k("a"), MIB, v).is_err());
     assert_eq!(s.key_count(), 0);
     // Once refused, the tombstone is spent: the owner drops its record.
     s.check_invariants().unwrap();

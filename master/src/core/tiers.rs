@@ -495,6 +495,7 @@ impl MasterState {
                     obj.tier_mut().disk_hits = 0;
                     obj.tidy_tier();
                     self.counters.promotions += 1;
+                    self.objects.link(key);
                 } else {
                     // The owner is done with the range (it reports after its attempt ended).
                     self.free_replicas(vec![reserved]);
@@ -538,7 +539,6 @@ impl MasterState {
         key: &ObjectKey,
         size: u64,
         put_id: u64,
-        now: Millis,
     ) -> Result<u64, MasterError> {
         if size == 0 {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
@@ -568,7 +568,6 @@ impl MasterState {
             Phase::COMPLETE,
             Replicas::new(),
             Pin::NONE,
-            now,
         );
         obj.tier_mut().disk.push(segment);
         self.objects.insert(obj);

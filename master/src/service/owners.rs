@@ -207,14 +207,13 @@ impl MasterService {
         records: &[(&str, u64, u64)],
     ) -> Result<Vec<Result<u64, MasterError>>, MasterError> {
         let id = self.disk_segment(owner, segment)?;
-        let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
         Ok(records
             .iter()
             .map(|&(key, size, put_id)| {
                 ObjectKey::new(key)
                     .map_err(MasterError::from)
-                    .and_then(|k| state.register_disk(id, &k, size, put_id, now))
+                    .and_then(|k| state.register_disk(id, &k, size, put_id))
             })
             .collect())
     }

@@ -1,0 +1,196 @@
+//! The eviction order through the state machine: what CAR keeps that LRU loses, its memory per
+//! object, stale entries, and the same protections under both policies. Invariants (every
+//! object with memory in the order exactly once) are checked after each scenario.
+
+use std::time::Duration;
+
+use mooncake_common::{ClientId, ObjectKey, ReplicateConfig, SegmentName};
+
+use super::*;
+use crate::clock::Millis;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+fn k(s: &str) -> ObjectKey {
+    ObjectKey::new(s).unwrap()
+}
+
+fn one_segment(bytes: u64, eviction_policy: EvictionPolicy) -> MasterState {
+    let policy = Policy {
+        client_ttl: Duration::from_secs(3600),
+        eviction_policy,
+        ..Policy::default()
+    };
+    let mut s = MasterState::with_seed(policy, 11);
+    s.mount_segment(
+        ClientId::from_u128(1),
+        SegmentName::parse("127.0.0.1:3000").unwrap(),
+        bytes,
+        0,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    s
+}
+
+/// A put that makes room as the service does (eviction on a full segment), then ends.
+fn put(s: &mut MasterState, key: &str, size: u64) {
+    let cfg = ReplicateConfig::default();
+    let g = s.put_start(&k(key), size, &cfg, Millis(0)).unwrap();
+    s.put_end(key, g.put_id, Millis(0)).unwrap();
+}
+
+/// A reader's lookup and its release: the object was read, nothing holds it after.
+fn read(s: &mut MasterState, key: &str) -> bool {
+    let found = s.get_replicas(&k(key), Millis(0)).is_ok();
+    if found {
+        s.release_leases(&[key], Millis(0));
+    }
+    found
+}
+
+/// Blocks read twice long ago, then a scan of new blocks twice the cache: LRU evicts the old
+/// blocks (least recently used), CAR keeps them in its frequent list while the recent list
+/// takes the scan.
+fn old_frequent_blocks_after_a_long_scan(policy: EvictionPolicy) -> usize {
+    let mut s = one_segment(200 * 64 * KIB, policy);
+    for i in 0..50 {
+        put(&mut s, &format!("hot{i}"), 64 * KIB);
+    }
+    for i in 0..50 {
+        assert!(read(&mut s, &format!("hot{i}")));
+    }
+    // The scan: eviction runs as puts find the segment full.
+    for j in 0..400 {
+        put(&mut s, &format!("scan{j}"), 64 * KIB);
+    }
+    s.check_invariants().unwrap();
+    (0..50)
+        .filter(|i| s.exists(&k(&format!("hot{i}")), Millis(0)))
+        .count()
+}
+
+#[test]
+fn car_keeps_what_was_read_again_where_lru_lets_a_scan_flush_it() {
+    assert_eq!(
+        old_frequent_blocks_after_a_long_scan(EvictionPolicy::Car),
+        50
+    );
+    assert_eq!(
+        old_frequent_blocks_after_a_long_scan(EvictionPolicy::Lru),
+        0
+    );
+}
+
+#[test]
+fn a_key_put_again_soon_after_eviction_joins_the_frequent_list() {
+    let mut s = one_segment(1000 * 4 * KIB, EvictionPolicy::Car);
+    // Half the cache read again (the frequent list), then a scan as large as the cache.
+    for i in 0..500 {
+        put(&mut s, &format!("hot{i}"), 4 * KIB);
+        assert!(read(&mut s, &format!("hot{i}")));
+    }
+    for j in 0..1000 {
+        put(&mut s, &format!("scan{j}"), 4 * KIB);
+    }
+    // The scan key evicted last is remembered; putting it again is a ghost hit.
+    let gone = (0..1000)
+        .rev()
+        .find(|j| s.objects.get(format!("scan{j}").as_str()).is_none())
+        .expect("the scan evicted");
+    let before = s.eviction_stats();
+    put(&mut s, &format!("scan{gone}"), 4 * KIB);
+    let after = s.eviction_stats();
+    assert_eq!(after.recent_ghost_hits, before.recent_ghost_hits + 1);
+    assert_eq!(
+        after.frequent,
+        before.frequent + 1,
+        "it joined the frequent list"
+    );
+    assert!(
+        after.recent_target > before.recent_target,
+        "the recent list's target grew"
+    );
+    // A key never seen is not a ghost.
+    put(&mut s, "fresh", 4 * KIB);
+    assert_eq!(
+        s.eviction_stats().recent_ghost_hits,
+        after.recent_ghost_hits
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn both_policies_spare_what_is_being_read_written_or_pinned() {
+    for policy in [EvictionPolicy::Car, EvictionPolicy::Lru] {
+        let mut s = one_segment(8 * MIB, policy);
+        let hard = ReplicateConfig {
+            hard_pin: true,
+            ..Default::default()
+        };
+        let g = s.put_start(&k("hard"), MIB, &hard, Millis(0)).unwrap();
+        s.put_end("hard", g.put_id, Millis(0)).unwrap();
+        let writing = s
+            .put_start(&k("writing"), MIB, &Default::default(), Millis(0))
+            .unwrap();
+        put(&mut s, "read", MIB);
+        s.get_replicas(&k("read"), Millis(0)).unwrap(); // held: no release
+        for i in 0..5 {
+            put(&mut s, &format!("o{i}"), MIB);
+        }
+        // Full: the next puts evict, twice over, but never the three above.
+        for i in 0..10 {
+            put(&mut s, &format!("n{i}"), MIB);
+        }
+        for kept in ["hard", "read"] {
+            assert!(s.exists(&k(kept), Millis(0)), "{policy:?}: {kept} evicted");
+        }
+        s.put_end("writing", writing.put_id, Millis(0)).unwrap();
+        assert!(s.exists(&k("writing"), Millis(0)), "{policy:?}");
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn the_order_costs_at_most_sixteen_bytes_an_object() {
+    // 200 000 objects of 1 KiB, every other one read again, in a segment that holds 50 000:
+    // most were evicted, and as many as the cache holds are remembered as ghosts (CAR's bound).
+    let mut s = one_segment(50_000 * KIB, EvictionPolicy::Car);
+    for j in 0..200_000 {
+        let key = format!("key-{j}");
+        put(&mut s, &key, KIB);
+        if j % 2 == 0 {
+            read(&mut s, &key);
+        }
+    }
+    let stats = s.eviction_stats();
+    assert!(stats.frequent > 1000 && stats.recent > 1000, "{stats:?}");
+    let objects = s.key_count();
+    assert!(objects > 40_000, "{objects} objects");
+    let per_object = s.eviction_order_bytes() as f64 / objects as f64;
+    println!("eviction order: {per_object:.2} bytes per object ({objects} objects)");
+    assert!(per_object <= 16.0, "{per_object:.1} bytes per object");
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn removed_objects_leave_no_entries_behind_for_long() {
+    let mut s = one_segment(1 << 30, EvictionPolicy::Car);
+    for j in 0..20_000 {
+        put(&mut s, &format!("key-{j}"), KIB);
+    }
+    let full = s.eviction_order_bytes();
+    for j in 0..19_000 {
+        s.remove(&k(&format!("key-{j}")), true, Millis(0)).unwrap();
+    }
+    assert!(
+        s.eviction_order_bytes() < full / 4,
+        "stale entries were swept: {} of {full} bytes left",
+        s.eviction_order_bytes()
+    );
+    s.check_invariants().unwrap();
+    // What is left still evicts in order.
+    assert_eq!(s.eviction_stats().recent, 1000);
+}
