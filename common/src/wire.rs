@@ -35,6 +35,14 @@ pub enum Op {
     /// Return the `length`-byte value of `key` from the owner's SSD tier; `grant` carries the
     /// object's version (put id), which the record on disk must match.
     ReadDisk = 4,
+    /// Transfer engine: store `length` payload bytes at address `offset` of the target's memory,
+    /// which must lie in a region the target registered. The key names the target
+    /// (`host:port`), so a connection that reached another process is refused.
+    PeerWrite = 5,
+    /// Transfer engine: return `length` bytes at address `offset` of a registered region.
+    PeerRead = 6,
+    /// Transfer engine: return the target's registered regions, (address u64, length u64) each.
+    PeerRegions = 7,
 }
 
 impl Op {
@@ -44,6 +52,9 @@ impl Op {
             2 => Some(Op::Read),
             3 => Some(Op::Ping),
             4 => Some(Op::ReadDisk),
+            5 => Some(Op::PeerWrite),
+            6 => Some(Op::PeerRead),
+            7 => Some(Op::PeerRegions),
             _ => None,
         }
     }

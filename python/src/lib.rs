@@ -7,6 +7,7 @@ mod aio;
 #[allow(unsafe_code)]
 mod buffer;
 mod config;
+mod engine;
 mod gpu;
 #[allow(unsafe_code)]
 mod registry;
@@ -27,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<replica::BufferDescriptor>()?;
     m.add_class::<replica::DiskDescriptor>()?;
     m.add_class::<gpu::HostBackedDevice>()?;
+    m.add_class::<engine::NativeEngine>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -315,6 +315,7 @@ impl TcpTransport {
         target: &SegmentName,
         checkout: Checkout,
         items: &[WriteItem<'_>],
+        op: Op,
     ) -> (Vec<Result<(), TransferError>>, Option<Checkout>) {
         let n = items.len();
         let (res, reusable) = self
@@ -327,13 +328,13 @@ impl TcpTransport {
                     .send_pipelined(
                         items
                             .iter()
-                            .map(|it| Frame::write(it.key, it.offset, it.stamp, it.parts)),
+                            .map(|it| Frame::write(op, it.key, it.offset, it.stamp, it.parts)),
                     )
                     .await
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
                 for i in 0..n {
-                    match conn.receive(target, Op::Write, first + i as u64, 0).await {
+                    match conn.receive(target, op, first + i as u64, 0).await {
                         Ok(_) => out.push(Ok(())),
                         // A refusal keeps the stream in step; go on with the next answer.
                         Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
@@ -456,6 +457,7 @@ impl TcpTransport {
         &self,
         target: &SegmentName,
         items: &[WriteItem<'_>],
+        op: Op,
     ) -> Vec<Result<(), TransferError>> {
         let (threads, k) = self.split_plan(items.len(), items.iter().map(|i| i.len()).sum());
         let chunks: Vec<(usize, &[WriteItem<'_>])> = chunk_bounds(items.len(), k)
@@ -464,19 +466,78 @@ impl TcpTransport {
             .collect();
         let results = if threads > 1 {
             self.on_threads(target, chunks, |checkout, chunk| {
-                self.pipelined_writes(target, checkout, chunk)
+                self.pipelined_writes(target, checkout, chunk, op)
             })
             .await
         } else {
             join_all(chunks.into_iter().map(|(n, c)| async move {
                 match self.checkout(target).await {
-                    Ok(checkout) => keep(self.pipelined_writes(target, checkout, c).await),
+                    Ok(checkout) => keep(self.pipelined_writes(target, checkout, c, op).await),
                     Err(e) => fail_all(n, &e),
                 }
             }))
             .await
         };
         results.into_iter().flatten().collect()
+    }
+}
+
+/// The transfer engine's calls (see the `engine` crate): the same connections, pipelining and
+/// threads as the store's, with address-based requests. Each item's key names the target
+/// (`host:port`), its offset is the target's address, and the target checks every range against
+/// the regions it registered.
+impl TcpTransport {
+    pub async fn peer_write_batch(
+        &self,
+        target: &SegmentName,
+        items: &[WriteItem<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        self.spread_writes(target, items, Op::PeerWrite).await
+    }
+
+    pub async fn peer_read_batch(
+        &self,
+        target: &SegmentName,
+        items: &mut [ReadItem<'_, '_>],
+    ) -> Vec<Result<(), TransferError>> {
+        self.spread_reads(target, items, Op::PeerRead).await
+    }
+
+    /// The target's registered regions, (address, length) each.
+    pub async fn peer_regions(
+        &self,
+        target: &SegmentName,
+        name: &ObjectKey,
+    ) -> Result<Vec<(u64, u64)>, TransferError> {
+        let checkout = self.checkout(target).await?;
+        self.exchange(target, checkout, async |conn: &mut Conn| {
+            let io_err = |source| TransferError::Io {
+                target: target.clone(),
+                source,
+            };
+            let frame = Frame::read(Op::PeerRegions, name, 0, 0, 0);
+            let id = conn.send(frame).await.map_err(io_err)?;
+            let h = conn.receive(target, Op::PeerRegions, id, u64::MAX).await?;
+            if h.length % 16 != 0 || h.length > wire::MAX_ERROR_MESSAGE * 1024 {
+                return Err(io_err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("a region list of {} bytes", h.length),
+                )));
+            }
+            let mut raw = vec![0u8; h.length as usize];
+            conn.read_exact(&mut raw).await.map_err(io_err)?;
+            Ok(raw
+                .chunks_exact(16)
+                .map(|c| {
+                    let (a, l) = c.split_at(8);
+                    (
+                        u64::from_le_bytes(a.try_into().expect("8 bytes")),
+                        u64::from_le_bytes(l.try_into().expect("8 bytes")),
+                    )
+                })
+                .collect())
+        })
+        .await
     }
 }
 
@@ -508,9 +569,16 @@ struct Frame<'a> {
 }
 
 impl<'a> Frame<'a> {
-    fn write(key: &'a ObjectKey, offset: u64, stamp: Stamp, payload: &'a [&'a [u8]]) -> Self {
+    /// A store write, or a transfer engine's write to an address.
+    fn write(
+        op: Op,
+        key: &'a ObjectKey,
+        offset: u64,
+        stamp: Stamp,
+        payload: &'a [&'a [u8]],
+    ) -> Self {
         Frame {
-            op: Op::Write,
+            op,
             key,
             offset,
             length: parts_len(payload),
@@ -589,7 +657,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(self.spread_writes(target, items))
+        Box::pin(self.spread_writes(target, items, Op::Write))
     }
 
     fn read_batch<'a, 'k: 'a, 'b: 'a>(
@@ -620,7 +688,7 @@ impl DataTransport for TcpTransport {
             let checkout = self.checkout(target).await?;
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
-                    .send(Frame::write(key, offset, stamp, parts))
+                    .send(Frame::write(Op::Write, key, offset, stamp, parts))
                     .await
                     .map_err(|source| TransferError::Io {
                         target: target.clone(),

@@ -1,0 +1,41 @@
+//! What a transfer engine call can fail with, and the codes Mooncake's engine returns for it.
+
+use std::time::Duration;
+
+use mooncake_common::transport::TransferError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    #[error("address {addr:#x} (+{len} bytes) is not inside a registered region")]
+    NotRegistered { addr: u64, len: u64 },
+    #[error("region {addr:#x} (+{len} bytes) overlaps a registered one")]
+    Overlapped { addr: u64, len: u64 },
+    #[error("region {addr:#x} is still in use by transfers after {after:?}; it stays registered")]
+    Busy { addr: u64, after: Duration },
+    #[error("cannot serve transfers on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("transfer to {target} failed: {source}")]
+    Transfer {
+        target: String,
+        source: TransferError,
+    },
+}
+
+impl EngineError {
+    /// Mooncake's code for the failure (`error.h`): what its Python binding returns.
+    pub fn code(&self) -> i32 {
+        match self {
+            EngineError::Invalid(_) => -1,
+            EngineError::NotRegistered { .. } => -3,
+            EngineError::Busy { .. } => -4,
+            EngineError::Overlapped { .. } => -7,
+            EngineError::Bind { .. } => -102,
+            EngineError::Transfer { .. } => -1,
+        }
+    }
+}

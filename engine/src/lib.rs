@@ -1,0 +1,22 @@
+//! Point-to-point transfers between processes' registered memory, with the calls of Mooncake's
+//! `TransferEngine`: prefill and decode workers register their KV-cache regions and move blocks
+//! between them directly, without the store.
+//!
+//! - A peer is named by its session name, `host:rpc_port`.
+//! - Every request is checked on its target against the regions that target registered, and a
+//!   caller's own buffers must lie in regions it registered: no request reads or writes memory
+//!   that its owner did not offer, and unregistering waits for the transfers that use a region.
+//! - The bytes move over the store's TCP transport (its framing, connection pools, pipelining and
+//!   threads), every call under a deadline.
+//!
+//! Raw memory access lives in `memory` alone.
+#![deny(unsafe_code)]
+
+mod engine;
+mod error;
+mod memory;
+mod regions;
+mod server;
+
+pub use engine::{EngineConfig, TransferEngine, TransferOp, TransferRequest};
+pub use error::EngineError;

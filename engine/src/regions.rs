@@ -1,0 +1,221 @@
+//! The regions a process registered, and the uses that keep them registered: a transfer takes a
+//! `Use` of every range it touches (on the caller for its buffers, on the target for the peer's
+//! request) and unregistering waits until the region has none.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use parking_lot::RwLock;
+use tokio::sync::Notify;
+
+use crate::EngineError;
+
+struct Region {
+    addr: u64,
+    len: u64,
+    users: AtomicUsize,
+    idle: Notify,
+}
+
+/// A transfer's hold on the range `addr..addr + len` of a registered region.
+pub struct Use {
+    region: Arc<Region>,
+    addr: u64,
+    len: u64,
+}
+
+impl Use {
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr && addr + len <= self.addr + self.len
+    }
+}
+
+impl Drop for Use {
+    fn drop(&mut self) {
+        if self.region.users.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.region.idle.notify_waiters();
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Regions {
+    by_addr: RwLock<BTreeMap<u64, Arc<Region>>>,
+}
+
+impl Regions {
+    /// Registers `addr..addr + len`; refused when empty, wrapping, or overlapping another.
+    pub fn register(&self, addr: u64, len: u64) -> Result<(), EngineError> {
+        let end = addr
+            .checked_add(len)
+            .filter(|_| len > 0 && addr > 0)
+            .ok_or_else(|| EngineError::Invalid(format!("region {addr:#x} of {len} bytes")))?;
+        let mut map = self.by_addr.write();
+        let before = map.range(..end).next_back();
+        if before.is_some_and(|(_, r)| r.addr + r.len > addr) {
+            return Err(EngineError::Overlapped { addr, len });
+        }
+        map.insert(
+            addr,
+            Arc::new(Region {
+                addr,
+                len,
+                users: AtomicUsize::new(0),
+                idle: Notify::new(),
+            }),
+        );
+        Ok(())
+    }
+
+    /// A use of `addr..addr + len`, which must lie inside one registered region.
+    pub fn lookup(&self, addr: u64, len: u64) -> Result<Use, EngineError> {
+        let refused = || EngineError::NotRegistered { addr, len };
+        let end = addr.checked_add(len).ok_or_else(refused)?;
+        let map = self.by_addr.read();
+        let (_, r) = map.range(..=addr).next_back().ok_or_else(refused)?;
+        if end > r.addr + r.len {
+            return Err(refused());
+        }
+        r.users.fetch_add(1, Ordering::AcqRel);
+        Ok(Use {
+            region: r.clone(),
+            addr,
+            len,
+        })
+    }
+
+    /// Unregisters the region starting at `addr`: new transfers are refused at once, and this
+    /// returns once the transfers using it are done. If they are not within `patience` (they
+    /// have deadlines of their own, so only a longer-than-deadline wait gets here), the region
+    /// stays registered and the caller must not free it.
+    pub async fn unregister(&self, addr: u64, patience: Duration) -> Result<(), EngineError> {
+        let region = self
+            .by_addr
+            .write()
+            .remove(&addr)
+            .ok_or(EngineError::NotRegistered { addr, len: 0 })?;
+        let idle = async {
+            loop {
+                let notified = region.idle.notified();
+                if region.users.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if tokio::time::timeout(patience, idle).await.is_err() {
+            self.by_addr.write().insert(addr, region);
+            return Err(EngineError::Busy {
+                addr,
+                after: patience,
+            });
+        }
+        Ok(())
+    }
+
+    /// Unregisters the region at `addr` at once if no transfer uses it; false (and left as it
+    /// is) otherwise.
+    pub fn remove_if_idle(&self, addr: u64) -> bool {
+        let mut map = self.by_addr.write();
+        match map.get(&addr) {
+            Some(r) if r.users.load(Ordering::Acquire) == 0 => {
+                map.remove(&addr);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Every region, (address, length), by address.
+    pub fn list(&self) -> Vec<(u64, u64)> {
+        self.by_addr
+            .read()
+            .values()
+            .map(|r| (r.addr, r.len))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlaps_and_ranges_outside_are_refused() {
+        let r = Regions::default();
+        r.register(0x1000, 0x1000).unwrap();
+        r.register(0x3000, 0x1000).unwrap();
+        for (a, l) in [
+            (0x1800, 0x10),
+            (0x0800, 0x1000),
+            (0x2fff, 2),
+            (0x1000, 0x3000),
+        ] {
+            assert!(
+                matches!(r.register(a, l), Err(EngineError::Overlapped { .. })),
+                "{a:#x}+{l:#x}"
+            );
+        }
+        r.register(0x2000, 0x1000).unwrap(); // exactly between
+        assert!(matches!(r.register(0, 10), Err(EngineError::Invalid(_))));
+        assert!(matches!(r.register(5, 0), Err(EngineError::Invalid(_))));
+        assert!(matches!(
+            r.register(u64::MAX, 2),
+            Err(EngineError::Invalid(_))
+        ));
+        assert!(r.lookup(0x1000, 0x1000).is_ok());
+        assert!(r.lookup(0x1fff, 1).is_ok());
+        // Inside the union of two regions but not of one: refused.
+        assert!(r.lookup(0x1fff, 2).is_err());
+        assert!(r.lookup(0x4000, 1).is_err());
+        assert!(r.lookup(0x500, 1).is_err());
+        assert!(r.lookup(u64::MAX - 1, 4).is_err());
+        assert_eq!(r.list().len(), 3);
+    }
+
+    #[tokio::test]
+    async fn unregister_waits_for_uses_and_refuses_new_ones() {
+        let r = Arc::new(Regions::default());
+        r.register(0x1000, 0x1000).unwrap();
+        let held = r.lookup(0x1100, 0x10).unwrap();
+        let r2 = r.clone();
+        let waiter =
+            tokio::spawn(async move { r2.unregister(0x1000, Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiter.is_finished(),
+            "waits while a transfer uses the region"
+        );
+        assert!(
+            r.lookup(0x1100, 0x10).is_err(),
+            "no new use once unregistering"
+        );
+        drop(held);
+        waiter.await.unwrap().unwrap();
+        assert!(r.list().is_empty());
+        assert!(matches!(
+            r.unregister(0x1000, Duration::from_secs(1)).await,
+            Err(EngineError::NotRegistered { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_use_outlasting_patience_keeps_the_region_registered() {
+        let r = Regions::default();
+        r.register(0x1000, 0x1000).unwrap();
+        let _held = r.lookup(0x1000, 1).unwrap();
+        let e = r
+            .unregister(0x1000, Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EngineError::Busy { .. }));
+        assert_eq!(e.code(), -4);
+        assert_eq!(r.list(), vec![(0x1000, 0x1000)]);
+    }
+}

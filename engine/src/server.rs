@@ -1,0 +1,210 @@
+//! The target side: serves peers' reads and writes of this process's registered regions over the
+//! store's data-plane framing (`common::wire`, ops `PeerRead`, `PeerWrite`, `PeerRegions`).
+//! Every request is checked before a byte moves: the key must name this engine (a connection
+//! that reached another process is refused) and the range must lie inside one registered region,
+//! held for the request's duration. Refusals keep the stream usable and are logged with the peer.
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use mooncake_common::{
+    wire::{self, Op, RequestHeader, ResponseHeader},
+    Code,
+};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter},
+    net::{
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+        TcpListener, TcpStream,
+    },
+    sync::watch,
+};
+
+use crate::regions::Regions;
+
+/// What a connection needs from its engine.
+pub struct Served {
+    pub regions: Arc<Regions>,
+    /// This engine's session name, which every request's key must carry.
+    pub name: String,
+    /// Once a frame has started, the rest of it (and its answer) must move within this.
+    pub frame_timeout: Duration,
+}
+
+/// Accepts peers until `stop` changes.
+pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "transfer engine: accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = Connection::new(stream, peer, served.clone());
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.run(stop).await {
+                tracing::debug!(%peer, error = %e, "transfer engine: connection ended");
+            }
+        });
+    }
+}
+
+const READ_BUF: usize = 64 << 10;
+
+struct Connection {
+    reader: BufReader<OwnedReadHalf>,
+    writer: BufWriter<OwnedWriteHalf>,
+    peer: SocketAddr,
+    served: Arc<Served>,
+    key: Vec<u8>,
+}
+
+impl Connection {
+    fn new(stream: TcpStream, peer: SocketAddr, served: Arc<Served>) -> Self {
+        let (r, w) = stream.into_split();
+        Connection {
+            reader: BufReader::with_capacity(READ_BUF, r),
+            writer: BufWriter::with_capacity(READ_BUF, w),
+            peer,
+            served,
+            key: Vec::with_capacity(64),
+        }
+    }
+
+    async fn run(mut self, mut stop: watch::Receiver<bool>) -> std::io::Result<()> {
+        loop {
+            if self.reader.buffer().is_empty() {
+                // Nothing more pipelined: the peer waits for what was answered so far.
+                self.writer.flush().await?;
+                tokio::select! {
+                    r = self.reader.fill_buf() => if r?.is_empty() { return Ok(()) },
+                    _ = stop.changed() => return Ok(()),
+                }
+            }
+            let timeout = self.served.frame_timeout;
+            match tokio::time::timeout(timeout, self.frame()).await {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => {
+                    self.writer.flush().await?;
+                    return Ok(());
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("a frame took longer than {timeout:?}"),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// One request and its answer. Returns false when the connection must close (the stream is
+    /// no longer at a frame boundary).
+    async fn frame(&mut self) -> std::io::Result<bool> {
+        let mut hb = [0u8; wire::REQUEST_HEADER_LEN];
+        self.reader.read_exact(&mut hb).await?;
+        let h = match RequestHeader::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => {
+                self.refuse(Op::Ping, 0, &e.to_string()).await?;
+                return Ok(false);
+            }
+        };
+        self.key.resize(h.key_len as usize, 0);
+        self.reader.read_exact(&mut self.key).await?;
+        let payload_in = matches!(h.op, Op::PeerWrite | Op::Write);
+        if h.op != Op::Ping && self.key != self.served.name.as_bytes() {
+            let msg = format!(
+                "this is transfer engine {}, not {}",
+                self.served.name,
+                String::from_utf8_lossy(&self.key)
+            );
+            return self.refuse_frame(&h, payload_in, &msg).await;
+        }
+        match h.op {
+            Op::Ping => self.ok(&h, 0).await?,
+            Op::PeerWrite => match self.served.regions.lookup(h.offset, h.length) {
+                Ok(usage) => {
+                    self.reader
+                        .read_exact(usage.bytes_mut(h.offset, h.length))
+                        .await?;
+                    self.ok(&h, 0).await?;
+                }
+                Err(e) => return self.refuse_frame(&h, true, &e.to_string()).await,
+            },
+            Op::PeerRead => match self.served.regions.lookup(h.offset, h.length) {
+                Ok(usage) => {
+                    self.ok(&h, h.length).await?;
+                    self.writer
+                        .write_all(usage.bytes(h.offset, h.length))
+                        .await?;
+                }
+                Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
+            },
+            Op::PeerRegions => {
+                let list = self.served.regions.list();
+                self.ok(&h, list.len() as u64 * 16).await?;
+                for (a, l) in list {
+                    self.writer.write_all(&a.to_le_bytes()).await?;
+                    self.writer.write_all(&l.to_le_bytes()).await?;
+                }
+            }
+            Op::Write | Op::Read | Op::ReadDisk => {
+                let msg = "this is a transfer engine, not a store owner";
+                return self.refuse_frame(&h, payload_in, msg).await;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn ok(&mut self, h: &RequestHeader, length: u64) -> std::io::Result<()> {
+        let r = ResponseHeader {
+            op: h.op,
+            status: 0,
+            request_id: h.request_id,
+            length,
+        };
+        self.writer.write_all(&r.encode()).await
+    }
+
+    /// Refuses one request, skipping its payload so the stream stays in step.
+    async fn refuse_frame(
+        &mut self,
+        h: &RequestHeader,
+        payload_in: bool,
+        msg: &str,
+    ) -> std::io::Result<bool> {
+        tracing::warn!(peer = %self.peer, op = ?h.op, addr = format_args!("{:#x}", h.offset),
+            len = h.length, "transfer engine refused a request: {msg}");
+        if payload_in {
+            let mut left = h.length;
+            let mut sink = [0u8; 8192];
+            while left > 0 {
+                let n = (left as usize).min(sink.len());
+                self.reader.read_exact(&mut sink[..n]).await?;
+                left -= n as u64;
+            }
+        }
+        self.refuse(h.op, h.request_id, msg).await?;
+        Ok(true)
+    }
+
+    async fn refuse(&mut self, op: Op, request_id: u64, msg: &str) -> std::io::Result<()> {
+        let msg = &msg.as_bytes()[..msg.len().min(wire::MAX_ERROR_MESSAGE as usize)];
+        let r = ResponseHeader {
+            op,
+            status: Code::InvalidParams.as_i32(),
+            request_id,
+            length: msg.len() as u64,
+        };
+        self.writer.write_all(&r.encode()).await?;
+        self.writer.write_all(msg).await
+    }
+}

@@ -1,0 +1,130 @@
+"""mooncake_rs.engine.TransferEngine: Mooncake's calls and codes between two engines on
+loopback, every byte checked, and the refusals Mooncake's engine lacks."""
+
+import ctypes
+import os
+
+import pytest
+
+from mooncake_rs.engine import TransferEngine, TransferOpcode
+
+
+def buf(n, seed=0):
+    """A buffer of exactly n bytes (a pattern when seeded, zeros otherwise) and its address."""
+    b = ctypes.create_string_buffer(n)
+    if seed:
+        ctypes.memmove(b, bytes((i * 31 + seed) % 256 for i in range(n)), n)
+    return b, ctypes.addressof(b)
+
+
+@pytest.fixture
+def pair():
+    a, b = TransferEngine(), TransferEngine()
+    for e in (a, b):
+        assert e.initialize("127.0.0.1:5555", "P2PHANDSHAKE", "tcp", "") == 0
+    yield a, b
+    del a, b
+
+
+def session(e):
+    return f"127.0.0.1:{e.get_rpc_port()}"
+
+
+def test_sync_and_batch_transfers_both_ways(pair):
+    a, b = pair
+    assert a.get_rpc_port() != 5555 and a.get_session_id() == session(a)
+    src, src_p = buf(1 << 20, seed=5)
+    dst, dst_p = buf(1 << 20)
+    assert a.register_memory(src_p, len(src)) == 0
+    assert b.register_memory(dst_p, len(dst)) == 0
+    assert a.transfer_sync_write(session(b), src_p, dst_p, 4096) == 0
+    assert dst.raw[:4096] == src.raw[:4096]
+    # 16 blocks of 64 KiB, scattered.
+    blk = 64 << 10
+    order = [(i * 5) % 16 for i in range(16)]
+    assert a.batch_transfer_sync_write(session(b), [src_p + i * blk for i in range(16)],
+                                       [dst_p + o * blk for o in order], [blk] * 16) == 0
+    for i, o in enumerate(order):
+        assert dst.raw[o * blk:(o + 1) * blk] == src.raw[i * blk:(i + 1) * blk]
+    back, back_p = buf(1 << 20)
+    assert a.register_memory(back_p, len(back)) == 0
+    assert a.batch_transfer_sync_read(session(b), [back_p + i * blk for i in range(16)],
+                                      [dst_p + o * blk for o in order], [blk] * 16) == 0
+    assert back.raw == src.raw
+    assert a.transfer_sync(session(b), back_p, dst_p, 8, TransferOpcode.Read) == 0
+    assert a.batch_transfer_sync(session(b), [src_p], [dst_p], [8], TransferEngine.TransferOpcode.Write) == 0
+
+
+def test_async_batches_and_status(pair):
+    a, b = pair
+    src, src_p = buf(256 << 10, seed=9)
+    dst, dst_p = buf(256 << 10)
+    assert a.batch_register_memory([src_p], [len(src)]) == 0
+    assert b.batch_register_memory([dst_p], [len(dst)]) == 0
+    ids = [a.batch_transfer_async_write(session(b), [src_p + i * 4096], [dst_p + i * 4096], [4096])
+           for i in range(32)]
+    assert all(i > 0 for i in ids) and len(set(ids)) == 32
+    assert a.get_batch_transfer_status(ids) == 0
+    assert dst.raw[:32 * 4096] == src.raw[:32 * 4096]
+    assert a.get_batch_transfer_status(ids[:1]) == -1, "an id is spent once taken"
+    rid = a.batch_transfer_async_read(session(b), [src_p], [dst_p + 8192], [4096])
+    assert a.get_batch_transfer_status([rid]) == 0
+    wid = a.transfer_submit_write(session(b), src_p, dst_p, 16)
+    while (st := a.transfer_check_status(wid)) == 0:
+        pass
+    assert st == 1
+    # A batch to unregistered memory fails when its status is taken.
+    bad = a.batch_transfer_async_write(session(b), [src_p], [dst_p + (1 << 30)], [16])
+    assert bad > 0 and a.get_batch_transfer_status([bad]) == -1
+    assert a.batch_transfer_async_write(session(b), [src_p], [dst_p], [1, 2]) == 0, "mismatched lists"
+
+
+def test_codes_for_bad_ranges_and_registrations(pair):
+    a, b = pair
+    src, src_p = buf(8192, seed=3)
+    dst, dst_p = buf(4096)
+    assert a.register_memory(src_p, 8192) == 0
+    assert a.register_memory(src_p + 100, 10) == -7, "overlapping"
+    assert a.register_memory(0, 10) == -1
+    assert b.register_memory(dst_p, 4096) == 0
+    # The target refuses what it did not register; nothing lands.
+    assert a.transfer_sync_write(session(b), src_p, dst_p + 4000, 200) == -1
+    assert a.transfer_sync_read(session(b), src_p, src_p, 16) == -1, "the peer never registered it"
+    assert dst.raw == bytes(4096)
+    # A local buffer outside registered memory is refused before anything moves.
+    stray, stray_p = buf(64)
+    assert a.transfer_sync_read(session(b), stray_p, dst_p, 64) == -1
+    assert a.transfer_sync_write("127.0.0.1:1", src_p, dst_p, 16) == -1, "nothing there"
+    assert a.unregister_memory(stray_p) == -3
+    assert a.unregister_memory(src_p) == 0 and a.unregister_memory(src_p) == -3
+    assert a.transfer_sync(session(b), src_p, dst_p, 16, 7) == -1, "unknown opcode"
+    with pytest.raises(ValueError):
+        a.read_bytes_from_buffer(stray_p, 8)
+    assert a.write_bytes_to_buffer(stray_p, b"x", 1) == -3
+
+
+def test_managed_buffers_first_address_and_probe(pair):
+    a, b = pair
+    m = b.allocate_managed_buffer(1 << 20)
+    assert m and m % 4096 == 0
+    assert b.write_bytes_to_buffer(m, b"prefill", 7) == 0
+    assert a.get_first_buffer_address(session(b)) == m
+    assert a.send_probe(session(b)) == 0
+    local = a.allocate_managed_buffer(4096)
+    assert a.transfer_sync_read(session(b), local, m, 7) == 0
+    assert a.read_bytes_from_buffer(local, 7) == b"prefill"
+    assert a.free_managed_buffer(local, 4096) == 0
+    assert b.free_managed_buffer(m, 1 << 20) == 0
+    assert a.get_first_buffer_address(session(b)) == 0
+    assert a.get_notifies() == []
+
+
+def test_initialize_refuses_what_it_cannot_do():
+    e = TransferEngine()
+    assert e.get_rpc_port() == -1
+    assert e.transfer_sync_write("127.0.0.1:1", 1, 1, 1) == -1, "before initialize"
+    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
+    assert e.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "p2p") == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "twice"
+    assert e.get_rpc_port() > 0
