@@ -43,6 +43,15 @@ pub enum Op {
     PeerRead = 6,
     /// Transfer engine: return the target's registered regions, (address u64, length u64) each.
     PeerRegions = 7,
+    /// Transfer engine: who the target is, for the same-host path: its pid (u64) and its host
+    /// identity (boot id and pid namespace), as payload.
+    PeerHello = 8,
+    /// Transfer engine, same-host path: the payload lists (address u64, length u64) ranges the
+    /// caller is about to copy with `process_vm_readv`/`writev`; the target checks them against
+    /// its regions and holds them until `PeerRelease` (or the connection closes).
+    PeerGrant = 9,
+    /// Transfer engine, same-host path: the copies of the last `PeerGrant` are done.
+    PeerRelease = 10,
 }
 
 impl Op {
@@ -55,6 +64,9 @@ impl Op {
             5 => Some(Op::PeerWrite),
             6 => Some(Op::PeerRead),
             7 => Some(Op::PeerRegions),
+            8 => Some(Op::PeerHello),
+            9 => Some(Op::PeerGrant),
+            10 => Some(Op::PeerRelease),
             _ => None,
         }
     }

@@ -4,7 +4,7 @@
 use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
-    sync::Arc,
+    sync::{atomic::Ordering, Arc},
     time::Duration,
 };
 
@@ -17,11 +17,15 @@ use parking_lot::Mutex;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
+    local::{self, Outcome, SameHost},
     memory,
     regions::{Regions, Use},
     server::{self, Served},
     EngineError,
 };
+
+/// Batches smaller than this go over TCP even to a peer on this host.
+const SAME_HOST_MIN: u64 = 128 << 10;
 
 /// How an engine runs.
 #[derive(Debug, Clone)]
@@ -36,6 +40,9 @@ pub struct EngineConfig {
     pub connections_per_peer: usize,
     /// Threads one large batch to one peer may use.
     pub transfer_threads: usize,
+    /// Copy with peers on this host directly (`process_vm_readv`/`writev`, one copy) instead of
+    /// over TCP; the binding turns it off with `MOONCAKE_SHM=0`.
+    pub same_host: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +53,7 @@ impl Default for EngineConfig {
             connect_timeout: Duration::from_secs(2),
             connections_per_peer: 8,
             transfer_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+            same_host: true,
         }
     }
 }
@@ -67,11 +75,21 @@ pub struct TransferRequest {
     pub len: u64,
 }
 
+/// Batches this engine moved, by path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub same_host_batches: u64,
+    pub tcp_batches: u64,
+}
+
 pub struct TransferEngine {
+    same_host_batches: std::sync::atomic::AtomicU64,
+    tcp_batches: std::sync::atomic::AtomicU64,
     name: String,
     port: u16,
     regions: Arc<Regions>,
     transport: TcpTransport,
+    same_host: Option<SameHost>,
     config: EngineConfig,
     /// Buffers `allocate_managed` handed out: address -> length.
     managed: Mutex<HashMap<u64, u64>>,
@@ -118,6 +136,7 @@ impl TransferEngine {
         let (stop, stopped) = watch::channel(false);
         let served = Arc::new(Served {
             regions: regions.clone(),
+            identity: local::host_identity(),
             name: name.clone(),
             frame_timeout: config.transfer_timeout,
         });
@@ -130,11 +149,17 @@ impl TransferEngine {
             dedicated_runtime: false,
         });
         tracing::info!(session = %name, "transfer engine serving");
+        let same_host = config
+            .same_host
+            .then(|| SameHost::new(config.transfer_timeout));
         Ok(TransferEngine {
+            same_host_batches: Default::default(),
+            tcp_batches: Default::default(),
             name,
             port,
             regions,
             transport,
+            same_host,
             config,
             managed: Mutex::new(HashMap::new()),
             stop,
@@ -228,7 +253,7 @@ impl TransferEngine {
     ) -> Result<(), EngineError> {
         let (segment, key) = peer(target)?;
         // Hold every local range for the whole call: unregistering waits for it.
-        let uses: Vec<Use> = batch
+        let mut uses: Vec<Use> = batch
             .iter()
             .map(|r| self.regions.lookup(r.local, r.len))
             .collect::<Result<_, _>>()?;
@@ -237,6 +262,21 @@ impl TransferEngine {
                 "a transfer of 0 bytes at {:#x}",
                 r.local
             )));
+        }
+        let total: u64 = batch.iter().map(|r| r.len).sum();
+        // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
+        if let Some(local) = self.same_host.as_ref().filter(|_| total >= SAME_HOST_MIN) {
+            let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
+            match local
+                .transfer(target, op == TransferOp::Read, pairs, uses)
+                .await?
+            {
+                Outcome::Done => {
+                    self.same_host_batches.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Outcome::NotLocal(back) => uses = back,
+            }
         }
         let stamp = Stamp {
             put_id: 0,
@@ -283,12 +323,21 @@ impl TransferEngine {
             }
         };
         drop(uses);
+        self.tcp_batches.fetch_add(1, Ordering::Relaxed);
         match results.into_iter().find_map(Result::err) {
             None => Ok(()),
             Some(source) => Err(EngineError::Transfer {
                 target: target.to_string(),
                 source,
             }),
+        }
+    }
+
+    /// Batches moved so far, by path.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            same_host_batches: self.same_host_batches.load(Ordering::Relaxed),
+            tcp_batches: self.tcp_batches.load(Ordering::Relaxed),
         }
     }
 

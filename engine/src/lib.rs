@@ -7,16 +7,18 @@
 //!   caller's own buffers must lie in regions it registered: no request reads or writes memory
 //!   that its owner did not offer, and unregistering waits for the transfers that use a region.
 //! - The bytes move over the store's TCP transport (its framing, connection pools, pipelining and
-//!   threads), every call under a deadline.
+//!   threads), or, with a peer on the same host, in one `process_vm_readv`/`writev` copy that the
+//!   target grants range by range (`local`); every call under a deadline.
 //!
 //! Raw memory access lives in `memory` alone.
 #![deny(unsafe_code)]
 
 mod engine;
 mod error;
+mod local;
 mod memory;
 mod regions;
 mod server;
 
-pub use engine::{EngineConfig, TransferEngine, TransferOp, TransferRequest};
+pub use engine::{EngineConfig, EngineStats, TransferEngine, TransferOp, TransferRequest};
 pub use error::EngineError;

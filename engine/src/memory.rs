@@ -50,3 +50,78 @@ pub fn free(addr: u64, len: u64) {
     // unregistered, so no transfer uses it any more.
     unsafe { dealloc(addr as usize as *mut u8, layout) }
 }
+
+/// Copies between this process and process `pid` with `process_vm_readv` (`read`: theirs into
+/// ours) or `process_vm_writev`: `pairs` of (local address, remote address, length). Returns the
+/// OS error of a failed call (EPERM where the OS forbids it, ESRCH when the process is gone).
+pub fn copy_with_process(pid: i32, read: bool, pairs: &[(u64, u64, u64)]) -> std::io::Result<()> {
+    // At most this many iovecs per call (IOV_MAX is 1024).
+    const BATCH: usize = 512;
+    for chunk in pairs.chunks(BATCH) {
+        let mut local: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(l, _, n)| libc::iovec {
+                iov_base: l as usize as *mut libc::c_void,
+                iov_len: n as usize,
+            })
+            .collect();
+        let mut remote: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(_, r, n)| libc::iovec {
+                iov_base: r as usize as *mut libc::c_void,
+                iov_len: n as usize,
+            })
+            .collect();
+        let mut left: usize = chunk.iter().map(|p| p.2 as usize).sum();
+        let (mut li, mut ri) = (0usize, 0usize);
+        while left > 0 {
+            // SAFETY: every local iovec lies in a region this process registered and holds a
+            // `Use` of for the call (the caller's duty, see `TransferEngine::transfer`); the
+            // remote ones are checked by the kernel against the target's address space, and the
+            // target checked and holds them (PeerGrant).
+            let n = unsafe {
+                let (lp, lc) = (local[li..].as_ptr(), (local.len() - li) as libc::c_ulong);
+                let (rp, rc) = (remote[ri..].as_ptr(), (remote.len() - ri) as libc::c_ulong);
+                if read {
+                    libc::process_vm_readv(pid, lp, lc, rp, rc, 0)
+                } else {
+                    libc::process_vm_writev(pid, lp, lc, rp, rc, 0)
+                }
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "process_vm copied nothing",
+                ));
+            }
+            // A partial copy stops at an iovec boundary on either side: skip what moved.
+            let n = n as usize;
+            left -= n;
+            advance(&mut local, &mut li, n);
+            advance(&mut remote, &mut ri, n);
+        }
+    }
+    Ok(())
+}
+
+/// Drops `n` copied bytes from the front of `iov[*at..]`.
+fn advance(iov: &mut [libc::iovec], at: &mut usize, mut n: usize) {
+    while n > 0 {
+        let v = &mut iov[*at];
+        if n >= v.iov_len {
+            n -= v.iov_len;
+            *at += 1;
+        } else {
+            v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
+            v.iov_len -= n;
+            n = 0;
+        }
+    }
+}

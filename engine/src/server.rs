@@ -24,6 +24,8 @@ use crate::regions::Regions;
 /// What a connection needs from its engine.
 pub struct Served {
     pub regions: Arc<Regions>,
+    /// This process's host identity (see `local::host_identity`), for `PeerHello`.
+    pub identity: String,
     /// This engine's session name, which every request's key must carry.
     pub name: String,
     /// Once a frame has started, the rest of it (and its answer) must move within this.
@@ -56,6 +58,8 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
 }
 
 const READ_BUF: usize = 64 << 10;
+/// The most ranges one same-host grant may list (16 bytes each).
+const MAX_GRANT: u64 = 16 << 16;
 
 struct Connection {
     reader: BufReader<OwnedReadHalf>,
@@ -63,6 +67,8 @@ struct Connection {
     peer: SocketAddr,
     served: Arc<Served>,
     key: Vec<u8>,
+    /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`).
+    held: Vec<crate::regions::Use>,
 }
 
 impl Connection {
@@ -74,6 +80,7 @@ impl Connection {
             peer,
             served,
             key: Vec::with_capacity(64),
+            held: Vec::new(),
         }
     }
 
@@ -119,7 +126,7 @@ impl Connection {
         };
         self.key.resize(h.key_len as usize, 0);
         self.reader.read_exact(&mut self.key).await?;
-        let payload_in = matches!(h.op, Op::PeerWrite | Op::Write);
+        let payload_in = matches!(h.op, Op::PeerWrite | Op::Write | Op::PeerGrant);
         if h.op != Op::Ping && self.key != self.served.name.as_bytes() {
             let msg = format!(
                 "this is transfer engine {}, not {}",
@@ -155,6 +162,41 @@ impl Connection {
                     self.writer.write_all(&a.to_le_bytes()).await?;
                     self.writer.write_all(&l.to_le_bytes()).await?;
                 }
+            }
+            Op::PeerHello => {
+                let pid = u64::from(std::process::id());
+                let id = self.served.identity.clone();
+                self.ok(&h, 8 + id.len() as u64).await?;
+                self.writer.write_all(&pid.to_le_bytes()).await?;
+                self.writer.write_all(id.as_bytes()).await?;
+            }
+            Op::PeerGrant => {
+                self.held.clear();
+                if h.length % 16 != 0 || h.length > MAX_GRANT {
+                    let msg = format!("a grant of {} bytes of ranges", h.length);
+                    return self.refuse_frame(&h, true, &msg).await;
+                }
+                let mut raw = vec![0u8; h.length as usize];
+                self.reader.read_exact(&mut raw).await?;
+                let uses: Result<Vec<_>, _> = raw
+                    .chunks_exact(16)
+                    .map(|c| {
+                        let a = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
+                        let l = u64::from_le_bytes(c[8..].try_into().expect("8 bytes"));
+                        self.served.regions.lookup(a, l)
+                    })
+                    .collect();
+                match uses {
+                    Ok(uses) => {
+                        self.held = uses;
+                        self.ok(&h, 0).await?;
+                    }
+                    Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
+                }
+            }
+            Op::PeerRelease => {
+                self.held.clear();
+                self.ok(&h, 0).await?;
             }
             Op::Write | Op::Read | Op::ReadDisk => {
                 let msg = "this is a transfer engine, not a store owner";

@@ -1,15 +1,21 @@
-//! Two engines on loopback in one process: batches both ways verified byte for byte, refusals
-//! of every range a peer did not register, unregistering under a transfer, and dead or silent
-//! peers turned into errors within the deadline.
+//! Two engines on loopback in one process, over TCP and over the same-host path (one
+//! `process_vm` copy): batches both ways verified byte for byte, refusals of every range a peer
+//! did not register, unregistering under a transfer, and dead or silent peers turned into
+//! errors within the deadline.
 
 use std::time::{Duration, Instant};
 
 use mooncake_engine::{EngineConfig, EngineError, TransferEngine, TransferOp, TransferRequest};
 
 async fn engine(timeout: Duration) -> TransferEngine {
+    engine_on(timeout, false).await
+}
+
+async fn engine_on(timeout: Duration, same_host: bool) -> TransferEngine {
     TransferEngine::start(EngineConfig {
         local_hostname: "127.0.0.1:5555".into(),
         transfer_timeout: timeout,
+        same_host,
         ..Default::default()
     })
     .await
@@ -28,7 +34,13 @@ fn addr(v: &[u8]) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_move_both_ways_byte_for_byte() {
-    let a = engine(Duration::from_secs(10)).await;
+    for same_host in [false, true] {
+        batches_both_ways(same_host).await;
+    }
+}
+
+async fn batches_both_ways(same_host: bool) {
+    let a = engine_on(Duration::from_secs(10), same_host).await;
     let b = engine(Duration::from_secs(10)).await;
     assert!(a.session_name().starts_with("127.0.0.1:"));
     assert_ne!(
@@ -80,11 +92,31 @@ async fn batches_move_both_ways_byte_for_byte() {
         b.unregister(addr(&dst)).await.unwrap();
     }
     assert!(a.regions().is_empty() && b.regions().is_empty());
+    let stats = a.stats();
+    if same_host {
+        assert_eq!(
+            (stats.same_host_batches, stats.tcp_batches),
+            (6, 0),
+            "{stats:?}"
+        );
+    } else {
+        assert_eq!(
+            (stats.same_host_batches, stats.tcp_batches),
+            (0, 6),
+            "{stats:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_reaches_only_what_its_target_registered() {
-    let a = engine(Duration::from_secs(5)).await;
+    for same_host in [false, true] {
+        only_registered_ranges(same_host).await;
+    }
+}
+
+async fn only_registered_ranges(same_host: bool) {
+    let a = engine_on(Duration::from_secs(5), same_host).await;
     let b = engine(Duration::from_secs(5)).await;
     let src = pattern(8192, 1);
     let dst = vec![0u8; 4096];
@@ -119,6 +151,25 @@ async fn a_peer_reaches_only_what_its_target_registered() {
             .unwrap_err();
         assert!(e.to_string().contains("registered region"), "{what}: {e}");
     }
+    // A batch large enough for the same-host path, reaching past the peer's region.
+    let big = pattern(256 << 10, 2);
+    a.register(addr(&big), big.len() as u64).unwrap();
+    let e = a
+        .transfer(
+            b.session_name(),
+            TransferOp::Write,
+            &[TransferRequest {
+                local: addr(&big),
+                remote: addr(&dst),
+                len: big.len() as u64,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("not inside a registered region"),
+        "{e}"
+    );
     assert!(dst.iter().all(|&x| x == 0) && outside.iter().all(|&x| x == 0));
     // After refusals the connections stay usable.
     a.transfer(b.session_name(), TransferOp::Write, &w(addr(&dst), 4096))
@@ -163,7 +214,13 @@ async fn a_peer_reaches_only_what_its_target_registered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregistering_waits_for_the_transfer_that_uses_the_region() {
-    let a = std::sync::Arc::new(engine(Duration::from_secs(20)).await);
+    for same_host in [false, true] {
+        unregister_under_a_transfer(same_host).await;
+    }
+}
+
+async fn unregister_under_a_transfer(same_host: bool) {
+    let a = std::sync::Arc::new(engine_on(Duration::from_secs(20), same_host).await);
     let b = engine(Duration::from_secs(20)).await;
     let len = 128usize << 20;
     let src = pattern(len, 3);
@@ -206,8 +263,14 @@ async fn unregistering_waits_for_the_transfer_that_uses_the_region() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_and_silent_peers_fail_within_the_deadline() {
+    for same_host in [false, true] {
+        dead_and_silent(same_host).await;
+    }
+}
+
+async fn dead_and_silent(same_host: bool) {
     let deadline = Duration::from_millis(500);
-    let a = engine(deadline).await;
+    let a = engine_on(deadline, same_host).await;
     let src = pattern(4096, 9);
     a.register(addr(&src), 4096).unwrap();
     let req = [TransferRequest {
@@ -230,6 +293,7 @@ async fn dead_and_silent_peers_fail_within_the_deadline() {
         let t = Instant::now();
         let e = a.transfer(&name, op, &req).await.unwrap_err();
         assert!(e.to_string().contains("timed out"), "{e}");
+        // With the same-host path, asking who the peer is takes a deadline first.
         assert!(t.elapsed() < deadline * 4, "{:?}", t.elapsed());
     }
 }

@@ -176,7 +176,7 @@ impl Connection {
             return true;
         };
         let payload = match h.op {
-            Op::Write | Op::PeerWrite => h.length,
+            Op::Write | Op::PeerWrite | Op::PeerGrant => h.length,
             Op::ReadDisk => return false,
             _ => 0,
         };
@@ -222,8 +222,16 @@ impl Connection {
             (Op::Write, Some(key)) => self.write(&h, key).await?,
             (Op::Read, Some(key)) => self.read(&h, &key).await?,
             (Op::ReadDisk, Some(key)) => self.read_disk(&h, &key).await?,
-            (Op::PeerWrite | Op::PeerRead | Op::PeerRegions, _) => {
-                if h.op == Op::PeerWrite && !self.drain(h.length).await? {
+            (
+                Op::PeerWrite
+                | Op::PeerRead
+                | Op::PeerRegions
+                | Op::PeerHello
+                | Op::PeerGrant
+                | Op::PeerRelease,
+                _,
+            ) => {
+                if matches!(h.op, Op::PeerWrite | Op::PeerGrant) && !self.drain(h.length).await? {
                     return Ok(false);
                 }
                 Err(Refusal {

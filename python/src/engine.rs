@@ -171,6 +171,8 @@ impl NativeEngine {
         let config = EngineConfig {
             local_hostname: local_hostname.to_string(),
             transfer_timeout: transfer_timeout(),
+            // Peers on this host are copied with directly unless MOONCAKE_SHM=0.
+            same_host: std::env::var("MOONCAKE_SHM").map_or(true, |v| v.trim() != "0"),
             ..Default::default()
         };
         match py.detach(|| rt.block_on(TransferEngine::start(config))) {
@@ -603,6 +605,16 @@ impl NativeEngine {
             Ok(v) => Ok(PyBytes::new(py, &v)),
             Err(e) => Err(PyValueError::new_err(e.to_string())),
         }
+    }
+
+    /// Batches moved so far by path: {"same_host": n, "tcp": n}.
+    fn get_stats(&self) -> HashMap<&'static str, u64> {
+        let s = self
+            .running
+            .as_ref()
+            .map(|r| r.engine.stats())
+            .unwrap_or_default();
+        HashMap::from([("same_host", s.same_host_batches), ("tcp", s.tcp_batches)])
     }
 
     /// Notifications are not supported: always empty.

@@ -17,8 +17,34 @@ def buf(n, seed=0):
     return b, ctypes.addressof(b)
 
 
+@pytest.fixture(params=["tcp", "same-host"])
+def pair(request, monkeypatch):
+    """Two engines; the first reaches the second over TCP (MOONCAKE_SHM=0) or the same-host path."""
+    monkeypatch.setenv("MOONCAKE_SHM", "0" if request.param == "tcp" else "1")
+    a = TransferEngine()
+    assert a.initialize("127.0.0.1:5555", "P2PHANDSHAKE", "tcp", "") == 0
+    monkeypatch.setenv("MOONCAKE_SHM", "1")
+    b = TransferEngine()
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    a.path = request.param
+    yield a, b
+    del a, b
+
+
+def test_the_path_is_the_one_asked_for(pair):
+    a, b = pair
+    n = 256 << 10  # small batches take TCP even on one host (a grant costs a round trip)
+    src, src_p = buf(n, seed=1)
+    dst, dst_p = buf(n)
+    assert a.register_memory(src_p, n) == 0 and b.register_memory(dst_p, n) == 0
+    assert a.transfer_sync_write(session(b), src_p, dst_p, n) == 0
+    assert dst.raw == src.raw
+    want = {"tcp": {"same_host": 0, "tcp": 1}, "same-host": {"same_host": 1, "tcp": 0}}[a.path]
+    assert a.get_stats() == want
+
+
 @pytest.fixture
-def pair():
+def plain_pair():
     a, b = TransferEngine(), TransferEngine()
     for e in (a, b):
         assert e.initialize("127.0.0.1:5555", "P2PHANDSHAKE", "tcp", "") == 0
@@ -103,8 +129,8 @@ def test_codes_for_bad_ranges_and_registrations(pair):
     assert a.write_bytes_to_buffer(stray_p, b"x", 1) == -3
 
 
-def test_managed_buffers_first_address_and_probe(pair):
-    a, b = pair
+def test_managed_buffers_first_address_and_probe(plain_pair):
+    a, b = plain_pair
     m = b.allocate_managed_buffer(1 << 20)
     assert m and m % 4096 == 0
     assert b.write_bytes_to_buffer(m, b"prefill", 7) == 0
