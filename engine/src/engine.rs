@@ -4,28 +4,20 @@
 use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
-    sync::{atomic::Ordering, Arc},
+    sync::Arc,
     time::Duration,
 };
 
-use mooncake_client::transport::tcp::{TcpConfig, TcpTransport};
-use mooncake_common::{
-    transport::{ReadItem, WriteItem},
-    ObjectKey, SegmentName, Stamp,
-};
 use parking_lot::Mutex;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
-    local::{self, Outcome, SameHost},
-    memory,
-    regions::{Regions, Use},
+    local, memory,
+    regions::Regions,
+    requester::{Counters, Requester},
     server::{self, Served},
     EngineError,
 };
-
-/// Batches smaller than this go over TCP even to a peer on this host.
-const SAME_HOST_MIN: u64 = 128 << 10;
 
 /// How an engine runs.
 #[derive(Debug, Clone)]
@@ -75,21 +67,14 @@ pub struct TransferRequest {
     pub len: u64,
 }
 
-/// Batches this engine moved, by path.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    pub same_host_batches: u64,
-    pub tcp_batches: u64,
-}
+pub use crate::requester::EngineStats;
 
 pub struct TransferEngine {
-    same_host_batches: std::sync::atomic::AtomicU64,
-    tcp_batches: std::sync::atomic::AtomicU64,
     name: String,
     port: u16,
     regions: Arc<Regions>,
-    transport: TcpTransport,
-    same_host: Option<SameHost>,
+    requester: Requester,
+    counters: Arc<Counters>,
     config: EngineConfig,
     /// Buffers `allocate_managed` handed out: address -> length.
     managed: Mutex<HashMap<u64, u64>>,
@@ -141,25 +126,14 @@ impl TransferEngine {
             frame_timeout: config.transfer_timeout,
         });
         tokio::spawn(server::serve(listener, served, stopped));
-        let transport = TcpTransport::new(TcpConfig {
-            connect_timeout: config.connect_timeout,
-            transfer_timeout: config.transfer_timeout,
-            connections_per_owner: config.connections_per_peer.max(1),
-            transfer_threads: config.transfer_threads.max(1),
-            dedicated_runtime: false,
-        });
-        tracing::info!(session = %name, "transfer engine serving");
-        let same_host = config
-            .same_host
-            .then(|| SameHost::new(config.transfer_timeout));
+        let counters = Arc::new(Counters::default());
+        let requester = Requester::new(regions.clone(), &config, counters.clone(), false);
         Ok(TransferEngine {
-            same_host_batches: Default::default(),
-            tcp_batches: Default::default(),
             name,
             port,
             regions,
-            transport,
-            same_host,
+            requester,
+            counters,
             config,
             managed: Mutex::new(HashMap::new()),
             stop,
@@ -232,113 +206,36 @@ impl TransferEngine {
 
     /// The regions `target` registered.
     pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
-        let (segment, key) = peer(target)?;
-        self.transport
-            .peer_regions(&segment, &key)
-            .await
-            .map_err(|source| EngineError::Transfer {
-                target: target.to_string(),
-                source,
-            })
+        self.requester.peer_regions(target).await
     }
 
     /// Moves every request of `batch` between this process and `target`; all or an error (the
-    /// first failure). Local buffers must lie in regions this engine registered; the peer
-    /// checks its own side. Ends within the transfer deadline.
+    /// first failure). See `Requester::transfer`.
     pub async fn transfer(
         &self,
         target: &str,
         op: TransferOp,
         batch: &[TransferRequest],
     ) -> Result<(), EngineError> {
-        let (segment, key) = peer(target)?;
-        // Hold every local range for the whole call: unregistering waits for it.
-        let mut uses: Vec<Use> = batch
-            .iter()
-            .map(|r| self.regions.lookup(r.local, r.len))
-            .collect::<Result<_, _>>()?;
-        if let Some(r) = batch.iter().find(|r| r.len == 0) {
-            return Err(EngineError::Invalid(format!(
-                "a transfer of 0 bytes at {:#x}",
-                r.local
-            )));
-        }
-        let total: u64 = batch.iter().map(|r| r.len).sum();
-        // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
-        if let Some(local) = self.same_host.as_ref().filter(|_| total >= SAME_HOST_MIN) {
-            let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
-            match local
-                .transfer(target, op == TransferOp::Read, pairs, uses)
-                .await?
-            {
-                Outcome::Done => {
-                    self.same_host_batches.fetch_add(1, Ordering::Relaxed);
-                    return Ok(());
-                }
-                Outcome::NotLocal(back) => uses = back,
-            }
-        }
-        let stamp = Stamp {
-            put_id: 0,
-            replica_num: 1,
-            soft_pin: false,
-            hard_pin: false,
-        };
-        let results = match op {
-            TransferOp::Write => {
-                let parts: Vec<[&[u8]; 1]> = batch
-                    .iter()
-                    .zip(&uses)
-                    .map(|(r, u)| [u.bytes(r.local, r.len)])
-                    .collect();
-                let items: Vec<WriteItem<'_>> = batch
-                    .iter()
-                    .zip(&parts)
-                    .map(|(r, p)| WriteItem {
-                        key: &key,
-                        offset: r.remote,
-                        stamp,
-                        parts: p,
-                    })
-                    .collect();
-                self.transport.peer_write_batch(&segment, &items).await
-            }
-            TransferOp::Read => {
-                let mut parts: Vec<[&mut [u8]; 1]> = batch
-                    .iter()
-                    .zip(&uses)
-                    .map(|(r, u)| [u.bytes_mut(r.local, r.len)])
-                    .collect();
-                let mut items: Vec<ReadItem<'_, '_>> = batch
-                    .iter()
-                    .zip(parts.iter_mut())
-                    .map(|(r, p)| ReadItem {
-                        key: &key,
-                        offset: r.remote,
-                        put_id: 0,
-                        parts: p,
-                    })
-                    .collect();
-                self.transport.peer_read_batch(&segment, &mut items).await
-            }
-        };
-        drop(uses);
-        self.tcp_batches.fetch_add(1, Ordering::Relaxed);
-        match results.into_iter().find_map(Result::err) {
-            None => Ok(()),
-            Some(source) => Err(EngineError::Transfer {
-                target: target.to_string(),
-                source,
-            }),
-        }
+        self.requester.transfer(target, op, batch).await
+    }
+
+    /// Another requester of this engine's (its regions, its counters), with connections of its
+    /// own: for callers on another runtime (a connection belongs to the runtime it was made on).
+    /// `dedicated_runtime`: that runtime is a current-thread one that runs nothing but these
+    /// calls, so a large batch may block it while its threads move the bytes.
+    pub fn requester(&self, dedicated_runtime: bool) -> Requester {
+        Requester::new(
+            self.regions.clone(),
+            &self.config,
+            self.counters.clone(),
+            dedicated_runtime,
+        )
     }
 
     /// Batches moved so far, by path.
     pub fn stats(&self) -> EngineStats {
-        EngineStats {
-            same_host_batches: self.same_host_batches.load(Ordering::Relaxed),
-            tcp_batches: self.tcp_batches.load(Ordering::Relaxed),
-        }
+        self.counters.stats()
     }
 
     /// Stops serving peers (also on drop). Transfers under way on the peers' side fail.
@@ -376,14 +273,4 @@ fn host_part(s: &str) -> &str {
         Some((h, p)) if !h.contains(':') && p.parse::<u16>().is_ok() => h,
         _ => s,
     }
-}
-
-/// A peer's session name as the transport's target and the key its requests carry.
-fn peer(target: &str) -> Result<(SegmentName, ObjectKey), EngineError> {
-    let bad = |e: &dyn std::fmt::Display| {
-        EngineError::Invalid(format!("peer {target:?} is not host:port ({e})"))
-    };
-    let segment = SegmentName::parse(target).map_err(|e| bad(&e))?;
-    let key = ObjectKey::new(target).map_err(|e| bad(&e))?;
-    Ok((segment, key))
 }

@@ -18,7 +18,9 @@ mod error;
 mod local;
 mod memory;
 mod regions;
+mod requester;
 mod server;
 
 pub use engine::{EngineConfig, EngineStats, TransferEngine, TransferOp, TransferRequest};
 pub use error::EngineError;
+pub use requester::Requester;

@@ -1,0 +1,192 @@
+//! The caller's side of transfers: a transport (TCP connections to peers, made on the runtime
+//! that uses them) and the same-host path, checking that the caller's buffers lie in regions its
+//! engine registered. An engine has one; `TransferEngine::requester` makes more for callers on
+//! other runtimes.
+
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Arc,
+};
+
+use mooncake_client::transport::tcp::{TcpConfig, TcpTransport};
+use mooncake_common::{
+    transport::{ReadItem, WriteItem},
+    ObjectKey, SegmentName, Stamp,
+};
+
+use crate::{
+    local::{Outcome, SameHost},
+    regions::{Regions, Use},
+    EngineConfig, EngineError, TransferOp, TransferRequest,
+};
+
+/// Batches smaller than this go over TCP even to a peer on this host: the grant's round trip
+/// costs more than the socket copies.
+const SAME_HOST_MIN: u64 = 128 << 10;
+
+/// Batches this engine moved, by path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub same_host_batches: u64,
+    pub tcp_batches: u64,
+}
+
+/// Batches moved, shared by an engine's requesters.
+#[derive(Default)]
+pub struct Counters {
+    same_host: AtomicU64,
+    tcp: AtomicU64,
+}
+
+impl Counters {
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            same_host_batches: self.same_host.load(Ordering::Relaxed),
+            tcp_batches: self.tcp.load(Ordering::Relaxed),
+        }
+    }
+}
+
+pub struct Requester {
+    regions: Arc<Regions>,
+    transport: TcpTransport,
+    same_host: Option<SameHost>,
+    counters: Arc<Counters>,
+}
+
+impl Requester {
+    pub(crate) fn new(
+        regions: Arc<Regions>,
+        config: &EngineConfig,
+        counters: Arc<Counters>,
+        dedicated_runtime: bool,
+    ) -> Self {
+        Requester {
+            regions,
+            transport: TcpTransport::new(TcpConfig {
+                connect_timeout: config.connect_timeout,
+                transfer_timeout: config.transfer_timeout,
+                connections_per_owner: config.connections_per_peer.max(1),
+                transfer_threads: config.transfer_threads.max(1),
+                dedicated_runtime,
+            }),
+            same_host: config
+                .same_host
+                .then(|| SameHost::new(config.transfer_timeout)),
+            counters,
+        }
+    }
+
+    /// The regions `target` registered.
+    pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
+        let (segment, key) = peer(target)?;
+        self.transport
+            .peer_regions(&segment, &key)
+            .await
+            .map_err(|source| EngineError::Transfer {
+                target: target.to_string(),
+                source,
+            })
+    }
+
+    /// Moves every request of `batch` between this process and `target`; all or an error (the
+    /// first failure). Local buffers must lie in regions this engine registered; the peer
+    /// checks its own side. Ends within the transfer deadline.
+    pub async fn transfer(
+        &self,
+        target: &str,
+        op: TransferOp,
+        batch: &[TransferRequest],
+    ) -> Result<(), EngineError> {
+        let (segment, key) = peer(target)?;
+        // Hold every local range for the whole call: unregistering waits for it.
+        let mut uses: Vec<Use> = batch
+            .iter()
+            .map(|r| self.regions.lookup(r.local, r.len))
+            .collect::<Result<_, _>>()?;
+        if let Some(r) = batch.iter().find(|r| r.len == 0) {
+            return Err(EngineError::Invalid(format!(
+                "a transfer of 0 bytes at {:#x}",
+                r.local
+            )));
+        }
+        let total: u64 = batch.iter().map(|r| r.len).sum();
+        // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
+        if let Some(local) = self.same_host.as_ref().filter(|_| total >= SAME_HOST_MIN) {
+            let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
+            match local
+                .transfer(target, op == TransferOp::Read, pairs, uses)
+                .await?
+            {
+                Outcome::Done => {
+                    self.counters.same_host.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Outcome::NotLocal(back) => uses = back,
+            }
+        }
+        let stamp = Stamp {
+            put_id: 0,
+            replica_num: 1,
+            soft_pin: false,
+            hard_pin: false,
+        };
+        let results = match op {
+            TransferOp::Write => {
+                let parts: Vec<[&[u8]; 1]> = batch
+                    .iter()
+                    .zip(&uses)
+                    .map(|(r, u)| [u.bytes(r.local, r.len)])
+                    .collect();
+                let items: Vec<WriteItem<'_>> = batch
+                    .iter()
+                    .zip(&parts)
+                    .map(|(r, p)| WriteItem {
+                        key: &key,
+                        offset: r.remote,
+                        stamp,
+                        parts: p,
+                    })
+                    .collect();
+                self.transport.peer_write_batch(&segment, &items).await
+            }
+            TransferOp::Read => {
+                let mut parts: Vec<[&mut [u8]; 1]> = batch
+                    .iter()
+                    .zip(&uses)
+                    .map(|(r, u)| [u.bytes_mut(r.local, r.len)])
+                    .collect();
+                let mut items: Vec<ReadItem<'_, '_>> = batch
+                    .iter()
+                    .zip(parts.iter_mut())
+                    .map(|(r, p)| ReadItem {
+                        key: &key,
+                        offset: r.remote,
+                        put_id: 0,
+                        parts: p,
+                    })
+                    .collect();
+                self.transport.peer_read_batch(&segment, &mut items).await
+            }
+        };
+        drop(uses);
+        self.counters.tcp.fetch_add(1, Ordering::Relaxed);
+        match results.into_iter().find_map(Result::err) {
+            None => Ok(()),
+            Some(source) => Err(EngineError::Transfer {
+                target: target.to_string(),
+                source,
+            }),
+        }
+    }
+}
+
+/// A peer's session name as the transport's target and the key its requests carry.
+fn peer(target: &str) -> Result<(SegmentName, ObjectKey), EngineError> {
+    let bad = |e: &dyn std::fmt::Display| {
+        EngineError::Invalid(format!("peer {target:?} is not host:port ({e})"))
+    };
+    let segment = SegmentName::parse(target).map_err(|e| bad(&e))?;
+    let key = ObjectKey::new(target).map_err(|e| bad(&e))?;
+    Ok((segment, key))
+}
