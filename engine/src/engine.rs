@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
+    directory::Directory,
     local, memory,
     regions::Regions,
     requester::{Counters, Requester},
@@ -35,6 +36,19 @@ pub struct EngineConfig {
     /// Copy with peers on this host directly (`process_vm_readv`/`writev`, one copy) instead of
     /// over TCP; the binding turns it off with `MOONCAKE_SHM=0`.
     pub same_host: bool,
+    /// How peers find each other.
+    pub metadata: Metadata,
+}
+
+/// How peers find each other.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Metadata {
+    /// A peer's name is its session name, `host:port` (Mooncake's `P2PHANDSHAKE`).
+    #[default]
+    P2pHandshake,
+    /// Engines publish their session name in etcd under the name they were started with
+    /// (`local_hostname`), and peers are named by those names.
+    Etcd(Vec<String>),
 }
 
 impl Default for EngineConfig {
@@ -46,6 +60,7 @@ impl Default for EngineConfig {
             connections_per_peer: 8,
             transfer_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
             same_host: true,
+            metadata: Metadata::P2pHandshake,
         }
     }
 }
@@ -75,6 +90,7 @@ pub struct TransferEngine {
     regions: Arc<Regions>,
     requester: Requester,
     counters: Arc<Counters>,
+    directory: Option<Arc<Directory>>,
     config: EngineConfig,
     /// Buffers `allocate_managed` handed out: address -> length.
     managed: Mutex<HashMap<u64, u64>>,
@@ -126,14 +142,33 @@ impl TransferEngine {
             frame_timeout: config.transfer_timeout,
         });
         tokio::spawn(server::serve(listener, served, stopped));
+        let directory = match &config.metadata {
+            Metadata::P2pHandshake => None,
+            Metadata::Etcd(endpoints) => Some(Arc::new(
+                Directory::publish(
+                    endpoints.clone(),
+                    &config.local_hostname,
+                    &name,
+                    config.connect_timeout.max(Duration::from_secs(2)),
+                )
+                .await?,
+            )),
+        };
         let counters = Arc::new(Counters::default());
-        let requester = Requester::new(regions.clone(), &config, counters.clone(), false);
+        let requester = Requester::new(
+            regions.clone(),
+            &config,
+            counters.clone(),
+            false,
+            directory.clone(),
+        );
         Ok(TransferEngine {
             name,
             port,
             regions,
             requester,
             counters,
+            directory,
             config,
             managed: Mutex::new(HashMap::new()),
             stop,
@@ -230,12 +265,20 @@ impl TransferEngine {
             &self.config,
             self.counters.clone(),
             dedicated_runtime,
+            self.directory.clone(),
         )
     }
 
     /// Batches moved so far, by path.
     pub fn stats(&self) -> EngineStats {
         self.counters.stats()
+    }
+
+    /// Removes this engine's etcd entry now (with etcd metadata), so peers stop finding it.
+    pub async fn withdraw(&self) {
+        if let Some(d) = &self.directory {
+            d.withdraw().await;
+        }
     }
 
     /// Stops serving peers (also on drop). Transfers under way on the peers' side fail.

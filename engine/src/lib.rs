@@ -13,6 +13,7 @@
 //! Raw memory access lives in `memory` alone.
 #![deny(unsafe_code)]
 
+mod directory;
 mod engine;
 mod error;
 mod local;
@@ -21,6 +22,8 @@ mod regions;
 mod requester;
 mod server;
 
-pub use engine::{EngineConfig, EngineStats, TransferEngine, TransferOp, TransferRequest};
+pub use engine::{
+    EngineConfig, EngineStats, Metadata, TransferEngine, TransferOp, TransferRequest,
+};
 pub use error::EngineError;
 pub use requester::Requester;

@@ -15,6 +15,7 @@ use mooncake_common::{
 };
 
 use crate::{
+    directory::Directory,
     local::{Outcome, SameHost},
     regions::{Regions, Use},
     EngineConfig, EngineError, TransferOp, TransferRequest,
@@ -49,6 +50,8 @@ impl Counters {
 
 pub struct Requester {
     regions: Arc<Regions>,
+    /// With etcd metadata: peers' names to their session names.
+    directory: Option<Arc<Directory>>,
     transport: TcpTransport,
     same_host: Option<SameHost>,
     counters: Arc<Counters>,
@@ -60,9 +63,11 @@ impl Requester {
         config: &EngineConfig,
         counters: Arc<Counters>,
         dedicated_runtime: bool,
+        directory: Option<Arc<Directory>>,
     ) -> Self {
         Requester {
             regions,
+            directory,
             transport: TcpTransport::new(TcpConfig {
                 connect_timeout: config.connect_timeout,
                 transfer_timeout: config.transfer_timeout,
@@ -79,6 +84,28 @@ impl Requester {
 
     /// The regions `target` registered.
     pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
+        let session = self.session_of(target).await?;
+        let r = self.regions_of_session(&session).await;
+        self.forget_on_failure(target, &r);
+        r
+    }
+
+    /// A peer's session name: its name itself, or what etcd says it is.
+    async fn session_of(&self, target: &str) -> Result<String, EngineError> {
+        match &self.directory {
+            Some(d) => d.resolve(target).await,
+            None => Ok(target.to_string()),
+        }
+    }
+
+    /// After a failure the peer's etcd entry is read again next time (it may have restarted).
+    fn forget_on_failure<T>(&self, target: &str, r: &Result<T, EngineError>) {
+        if let (Err(_), Some(d)) = (r, &self.directory) {
+            d.forget(target);
+        }
+    }
+
+    async fn regions_of_session(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
         let (segment, key) = peer(target)?;
         self.transport
             .peer_regions(&segment, &key)
@@ -93,6 +120,18 @@ impl Requester {
     /// first failure). Local buffers must lie in regions this engine registered; the peer
     /// checks its own side. Ends within the transfer deadline.
     pub async fn transfer(
+        &self,
+        target: &str,
+        op: TransferOp,
+        batch: &[TransferRequest],
+    ) -> Result<(), EngineError> {
+        let session = self.session_of(target).await?;
+        let r = self.transfer_to_session(&session, op, batch).await;
+        self.forget_on_failure(target, &r);
+        r
+    }
+
+    async fn transfer_to_session(
         &self,
         target: &str,
         op: TransferOp,

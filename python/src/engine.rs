@@ -5,8 +5,9 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
+use mooncake_common::leader::{parse_endpoints, ETCD_SCHEME};
 use mooncake_engine::{
-    EngineConfig, EngineError, Requester, TransferEngine, TransferOp, TransferRequest,
+    EngineConfig, EngineError, Metadata, Requester, TransferEngine, TransferOp, TransferRequest,
 };
 use parking_lot::Mutex;
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyBytes};
@@ -134,8 +135,9 @@ impl NativeEngine {
     }
 
     /// Starts serving at `local_hostname` (a port given with it is ignored: a free one is
-    /// picked, see `get_rpc_port`). `metadata_server` must be "P2PHANDSHAKE": peers find each
-    /// other by session name (`host:port`) and each checks requests against its own regions.
+    /// picked, see `get_rpc_port`). With `metadata_server` "P2PHANDSHAKE" peers name each other
+    /// by session name (`host:port`); with "etcd://HOST:PORT;HOST:PORT" (or a bare HOST:PORT)
+    /// by the `local_hostname` each was started with, which etcd maps to its session name.
     /// Transfers go over TCP whatever `protocol` says (as Mooncake's engine falls back to TCP
     /// without RDMA devices). 0, or -1 with the reason logged.
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name))]
@@ -152,13 +154,27 @@ impl NativeEngine {
             tracing::warn!("transfer engine: initialize() called twice");
             return -1;
         }
-        if metadata_server != "P2PHANDSHAKE" {
-            tracing::warn!(
-                "transfer engine: metadata server {metadata_server:?} is not supported; \
-                 use \"P2PHANDSHAKE\" (peers exchange what they need directly)"
-            );
-            return -1;
-        }
+        let metadata = match metadata_server.trim() {
+            "P2PHANDSHAKE" => Metadata::P2pHandshake,
+            m if m.starts_with("http://")
+                || m.starts_with("https://")
+                || m.starts_with("redis://") =>
+            {
+                tracing::warn!(
+                    "transfer engine: metadata server {m:?} is not supported; use \"P2PHANDSHAKE\" \
+                     or etcd://HOST:PORT"
+                );
+                return -1;
+            }
+            // Mooncake reads a bare HOST:PORT as etcd too.
+            m => match parse_endpoints(m.strip_prefix(ETCD_SCHEME).unwrap_or(m)) {
+                Ok(endpoints) => Metadata::Etcd(endpoints),
+                Err(e) => {
+                    tracing::warn!("transfer engine: metadata server {m:?}: {e}");
+                    return -1;
+                }
+            },
+        };
         if !matches!(protocol, "tcp" | "rdma" | "") {
             tracing::warn!("transfer engine: protocol {protocol:?} is not supported; use tcp");
             return -1;
@@ -180,6 +196,7 @@ impl NativeEngine {
             transfer_timeout: transfer_timeout(),
             // Peers on this host are copied with directly unless MOONCAKE_SHM=0.
             same_host: std::env::var("MOONCAKE_SHM").map_or(true, |v| v.trim() != "0"),
+            metadata,
             ..Default::default()
         };
         let sync_rt = match tokio::runtime::Builder::new_current_thread()
@@ -646,6 +663,7 @@ impl NativeEngine {
 impl Drop for NativeEngine {
     fn drop(&mut self) {
         if let Some(r) = self.running.take() {
+            r.rt.block_on(r.engine.withdraw());
             r.engine.stop();
             drop(r.sync);
             r.sync_rt.shutdown_timeout(Duration::from_secs(1));

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from mooncake_rs.engine import TransferEngine, TransferOpcode
+from test_ha import etcd  # noqa: F401  (the real-etcd fixture)
 
 
 def buf(n, seed=0):
@@ -149,8 +150,34 @@ def test_initialize_refuses_what_it_cannot_do():
     e = TransferEngine()
     assert e.get_rpc_port() == -1
     assert e.transfer_sync_write("127.0.0.1:1", 1, 1, 1) == -1, "before initialize"
-    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert e.initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
+    assert e.initialize("127.0.0.1", "etcd://not-an-endpoint", "tcp", "") == -1
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     assert e.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "p2p") == 0
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "twice"
     assert e.get_rpc_port() > 0
+
+
+def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
+    """With an etcd metadata server, engines are named by the local_hostname they started with
+    (etcd maps it to their session), as Mooncake's engine with etcd metadata."""
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1:7001", f"etcd://{etcd}", "tcp", "") == 0
+    assert b.initialize("127.0.0.1:7002", etcd, "tcp", "") == 0, "a bare HOST:PORT is etcd too"
+    src, src_p = buf(64 << 10, seed=4)
+    dst, dst_p = buf(64 << 10)
+    assert a.register_memory(src_p, len(src)) == 0 and b.register_memory(dst_p, len(dst)) == 0
+    assert a.transfer_sync_write("127.0.0.1:7002", src_p, dst_p, len(src)) == 0
+    assert dst.raw == src.raw
+    assert a.get_first_buffer_address("127.0.0.1:7002") == dst_p
+    assert a.transfer_sync_write("127.0.0.1:7999", src_p, dst_p, 16) == -1, "no engine by that name"
+    # A stopped engine's entry goes with it; a new engine under the same name is found.
+    del b
+    assert a.transfer_sync_write("127.0.0.1:7002", src_p, dst_p, 16) == -1
+    c = TransferEngine()
+    assert c.initialize("127.0.0.1:7002", f"etcd://{etcd}", "tcp", "") == 0
+    again, again_p = buf(64 << 10)
+    assert c.register_memory(again_p, len(again)) == 0
+    assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == 0
+    assert again.raw == src.raw
