@@ -8,6 +8,7 @@ use std::{
     time::Duration,
 };
 
+use mooncake_client::device::DeviceMemory;
 use parking_lot::Mutex;
 use tokio::{net::TcpListener, sync::watch};
 
@@ -38,6 +39,21 @@ pub struct EngineConfig {
     pub same_host: bool,
     /// How peers find each other.
     pub metadata: Metadata,
+    /// Devices (GPUs) whose memory `register` recognises: such a region's bytes move through
+    /// host staging with the device's own copies, never read as host memory.
+    pub devices: Devices,
+}
+
+/// The devices an engine recognises memory of.
+#[derive(Clone, Default)]
+pub struct Devices(pub Vec<Arc<dyn DeviceMemory>>);
+
+impl std::fmt::Debug for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|d| d.name()))
+            .finish()
+    }
 }
 
 /// How peers find each other.
@@ -61,6 +77,7 @@ impl Default for EngineConfig {
             transfer_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
             same_host: true,
             metadata: Metadata::P2pHandshake,
+            devices: Devices::default(),
         }
     }
 }
@@ -185,8 +202,12 @@ impl TransferEngine {
     }
 
     /// Offers `addr..addr + len` to peers' transfers (and to this engine's own as a buffer).
+    /// Memory of one of `config.devices` is recognised as such.
     pub fn register(&self, addr: u64, len: u64) -> Result<(), EngineError> {
-        self.regions.register(addr, len)
+        let device = (self.config.devices.0.iter())
+            .find(|d| d.owns(addr as usize, len as usize))
+            .cloned();
+        self.regions.register(addr, len, device)
     }
 
     /// Withdraws the region starting at `addr`; returns once no transfer uses it.
@@ -205,7 +226,7 @@ impl TransferEngine {
     pub fn allocate_managed(&self, len: u64) -> Result<u64, EngineError> {
         let addr = memory::allocate(len)
             .ok_or_else(|| EngineError::Invalid(format!("cannot allocate {len} bytes")))?;
-        if let Err(e) = self.regions.register(addr, len) {
+        if let Err(e) = self.regions.register(addr, len, None) {
             memory::free(addr, len);
             return Err(e);
         }
@@ -227,16 +248,31 @@ impl TransferEngine {
     /// Copies `data` into this process's registered memory at `addr`.
     pub fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), EngineError> {
         let usage = self.regions.lookup(addr, data.len() as u64)?;
-        usage
-            .bytes_mut(addr, data.len() as u64)
-            .copy_from_slice(data);
-        Ok(())
+        match usage.device() {
+            Some(d) => d
+                .copy_from_host(data, addr as usize)
+                .map_err(|e| EngineError::Invalid(e.to_string())),
+            None => {
+                usage
+                    .bytes_mut(addr, data.len() as u64)
+                    .copy_from_slice(data);
+                Ok(())
+            }
+        }
     }
 
     /// The `len` bytes of this process's registered memory at `addr`.
     pub fn read_local(&self, addr: u64, len: u64) -> Result<Vec<u8>, EngineError> {
         let usage = self.regions.lookup(addr, len)?;
-        Ok(usage.bytes(addr, len).to_vec())
+        match usage.device() {
+            Some(d) => {
+                let mut out = vec![0u8; len as usize];
+                d.copy_to_host(addr as usize, &mut out)
+                    .map_err(|e| EngineError::Invalid(e.to_string()))?;
+                Ok(out)
+            }
+            None => Ok(usage.bytes(addr, len).to_vec()),
+        }
     }
 
     /// The regions `target` registered.

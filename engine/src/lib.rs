@@ -23,7 +23,7 @@ mod requester;
 mod server;
 
 pub use engine::{
-    EngineConfig, EngineStats, Metadata, TransferEngine, TransferOp, TransferRequest,
+    Devices, EngineConfig, EngineStats, Metadata, TransferEngine, TransferOp, TransferRequest,
 };
 pub use error::EngineError;
 pub use requester::Requester;

@@ -7,7 +7,10 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use mooncake_common::wire::{self, Op, RequestHeader, ResponseHeader};
+use mooncake_common::{
+    wire::{self, Op, RequestHeader, ResponseHeader},
+    Code,
+};
 use parking_lot::Mutex;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -121,7 +124,7 @@ impl SameHost {
         op: Op,
         target: &str,
         payload: &[u8],
-    ) -> std::io::Result<Result<Vec<u8>, String>> {
+    ) -> std::io::Result<Result<Vec<u8>, (i32, String)>> {
         let h = RequestHeader {
             op,
             key_len: target.len() as u16,
@@ -150,7 +153,7 @@ impl SameHost {
         Ok(if r.status == 0 {
             Ok(body)
         } else {
-            Err(String::from_utf8_lossy(&body).into_owned())
+            Err((r.status, String::from_utf8_lossy(&body).into_owned()))
         })
     }
 
@@ -217,8 +220,20 @@ impl SameHost {
             .await
             .map_err(timed("the grant"))?
             .map_err(|e| Self::fail(target, e))?;
-        if let Err(refused) = granted {
-            return Err(EngineError::Invalid(format!("{target} refused: {refused}")));
+        match granted {
+            Ok(_) => {}
+            // Device memory on the target: over TCP, where the target stages it.
+            Err((status, _)) if status == Code::UnavailableInCurrentStatus.as_i32() => {
+                self.idle
+                    .lock()
+                    .entry(target.to_string())
+                    .or_default()
+                    .push(s);
+                return Ok(Outcome::NotLocal(uses));
+            }
+            Err((_, refused)) => {
+                return Err(EngineError::Invalid(format!("{target} refused: {refused}")))
+            }
         }
         let total: u64 = pairs.iter().map(|p| p.2).sum();
         let (copied, mut s, uses) = if total < INLINE_COPY {

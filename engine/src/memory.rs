@@ -14,9 +14,11 @@ use crate::regions::Use;
 const ALIGN: usize = 4096;
 
 impl Use {
-    /// The bytes at `addr..addr + len`, which `Regions::lookup` checked lie in this region.
+    /// The bytes at `addr..addr + len`, which `Regions::lookup` checked lie in this region of
+    /// host memory (a device's is never read as host memory: see `device`).
     pub fn bytes(&self, addr: u64, len: u64) -> &[u8] {
         assert!(self.covers(addr, len), "a use covers only its own range");
+        assert!(self.device().is_none(), "device memory is not host memory");
         // SAFETY: the range lies inside a region the application registered as valid memory,
         // and the region stays registered (its memory alive) while this `Use` exists.
         unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) }
@@ -26,6 +28,7 @@ impl Use {
     #[allow(clippy::mut_from_ref)]
     pub fn bytes_mut(&self, addr: u64, len: u64) -> &mut [u8] {
         assert!(self.covers(addr, len), "a use covers only its own range");
+        assert!(self.device().is_none(), "device memory is not host memory");
         // SAFETY: as in `bytes`; the application gave the region to transfers to write into,
         // and does not touch the bytes a transfer targets while it runs.
         unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, len as usize) }

@@ -11,6 +11,7 @@ use std::{
     time::Duration,
 };
 
+use mooncake_client::device::DeviceMemory;
 use parking_lot::RwLock;
 use tokio::sync::Notify;
 
@@ -19,6 +20,9 @@ use crate::EngineError;
 struct Region {
     addr: u64,
     len: u64,
+    /// The device whose memory this is (a GPU's): its bytes move only through the device's own
+    /// copies and host staging, never as host memory.
+    device: Option<Arc<dyn DeviceMemory>>,
     users: AtomicUsize,
     idle: Notify,
 }
@@ -33,6 +37,11 @@ pub struct Use {
 impl Use {
     pub fn covers(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr && addr + len <= self.addr + self.len
+    }
+
+    /// The device the range belongs to; None for host memory.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceMemory>> {
+        self.region.device.as_ref()
     }
 }
 
@@ -50,8 +59,14 @@ pub struct Regions {
 }
 
 impl Regions {
-    /// Registers `addr..addr + len`; refused when empty, wrapping, or overlapping another.
-    pub fn register(&self, addr: u64, len: u64) -> Result<(), EngineError> {
+    /// Registers `addr..addr + len` of host memory, or of `device`'s; refused when empty,
+    /// wrapping, or overlapping another.
+    pub fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        device: Option<Arc<dyn DeviceMemory>>,
+    ) -> Result<(), EngineError> {
         let end = addr
             .checked_add(len)
             .filter(|_| len > 0 && addr > 0)
@@ -66,6 +81,7 @@ impl Regions {
             Arc::new(Region {
                 addr,
                 len,
+                device,
                 users: AtomicUsize::new(0),
                 idle: Notify::new(),
             }),
@@ -149,8 +165,8 @@ mod tests {
     #[test]
     fn overlaps_and_ranges_outside_are_refused() {
         let r = Regions::default();
-        r.register(0x1000, 0x1000).unwrap();
-        r.register(0x3000, 0x1000).unwrap();
+        r.register(0x1000, 0x1000, None).unwrap();
+        r.register(0x3000, 0x1000, None).unwrap();
         for (a, l) in [
             (0x1800, 0x10),
             (0x0800, 0x1000),
@@ -158,15 +174,21 @@ mod tests {
             (0x1000, 0x3000),
         ] {
             assert!(
-                matches!(r.register(a, l), Err(EngineError::Overlapped { .. })),
+                matches!(r.register(a, l, None), Err(EngineError::Overlapped { .. })),
                 "{a:#x}+{l:#x}"
             );
         }
-        r.register(0x2000, 0x1000).unwrap(); // exactly between
-        assert!(matches!(r.register(0, 10), Err(EngineError::Invalid(_))));
-        assert!(matches!(r.register(5, 0), Err(EngineError::Invalid(_))));
+        r.register(0x2000, 0x1000, None).unwrap(); // exactly between
         assert!(matches!(
-            r.register(u64::MAX, 2),
+            r.register(0, 10, None),
+            Err(EngineError::Invalid(_))
+        ));
+        assert!(matches!(
+            r.register(5, 0, None),
+            Err(EngineError::Invalid(_))
+        ));
+        assert!(matches!(
+            r.register(u64::MAX, 2, None),
             Err(EngineError::Invalid(_))
         ));
         assert!(r.lookup(0x1000, 0x1000).is_ok());
@@ -182,7 +204,7 @@ mod tests {
     #[tokio::test]
     async fn unregister_waits_for_uses_and_refuses_new_ones() {
         let r = Arc::new(Regions::default());
-        r.register(0x1000, 0x1000).unwrap();
+        r.register(0x1000, 0x1000, None).unwrap();
         let held = r.lookup(0x1100, 0x10).unwrap();
         let r2 = r.clone();
         let waiter =
@@ -208,7 +230,7 @@ mod tests {
     #[tokio::test]
     async fn a_use_outlasting_patience_keeps_the_region_registered() {
         let r = Regions::default();
-        r.register(0x1000, 0x1000).unwrap();
+        r.register(0x1000, 0x1000, None).unwrap();
         let _held = r.lookup(0x1000, 1).unwrap();
         let e = r
             .unregister(0x1000, Duration::from_millis(20))

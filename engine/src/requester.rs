@@ -8,7 +8,10 @@ use std::sync::{
     Arc,
 };
 
-use mooncake_client::transport::tcp::{TcpConfig, TcpTransport};
+use mooncake_client::{
+    device::{DeviceError, DeviceMemory, Staging},
+    transport::tcp::{TcpConfig, TcpTransport},
+};
 use mooncake_common::{
     transport::{ReadItem, WriteItem},
     ObjectKey, SegmentName, Stamp,
@@ -131,6 +134,75 @@ impl Requester {
         r
     }
 
+    /// Host staging for the requests whose local memory is a device's: filled from the device
+    /// for a write, empty for a read (see `stage_in`). None for host memory.
+    async fn stage_out(
+        &self,
+        op: TransferOp,
+        batch: &[TransferRequest],
+        uses: &[Use],
+    ) -> Result<Vec<Option<Staging>>, EngineError> {
+        let mut out = Vec::with_capacity(batch.len());
+        let mut copies = Vec::new();
+        for (i, (r, u)) in batch.iter().zip(uses).enumerate() {
+            match u.device() {
+                None => out.push(None),
+                Some(d) => {
+                    let staging = d.staging(r.len as usize).map_err(device_err)?;
+                    if op == TransferOp::Write {
+                        copies.push((i, d.clone(), r.local as usize, staging));
+                        out.push(None);
+                    } else {
+                        out.push(Some(staging));
+                    }
+                }
+            }
+        }
+        if !copies.is_empty() {
+            let filled = tokio::task::spawn_blocking(move || {
+                copies
+                    .into_iter()
+                    .map(|(i, d, from, mut st)| {
+                        d.copy_to_host(from, st.bytes_mut()).map(|()| (i, st))
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await
+            .map_err(|e| EngineError::Invalid(format!("a device copy panicked: {e}")))?
+            .map_err(device_err)?;
+            for (i, st) in filled {
+                out[i] = Some(st);
+            }
+        }
+        Ok(out)
+    }
+
+    /// After a read: the staged bytes into the devices they belong to.
+    async fn stage_in(
+        &self,
+        batch: &[TransferRequest],
+        uses: &[Use],
+        stagings: Vec<Option<Staging>>,
+    ) -> Result<(), EngineError> {
+        let copies: Vec<(Arc<dyn DeviceMemory>, usize, Staging)> = batch
+            .iter()
+            .zip(uses)
+            .zip(stagings)
+            .filter_map(|((r, u), st)| Some((u.device()?.clone(), r.local as usize, st?)))
+            .collect();
+        if copies.is_empty() {
+            return Ok(());
+        }
+        tokio::task::spawn_blocking(move || {
+            copies
+                .into_iter()
+                .try_for_each(|(d, to, st)| d.copy_from_host(st.bytes(), to))
+        })
+        .await
+        .map_err(|e| EngineError::Invalid(format!("a device copy panicked: {e}")))?
+        .map_err(device_err)
+    }
+
     async fn transfer_to_session(
         &self,
         target: &str,
@@ -151,7 +223,11 @@ impl Requester {
         }
         let total: u64 = batch.iter().map(|r| r.len).sum();
         // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
-        if let Some(local) = self.same_host.as_ref().filter(|_| total >= SAME_HOST_MIN) {
+        // A device's memory cannot be copied process to process: staged over TCP instead.
+        let on_device = uses.iter().any(|u| u.device().is_some());
+        if let Some(local) =
+            (self.same_host.as_ref()).filter(|_| total >= SAME_HOST_MIN && !on_device)
+        {
             let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
             match local
                 .transfer(target, op == TransferOp::Read, pairs, uses)
@@ -170,12 +246,18 @@ impl Requester {
             soft_pin: false,
             hard_pin: false,
         };
+        // Device memory goes through host staging buffers, one per request that needs one.
+        let mut stagings = self.stage_out(op, batch, &uses).await?;
         let results = match op {
             TransferOp::Write => {
                 let parts: Vec<[&[u8]; 1]> = batch
                     .iter()
                     .zip(&uses)
-                    .map(|(r, u)| [u.bytes(r.local, r.len)])
+                    .zip(&stagings)
+                    .map(|((r, u), st)| match st {
+                        Some(st) => [st.bytes()],
+                        None => [u.bytes(r.local, r.len)],
+                    })
                     .collect();
                 let items: Vec<WriteItem<'_>> = batch
                     .iter()
@@ -193,7 +275,11 @@ impl Requester {
                 let mut parts: Vec<[&mut [u8]; 1]> = batch
                     .iter()
                     .zip(&uses)
-                    .map(|(r, u)| [u.bytes_mut(r.local, r.len)])
+                    .zip(stagings.iter_mut())
+                    .map(|((r, u), st)| match st {
+                        Some(st) => [st.bytes_mut()],
+                        None => [u.bytes_mut(r.local, r.len)],
+                    })
                     .collect();
                 let mut items: Vec<ReadItem<'_, '_>> = batch
                     .iter()
@@ -208,9 +294,9 @@ impl Requester {
                 self.transport.peer_read_batch(&segment, &mut items).await
             }
         };
-        drop(uses);
         self.counters.tcp.fetch_add(1, Ordering::Relaxed);
         match results.into_iter().find_map(Result::err) {
+            None if op == TransferOp::Read => self.stage_in(batch, &uses, stagings).await,
             None => Ok(()),
             Some(source) => Err(EngineError::Transfer {
                 target: target.to_string(),
@@ -218,6 +304,10 @@ impl Requester {
             }),
         }
     }
+}
+
+fn device_err(e: DeviceError) -> EngineError {
+    EngineError::Invalid(format!("device copy: {e}"))
 }
 
 /// A peer's session name as the transport's target and the key its requests carry.

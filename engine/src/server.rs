@@ -6,6 +6,7 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use mooncake_client::device::DeviceMemory;
 use mooncake_common::{
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code,
@@ -58,6 +59,25 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
 }
 
 const READ_BUF: usize = 64 << 10;
+/// The refusal of a same-host grant that touches device memory (the caller then uses TCP).
+pub const DEVICE_MEMORY: &str = "device memory: copy it over TCP, staged";
+
+/// Runs a device copy (which may block) on a blocking thread.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> std::io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| std::io::Error::other(format!("a device copy panicked: {e}")))
+}
+
+/// A host buffer of `len` bytes to stage a device's bytes through.
+fn staging(
+    device: &dyn DeviceMemory,
+    len: u64,
+) -> std::io::Result<mooncake_client::device::Staging> {
+    device
+        .staging(len as usize)
+        .map_err(|e| std::io::Error::other(e.to_string()))
+}
 /// The most ranges one same-host grant may list (16 bytes each).
 const MAX_GRANT: u64 = 16 << 16;
 
@@ -120,7 +140,8 @@ impl Connection {
         let h = match RequestHeader::decode(&hb) {
             Ok(h) => h,
             Err(e) => {
-                self.refuse(Op::Ping, 0, &e.to_string()).await?;
+                self.refuse(Op::Ping, 0, &e.to_string(), Code::InvalidParams)
+                    .await?;
                 return Ok(false);
             }
         };
@@ -138,21 +159,54 @@ impl Connection {
         match h.op {
             Op::Ping => self.ok(&h, 0).await?,
             Op::PeerWrite => match self.served.regions.lookup(h.offset, h.length) {
-                Ok(usage) => {
-                    self.reader
-                        .read_exact(usage.bytes_mut(h.offset, h.length))
-                        .await?;
-                    self.ok(&h, 0).await?;
-                }
+                Ok(usage) => match usage.device().cloned() {
+                    None => {
+                        self.reader
+                            .read_exact(usage.bytes_mut(h.offset, h.length))
+                            .await?;
+                        self.ok(&h, 0).await?;
+                    }
+                    Some(device) => {
+                        // Device memory: through a host staging buffer and the device's copy.
+                        let mut staging = staging(&*device, h.length)?;
+                        self.reader.read_exact(staging.bytes_mut()).await?;
+                        let to = h.offset as usize;
+                        let copied =
+                            blocking(move || device.copy_from_host(staging.bytes(), to)).await?;
+                        if let Err(e) = copied {
+                            return self.refuse_frame(&h, false, &e.to_string()).await;
+                        }
+                        self.ok(&h, 0).await?;
+                    }
+                },
                 Err(e) => return self.refuse_frame(&h, true, &e.to_string()).await,
             },
             Op::PeerRead => match self.served.regions.lookup(h.offset, h.length) {
-                Ok(usage) => {
-                    self.ok(&h, h.length).await?;
-                    self.writer
-                        .write_all(usage.bytes(h.offset, h.length))
+                Ok(usage) => match usage.device().cloned() {
+                    None => {
+                        self.ok(&h, h.length).await?;
+                        self.writer
+                            .write_all(usage.bytes(h.offset, h.length))
+                            .await?;
+                    }
+                    Some(device) => {
+                        let mut staging = staging(&*device, h.length)?;
+                        let from = h.offset as usize;
+                        let copied = blocking(move || {
+                            device
+                                .copy_to_host(from, staging.bytes_mut())
+                                .map(|()| staging)
+                        })
                         .await?;
-                }
+                        match copied {
+                            Ok(staging) => {
+                                self.ok(&h, h.length).await?;
+                                self.writer.write_all(staging.bytes()).await?;
+                            }
+                            Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
+                        }
+                    }
+                },
                 Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
             },
             Op::PeerRegions => {
@@ -187,6 +241,13 @@ impl Connection {
                     })
                     .collect();
                 match uses {
+                    Ok(uses) if uses.iter().any(|u| u.device().is_some()) => {
+                        // A device's memory cannot be copied process to process: the caller
+                        // goes over TCP, where this side stages it.
+                        let code = Code::UnavailableInCurrentStatus;
+                        self.refuse(Op::PeerGrant, h.request_id, DEVICE_MEMORY, code)
+                            .await?;
+                    }
                     Ok(uses) => {
                         self.held = uses;
                         self.ok(&h, 0).await?;
@@ -234,15 +295,22 @@ impl Connection {
                 left -= n as u64;
             }
         }
-        self.refuse(h.op, h.request_id, msg).await?;
+        self.refuse(h.op, h.request_id, msg, Code::InvalidParams)
+            .await?;
         Ok(true)
     }
 
-    async fn refuse(&mut self, op: Op, request_id: u64, msg: &str) -> std::io::Result<()> {
+    async fn refuse(
+        &mut self,
+        op: Op,
+        request_id: u64,
+        msg: &str,
+        code: Code,
+    ) -> std::io::Result<()> {
         let msg = &msg.as_bytes()[..msg.len().min(wire::MAX_ERROR_MESSAGE as usize)];
         let r = ResponseHeader {
             op,
-            status: Code::InvalidParams.as_i32(),
+            status: code.as_i32(),
             request_id,
             length: msg.len() as u64,
         };

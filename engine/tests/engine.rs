@@ -332,3 +332,106 @@ async fn managed_buffers_are_registered_and_local_bytes_stay_inside_regions() {
         "freed memory is not readable"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_memory_is_staged_never_read_as_host_memory() {
+    use mooncake_client::device::{host_backed::HostBackedDevice, DeviceMemory};
+    use mooncake_engine::Devices;
+    use std::sync::Arc;
+
+    // Device-like memory whose addresses fault if dereferenced: only its copies move bytes.
+    let (dev_a, dev_b) = (
+        Arc::new(HostBackedDevice::new()),
+        Arc::new(HostBackedDevice::new()),
+    );
+    let start = |dev: Arc<HostBackedDevice>| {
+        TransferEngine::start(EngineConfig {
+            local_hostname: "127.0.0.1".into(),
+            transfer_timeout: Duration::from_secs(10),
+            same_host: true, // a device's memory must still go over TCP, staged
+            devices: Devices(vec![dev as Arc<dyn DeviceMemory>]),
+            ..Default::default()
+        })
+    };
+    let a = start(dev_a.clone()).await.unwrap();
+    let b = start(dev_b.clone()).await.unwrap();
+    let len = 1usize << 20;
+    let src = pattern(len, 11);
+    let da = dev_a.alloc(len);
+    let db = dev_b.alloc(len);
+    dev_a.copy_from_host(&src, da).unwrap();
+    let host_b = vec![0u8; len];
+    let host_a = pattern(len, 12);
+    a.register(da as u64, len as u64).unwrap();
+    a.register(addr(&host_a), len as u64).unwrap();
+    b.register(db as u64, len as u64).unwrap();
+    b.register(addr(&host_b), len as u64).unwrap();
+    let one = |local: u64, remote: u64| {
+        [TransferRequest {
+            local,
+            remote,
+            len: len as u64,
+        }]
+    };
+    // Device -> host: staged on the caller.
+    a.transfer(
+        b.session_name(),
+        TransferOp::Write,
+        &one(da as u64, addr(&host_b)),
+    )
+    .await
+    .unwrap();
+    assert!(host_b == src);
+    // Host -> device: staged on the target.
+    a.transfer(
+        b.session_name(),
+        TransferOp::Write,
+        &one(addr(&host_a), db as u64),
+    )
+    .await
+    .unwrap();
+    let mut got = vec![0u8; len];
+    dev_b.copy_to_host(db, &mut got).unwrap();
+    assert!(got == host_a);
+    // Device -> device, by reading: staged on both sides.
+    a.transfer(
+        b.session_name(),
+        TransferOp::Read,
+        &one(da as u64, db as u64),
+    )
+    .await
+    .unwrap();
+    dev_a.copy_to_host(da, &mut got).unwrap();
+    assert!(got == host_a);
+    let stats = a.stats();
+    assert_eq!(
+        (stats.same_host_batches, stats.tcp_batches),
+        (0, 3),
+        "{stats:?}"
+    );
+    assert!(!dev_a.take_staging_sizes().is_empty() && !dev_b.take_staging_sizes().is_empty());
+    // Host memory on both sides still takes the same-host path; a device target refuses it
+    // and the transfer goes over TCP, staged there.
+    a.transfer(
+        b.session_name(),
+        TransferOp::Write,
+        &one(addr(&host_a), addr(&host_b)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(a.stats().same_host_batches, 1);
+    let src2 = pattern(len, 13);
+    a.write_local(addr(&host_a), &src2).unwrap();
+    a.transfer(
+        b.session_name(),
+        TransferOp::Write,
+        &one(addr(&host_a), db as u64),
+    )
+    .await
+    .unwrap();
+    dev_b.copy_to_host(db, &mut got).unwrap();
+    assert!(got == src2);
+    // Local reads and writes of device memory go through the device too.
+    a.write_local(da as u64 + 5, b"gpu").unwrap();
+    assert_eq!(a.read_local(da as u64 + 5, 3).unwrap(), b"gpu");
+}

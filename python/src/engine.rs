@@ -5,9 +5,11 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
+use mooncake_client::device::DeviceMemory;
 use mooncake_common::leader::{parse_endpoints, ETCD_SCHEME};
 use mooncake_engine::{
-    EngineConfig, EngineError, Metadata, Requester, TransferEngine, TransferOp, TransferRequest,
+    Devices, EngineConfig, EngineError, Metadata, Requester, TransferEngine, TransferOp,
+    TransferRequest,
 };
 use parking_lot::Mutex;
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyBytes};
@@ -35,6 +37,8 @@ struct Running {
 #[pyclass(name = "TransferEngine", module = "mooncake_rs._native", subclass)]
 pub struct NativeEngine {
     running: Option<Running>,
+    /// Devices attached for tests (`_attach_host_backed_device`), besides the machine's GPUs.
+    extra_devices: Vec<Arc<dyn DeviceMemory>>,
     batches: Mutex<HashMap<u64, JoinHandle<Result<(), EngineError>>>>,
     next_batch: Mutex<u64>,
 }
@@ -129,6 +133,7 @@ impl NativeEngine {
     fn new() -> Self {
         NativeEngine {
             running: None,
+            extra_devices: Vec::new(),
             batches: Mutex::new(HashMap::new()),
             next_batch: Mutex::new(0),
         }
@@ -197,6 +202,13 @@ impl NativeEngine {
             // Peers on this host are copied with directly unless MOONCAKE_SHM=0.
             same_host: std::env::var("MOONCAKE_SHM").map_or(true, |v| v.trim() != "0"),
             metadata,
+            // GPU memory registered is recognised and staged through host memory.
+            devices: Devices(
+                crate::gpu::detect()
+                    .into_iter()
+                    .chain(self.extra_devices.iter().cloned())
+                    .collect(),
+            ),
             ..Default::default()
         };
         let sync_rt = match tokio::runtime::Builder::new_current_thread()
@@ -652,6 +664,17 @@ impl NativeEngine {
             .map(|r| r.engine.stats())
             .unwrap_or_default();
         HashMap::from([("same_host", s.same_host_batches), ("tcp", s.tcp_batches)])
+    }
+
+    /// Attaches device-like memory on the host (tests of the GPU path where no GPU exists; its
+    /// addresses fault if read directly). Before `initialize`.
+    fn _attach_host_backed_device(&mut self) -> PyResult<crate::gpu::HostBackedDevice> {
+        if self.running.is_some() {
+            return Err(PyValueError::new_err("attach devices before initialize()"));
+        }
+        let device = Arc::new(mooncake_client::device::host_backed::HostBackedDevice::new());
+        self.extra_devices.push(device.clone());
+        Ok(crate::gpu::HostBackedDevice { device })
     }
 
     /// Notifications are not supported: always empty.

@@ -181,3 +181,27 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
     assert c.register_memory(again_p, len(again)) == 0
     assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == 0
     assert again.raw == src.raw
+
+
+def test_device_memory_is_staged_never_read_as_host_memory(monkeypatch):
+    """GPU memory follows the store's handling: recognised at registration, moved through host
+    staging with the device's own copies (a host-backed device here, whose addresses fault if
+    read directly), and never sent process to process."""
+    monkeypatch.setenv("MOONCAKE_SHM", "1")
+    a, b = TransferEngine(), TransferEngine()
+    dev_a, dev_b = a._attach_host_backed_device(), b._attach_host_backed_device()
+    for e in (a, b):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    n = 512 << 10
+    da, db = dev_a.alloc(n), dev_b.alloc(n)
+    data = bytes((i * 7) % 256 for i in range(n))
+    dev_a.write(da, data)
+    assert a.register_memory(da, n) == 0 and b.register_memory(db, n) == 0
+    assert a.transfer_sync_write(session(b), da, db, n) == 0
+    assert dev_b.read(db, n) == data
+    host, host_p = buf(n)
+    assert a.register_memory(host_p, n) == 0
+    assert a.transfer_sync_read(session(b), host_p, db, n) == 0
+    assert host.raw == data
+    assert a.get_stats() == {"same_host": 0, "tcp": 2}
+    assert b.write_bytes_to_buffer(db, b"kv", 2) == 0 and b.read_bytes_from_buffer(db, 2) == b"kv"
