@@ -21,6 +21,7 @@ mod memory;
 mod regions;
 mod requester;
 mod server;
+mod small;
 
 pub use engine::{
     Devices, EngineConfig, EngineStats, Metadata, TransferEngine, TransferOp, TransferRequest,

@@ -21,6 +21,7 @@ use crate::{
     directory::Directory,
     local::{Outcome, SameHost},
     regions::{Regions, Use},
+    small::{self, Dir, Small},
     EngineConfig, EngineError, TransferOp, TransferRequest,
 };
 
@@ -57,6 +58,9 @@ pub struct Requester {
     directory: Option<Arc<Directory>>,
     transport: TcpTransport,
     same_host: Option<SameHost>,
+    /// Single small transfers on blocking sockets; only for a dedicated runtime's calls, whose
+    /// thread waits for them anyway.
+    small: Option<Small>,
     counters: Arc<Counters>,
 }
 
@@ -81,6 +85,7 @@ impl Requester {
             same_host: config
                 .same_host
                 .then(|| SameHost::new(config.transfer_timeout)),
+            small: dedicated_runtime.then(|| Small::new(config.transfer_timeout)),
             counters,
         }
     }
@@ -225,6 +230,17 @@ impl Requester {
         // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
         // A device's memory cannot be copied process to process: staged over TCP instead.
         let on_device = uses.iter().any(|u| u.device().is_some());
+        if let (Some(small), [r], [u]) = (&self.small, batch, uses.as_slice()) {
+            if r.len <= small::MAX && !on_device {
+                let dir = match op {
+                    TransferOp::Write => Dir::Write(u.bytes(r.local, r.len)),
+                    TransferOp::Read => Dir::Read(u.bytes_mut(r.local, r.len)),
+                };
+                small.transfer(target, r.remote, dir)?;
+                self.counters.tcp.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
         if let Some(local) =
             (self.same_host.as_ref()).filter(|_| total >= SAME_HOST_MIN && !on_device)
         {

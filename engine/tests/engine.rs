@@ -435,3 +435,72 @@ async fn device_memory_is_staged_never_read_as_host_memory() {
     a.write_local(da as u64 + 5, b"gpu").unwrap();
     assert_eq!(a.read_local(da as u64 + 5, 3).unwrap(), b"gpu");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_callers_small_transfers_take_blocking_sockets_with_the_same_checks() {
+    let deadline = Duration::from_millis(500);
+    let a = engine(deadline).await;
+    let b = engine(deadline).await;
+    // A requester for a caller that waits for its calls (as the binding's synchronous ones).
+    let sync = a.requester(true);
+    let src = pattern(64 << 10, 21);
+    let dst = vec![0u8; 64 << 10];
+    let back = vec![0u8; 64 << 10];
+    a.register(addr(&src), src.len() as u64).unwrap();
+    a.register(addr(&back), back.len() as u64).unwrap();
+    b.register(addr(&dst), dst.len() as u64).unwrap();
+    for len in [1u64, 4096, 64 << 10] {
+        let w = [TransferRequest {
+            local: addr(&src),
+            remote: addr(&dst),
+            len,
+        }];
+        sync.transfer(b.session_name(), TransferOp::Write, &w)
+            .await
+            .unwrap();
+        assert_eq!(&dst[..len as usize], &src[..len as usize]);
+        let r = [TransferRequest {
+            local: addr(&back),
+            ..w[0]
+        }];
+        sync.transfer(b.session_name(), TransferOp::Read, &r)
+            .await
+            .unwrap();
+        assert_eq!(&back[..len as usize], &src[..len as usize]);
+    }
+    // Refused by the target, and the connection stays usable.
+    let outside = [TransferRequest {
+        local: addr(&src),
+        remote: addr(&dst) + (64 << 10) - 8,
+        len: 16,
+    }];
+    let e = sync
+        .transfer(b.session_name(), TransferOp::Write, &outside)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("not inside a registered region"),
+        "{e}"
+    );
+    let ok = [TransferRequest {
+        local: addr(&src),
+        remote: addr(&dst),
+        len: 8,
+    }];
+    sync.transfer(b.session_name(), TransferOp::Write, &ok)
+        .await
+        .unwrap();
+    // A silent peer: an error within the deadline, not a wait.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let name = format!("127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let t = Instant::now();
+    assert!(sync.transfer(&name, TransferOp::Read, &ok).await.is_err());
+    assert!(t.elapsed() < deadline * 3, "{:?}", t.elapsed());
+    // A dead one: at once.
+    let name = b.session_name().to_string();
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = Instant::now();
+    assert!(sync.transfer(&name, TransferOp::Write, &ok).await.is_err());
+    assert!(t.elapsed() < deadline * 3, "{:?}", t.elapsed());
+}
