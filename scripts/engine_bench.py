@@ -7,7 +7,7 @@
 A target process (this script with --role target) registers a buffer and waits; initiator
 processes write and read batches into it. Workloads: batch sync write and read of 64 x 128 KiB
 and of 16 x 4 MiB, single 4 KiB write latency, and two initiators at once (16 x 4 MiB writes).
-Every byte is checked after each workload: the target region is read back and compared with
+Each measurement follows an unreported warm-up. Every byte is checked after each workload: the target region is read back and compared with
 what was written. Prints one JSON line per workload (GiB/s medians over reps, latency p50/p99 in
 microseconds). scripts/engine_compare runs both implementations interleaved.
 """
@@ -66,13 +66,14 @@ def run_batches(e, peer, local, remote, count, size, op, reps):
     dsts = [remote + i * size for i in range(count)]
     call = e.batch_transfer_sync_write if op == "write" else e.batch_transfer_sync_read
     rates = []
-    for _ in range(reps):
+    for rep in range(reps + 1):
         t = time.perf_counter()
         rc = call(peer, srcs, dsts, [size] * count)
         dt = time.perf_counter() - t
         if rc != 0:
             sys.exit(f"batch {op} failed: {rc}")
-        rates.append(count * size / dt / (1 << 30))
+        if rep > 0:  # the first is a warm-up (connections, first touch of pages)
+            rates.append(count * size / dt / (1 << 30))
     return statistics.median(rates)
 
 
@@ -111,11 +112,12 @@ def initiator(args):
                         "wrong_bytes": wrong})
     if not args.only_conc:
         lat = []
-        for i in range(args.small_ops):
+        for i in range(args.small_ops + 100):
             t = time.perf_counter()
             if e.transfer_sync_write(peer, src + (i % 64) * 4096, remote + (i % 64) * 4096, 4096) != 0:
                 sys.exit("4 KiB write failed")
-            lat.append((time.perf_counter() - t) * 1e6)
+            if i >= 100:  # after a warm-up
+                lat.append((time.perf_counter() - t) * 1e6)
         lat.sort()
         wrong = check(e, peer, src_buf, back, remote, 64 * 4096)
         out.append({"workload": "single 4 KiB write", "p50_us": round(lat[len(lat) // 2], 1),

@@ -4,7 +4,7 @@
 //! that reached another process is refused) and the range must lie inside one registered region,
 //! held for the request's duration. Refusals keep the stream usable and are logged with the peer.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{io::IoSlice, net::SocketAddr, sync::Arc, time::Duration};
 
 use mooncake_client::device::DeviceMemory;
 use mooncake_common::{
@@ -59,6 +59,8 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
 }
 
 const READ_BUF: usize = 64 << 10;
+/// Answers shorter than this are copied into the reply buffer (coalesced with others).
+const SMALL_ANSWER: usize = 8 << 10;
 /// The refusal of a same-host grant that touches device memory (the caller then uses TCP).
 pub const DEVICE_MEMORY: &str = "device memory: copy it over TCP, staged";
 
@@ -183,12 +185,7 @@ impl Connection {
             },
             Op::PeerRead => match self.served.regions.lookup(h.offset, h.length) {
                 Ok(usage) => match usage.device().cloned() {
-                    None => {
-                        self.ok(&h, h.length).await?;
-                        self.writer
-                            .write_all(usage.bytes(h.offset, h.length))
-                            .await?;
-                    }
+                    None => self.answer(&h, usage.bytes(h.offset, h.length)).await?,
                     Some(device) => {
                         let mut staging = staging(&*device, h.length)?;
                         let from = h.offset as usize;
@@ -199,10 +196,7 @@ impl Connection {
                         })
                         .await?;
                         match copied {
-                            Ok(staging) => {
-                                self.ok(&h, h.length).await?;
-                                self.writer.write_all(staging.bytes()).await?;
-                            }
+                            Ok(staging) => self.answer(&h, staging.bytes()).await?,
                             Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
                         }
                     }
@@ -265,6 +259,33 @@ impl Connection {
             }
         }
         Ok(true)
+    }
+
+    /// A read's answer: its header and `payload`. A large payload goes out in one vectored
+    /// write with its header (not the header alone, then the payload: a 24-byte segment per
+    /// answer costs both sides a wake-up).
+    async fn answer(&mut self, h: &RequestHeader, payload: &[u8]) -> std::io::Result<()> {
+        let header = ResponseHeader {
+            op: h.op,
+            status: 0,
+            request_id: h.request_id,
+            length: payload.len() as u64,
+        }
+        .encode();
+        if payload.len() < SMALL_ANSWER {
+            self.writer.write_all(&header).await?;
+            return self.writer.write_all(payload).await;
+        }
+        let mut bufs = [IoSlice::new(&header), IoSlice::new(payload)];
+        let mut slices: &mut [IoSlice<'_>] = &mut bufs;
+        while !slices.is_empty() {
+            let n = self.writer.write_vectored(slices).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        Ok(())
     }
 
     async fn ok(&mut self, h: &RequestHeader, length: u64) -> std::io::Result<()> {
