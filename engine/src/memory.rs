@@ -61,20 +61,12 @@ pub fn copy_with_process(pid: i32, read: bool, pairs: &[(u64, u64, u64)]) -> std
     // At most this many iovecs per call (IOV_MAX is 1024).
     const BATCH: usize = 512;
     for chunk in pairs.chunks(BATCH) {
-        let mut local: Vec<libc::iovec> = chunk
-            .iter()
-            .map(|&(l, _, n)| libc::iovec {
-                iov_base: l as usize as *mut libc::c_void,
-                iov_len: n as usize,
-            })
-            .collect();
-        let mut remote: Vec<libc::iovec> = chunk
-            .iter()
-            .map(|&(_, r, n)| libc::iovec {
-                iov_base: r as usize as *mut libc::c_void,
-                iov_len: n as usize,
-            })
-            .collect();
+        let iov = |addr: u64, n: u64| libc::iovec {
+            iov_base: addr as usize as *mut libc::c_void,
+            iov_len: n as usize,
+        };
+        let mut local: Vec<libc::iovec> = chunk.iter().map(|&(l, _, n)| iov(l, n)).collect();
+        let mut remote: Vec<libc::iovec> = chunk.iter().map(|&(_, r, n)| iov(r, n)).collect();
         let mut left: usize = chunk.iter().map(|p| p.2 as usize).sum();
         let (mut li, mut ri) = (0usize, 0usize);
         while left > 0 {

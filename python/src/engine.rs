@@ -15,6 +15,15 @@ use parking_lot::Mutex;
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyBytes};
 use tokio::{runtime::Runtime, task::JoinHandle};
 
+/// A batch of one transfer.
+fn single(buffer: u64, peer_buffer_address: u64, length: u64) -> Vec<TransferRequest> {
+    vec![TransferRequest {
+        local: buffer,
+        remote: peer_buffer_address,
+        len: length,
+    }]
+}
+
 /// Mooncake's `TransferOpcode`: Read = 0, Write = 1.
 fn opcode(op: i64) -> Option<TransferOp> {
     match op {
@@ -332,11 +341,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let one = vec![TransferRequest {
-            local: buffer,
-            remote: peer_buffer_address,
-            len: length,
-        }];
+        let one = single(buffer, peer_buffer_address, length);
         self.sync(py, target_hostname, TransferOp::Write, one)
     }
 
@@ -351,11 +356,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let one = vec![TransferRequest {
-            local: buffer,
-            remote: peer_buffer_address,
-            len: length,
-        }];
+        let one = single(buffer, peer_buffer_address, length);
         self.sync(py, target_hostname, TransferOp::Read, one)
     }
 
@@ -378,11 +379,7 @@ impl NativeEngine {
             tracing::warn!("transfer engine: opcode {opcode} (or a notify) is not supported");
             return -1;
         };
-        let one = vec![TransferRequest {
-            local: buffer,
-            remote: peer_buffer_address,
-            len: length,
-        }];
+        let one = single(buffer, peer_buffer_address, length);
         self.sync(py, target_hostname, op, one)
     }
 
@@ -546,11 +543,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let one = vec![TransferRequest {
-            local: buffer,
-            remote: peer_buffer_address,
-            len: length,
-        }];
+        let one = single(buffer, peer_buffer_address, length);
         self.submit(target_hostname, TransferOp::Write, one)
     }
 
