@@ -504,3 +504,52 @@ async fn a_waiting_callers_small_transfers_take_blocking_sockets_with_the_same_c
     assert!(sync.transfer(&name, TransferOp::Write, &ok).await.is_err());
     assert!(t.elapsed() < deadline * 3, "{:?}", t.elapsed());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_grant_never_released_lapses_after_the_deadline() {
+    use mooncake_common::wire::{Op, RequestHeader, RESPONSE_HEADER_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let deadline = Duration::from_millis(300);
+    let b = engine(deadline).await;
+    let region = vec![0u8; 4096];
+    b.register(addr(&region), 4096).unwrap();
+    // A peer that asks for the range and then neither copies nor releases.
+    let mut s = tokio::net::TcpStream::connect(b.session_name())
+        .await
+        .unwrap();
+    let name = b.session_name().as_bytes();
+    let mut frame = RequestHeader {
+        op: Op::PeerGrant,
+        key_len: name.len() as u16,
+        flags: 0,
+        request_id: 1,
+        offset: 0,
+        length: 16,
+        grant: 0,
+    }
+    .encode()
+    .to_vec();
+    frame.extend_from_slice(name);
+    frame.extend_from_slice(&addr(&region).to_le_bytes());
+    frame.extend_from_slice(&4096u64.to_le_bytes());
+    s.write_all(&frame).await.unwrap();
+    let mut answer = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut answer).await.unwrap();
+    assert_eq!(
+        i32::from_le_bytes(answer[4..8].try_into().unwrap()),
+        0,
+        "granted"
+    );
+    // Unregistering waits for the grant, which lapses after the deadline (well within the
+    // two deadlines unregister waits at most).
+    let t = Instant::now();
+    b.unregister(addr(&region)).await.unwrap();
+    assert!(
+        t.elapsed() >= deadline / 2,
+        "the grant held the region: {:?}",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < deadline * 2, "{:?}", t.elapsed());
+    drop(s);
+}
