@@ -5,7 +5,14 @@
 //! is its session name. Lookups are cached; a failed transfer forgets the peer's entry, so a
 //! restarted peer (new port) is found again.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use etcd_client::{Client, ConnectOptions, PutOptions};
 use parking_lot::Mutex;
@@ -21,13 +28,63 @@ fn key(name: &str) -> String {
 /// How long a dead engine's entry outlives it.
 const LEASE_TTL: i64 = 10;
 
+/// Keeps the entry alive until `stopped`: a keepalive every third of the TTL; when a keepalive
+/// fails or etcd says the lease is gone (a partition, a lost leader), a new keepalive stream, and
+/// if that does not help a new lease with the entry put again.
+async fn keep_published(
+    mut client: Client,
+    key: String,
+    session: String,
+    lease: Arc<AtomicI64>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let period = Duration::from_secs(LEASE_TTL as u64 / 3);
+    let mut stream = None;
+    loop {
+        let id = lease.load(Ordering::Relaxed);
+        let alive = async {
+            if stream.is_none() {
+                stream = Some(client.lease_keep_alive(id).await.ok()?);
+            }
+            let (keeper, acks) = stream.as_mut()?;
+            keeper.keep_alive().await.ok()?;
+            let ack = tokio::time::timeout(period, acks.message())
+                .await
+                .ok()?
+                .ok()??;
+            (ack.ttl() > 0).then_some(())
+        };
+        if alive.await.is_none() {
+            stream = None;
+            tracing::warn!(%key, "transfer engine: its etcd lease lapsed or etcd did not answer; publishing again");
+            let again = async {
+                let id = client.lease_grant(LEASE_TTL, None).await.ok()?.id();
+                let opts = PutOptions::new().with_lease(id);
+                client
+                    .put(key.as_str(), session.as_str(), Some(opts))
+                    .await
+                    .ok()?;
+                Some(id)
+            };
+            if let Ok(Some(id)) = tokio::time::timeout(period, again).await {
+                lease.store(id, Ordering::Relaxed);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stopped.changed() => return,
+        }
+    }
+}
+
 pub struct Directory {
     client: tokio::sync::Mutex<Client>,
     endpoints: Vec<String>,
     timeout: Duration,
     cache: Mutex<HashMap<String, String>>,
     keeper: JoinHandle<()>,
-    lease: i64,
+    /// The lease the entry lives under now (a new one after etcd lost the old).
+    lease: Arc<AtomicI64>,
     stop: watch::Sender<bool>,
 }
 
@@ -64,23 +121,15 @@ impl Directory {
             )
             .await
             .map_err(|e| etcd_err("publish", e))?;
-        let (stop, mut stopped) = watch::channel(false);
-        let mut keep = client.clone();
-        let keeper = tokio::spawn(async move {
-            let Ok((mut keeper, mut acks)) = keep.lease_keep_alive(lease).await else {
-                tracing::warn!("transfer engine: cannot keep its etcd entry alive");
-                return;
-            };
-            loop {
-                if keeper.keep_alive().await.is_err() || acks.message().await.is_err() {
-                    tracing::warn!("transfer engine: etcd keepalive failed; retrying");
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(LEASE_TTL as u64 / 3)) => {}
-                    _ = stopped.changed() => return,
-                }
-            }
-        });
+        let (stop, stopped) = watch::channel(false);
+        let current = Arc::new(AtomicI64::new(lease));
+        let keeper = tokio::spawn(keep_published(
+            client.clone(),
+            key(name),
+            session.to_string(),
+            current.clone(),
+            stopped,
+        ));
         tracing::info!(%name, %session, "transfer engine published in etcd");
         Ok(Directory {
             client: tokio::sync::Mutex::new(client),
@@ -88,7 +137,7 @@ impl Directory {
             timeout,
             cache: Mutex::new(HashMap::new()),
             keeper,
-            lease,
+            lease: current,
             stop,
         })
     }
@@ -131,7 +180,9 @@ impl Directory {
         let _ = self.stop.send(true);
         let revoke = async {
             let mut client = self.client.lock().await;
-            client.lease_revoke(self.lease).await
+            client
+                .lease_revoke(self.lease.load(Ordering::Relaxed))
+                .await
         };
         let _ = tokio::time::timeout(self.timeout, revoke).await;
     }

@@ -204,9 +204,21 @@ impl TransferEngine {
     /// Offers `addr..addr + len` to peers' transfers (and to this engine's own as a buffer).
     /// Memory of one of `config.devices` is recognised as such.
     pub fn register(&self, addr: u64, len: u64) -> Result<(), EngineError> {
+        let (start, n) = (addr as usize, len as usize);
         let device = (self.config.devices.0.iter())
-            .find(|d| d.owns(addr as usize, len as usize))
+            .find(|d| d.owns(start, n))
             .cloned();
+        // A range a device claims only part of (past the end of one allocation, say) would be
+        // taken for host memory and read as such: refused instead.
+        let partly = |d: &Arc<dyn DeviceMemory>| {
+            d.owns(start, 1) || d.owns(start.saturating_add(n.saturating_sub(1)), 1)
+        };
+        if device.is_none() && self.config.devices.0.iter().any(partly) {
+            return Err(EngineError::Invalid(format!(
+                "region {addr:#x} of {len} bytes is partly device memory: register each device \
+                 allocation on its own"
+            )));
+        }
         self.regions.register(addr, len, device)
     }
 

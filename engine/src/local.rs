@@ -262,7 +262,11 @@ impl SameHost {
                 self.peers.lock().insert(target.to_string(), Kind::Remote);
                 Ok(Outcome::NotLocal(uses))
             }
-            Err(e) => Err(Self::fail(target, e)),
+            Err(e) => {
+                // The process may have gone (a new one may hold its port): ask again next time.
+                self.peers.lock().remove(target);
+                Err(Self::fail(target, e))
+            }
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -25,6 +25,24 @@ struct Region {
     device: Option<Arc<dyn DeviceMemory>>,
     users: AtomicUsize,
     idle: Notify,
+    /// Being unregistered: new uses are refused, the range still counts as taken.
+    withdrawing: AtomicBool,
+}
+
+/// An unregister under way: if it ends without removing the region (it gave up, or its caller
+/// stopped waiting), the region takes new uses again.
+struct Withdrawal<'a> {
+    region: &'a Region,
+    owner: bool,
+    done: bool,
+}
+
+impl Drop for Withdrawal<'_> {
+    fn drop(&mut self) {
+        if self.owner && !self.done {
+            self.region.withdrawing.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// A transfer's hold on the range `addr..addr + len` of a registered region.
@@ -42,6 +60,18 @@ impl Use {
     /// The device the range belongs to; None for host memory.
     pub fn device(&self) -> Option<&Arc<dyn DeviceMemory>> {
         self.region.device.as_ref()
+    }
+}
+
+impl Clone for Use {
+    /// Another hold on the same range (for work that may outlive its caller's wait).
+    fn clone(&self) -> Self {
+        self.region.users.fetch_add(1, Ordering::AcqRel);
+        Use {
+            region: self.region.clone(),
+            addr: self.addr,
+            len: self.len,
+        }
     }
 }
 
@@ -83,6 +113,7 @@ impl Regions {
                 len,
                 device,
                 users: AtomicUsize::new(0),
+                withdrawing: AtomicBool::new(false),
                 idle: Notify::new(),
             }),
         );
@@ -95,7 +126,7 @@ impl Regions {
         let end = addr.checked_add(len).ok_or_else(refused)?;
         let map = self.by_addr.read();
         let (_, r) = map.range(..=addr).next_back().ok_or_else(refused)?;
-        if end > r.addr + r.len {
+        if end > r.addr + r.len || r.withdrawing.load(Ordering::Acquire) {
             return Err(refused());
         }
         r.users.fetch_add(1, Ordering::AcqRel);
@@ -111,11 +142,25 @@ impl Regions {
     /// have deadlines of their own, so only a longer-than-deadline wait gets here), the region
     /// stays registered and the caller must not free it.
     pub async fn unregister(&self, addr: u64, patience: Duration) -> Result<(), EngineError> {
-        let region = self
-            .by_addr
-            .write()
-            .remove(&addr)
-            .ok_or(EngineError::NotRegistered { addr, len: 0 })?;
+        // Marked under the write lock: a lookup either came before (and is waited for) or sees
+        // the mark. The region stays in the map meanwhile, so the range is still taken and a
+        // second unregister finds it.
+        let (region, first) = {
+            let map = self.by_addr.write();
+            let r = map
+                .get(&addr)
+                .cloned()
+                .ok_or(EngineError::NotRegistered { addr, len: 0 })?;
+            let first = !r.withdrawing.swap(true, Ordering::AcqRel);
+            (r, first)
+        };
+        // If this call is dropped before the end (its caller gave up), the region is usable
+        // again rather than stuck half-withdrawn.
+        let guard = Withdrawal {
+            region: &region,
+            owner: first,
+            done: false,
+        };
         let idle = async {
             loop {
                 let notified = region.idle.notified();
@@ -126,12 +171,17 @@ impl Regions {
             }
         };
         if tokio::time::timeout(patience, idle).await.is_err() {
-            self.by_addr.write().insert(addr, region);
             return Err(EngineError::Busy {
                 addr,
                 after: patience,
             });
         }
+        let mut map = self.by_addr.write();
+        if map.get(&addr).is_some_and(|r| Arc::ptr_eq(r, &region)) {
+            map.remove(&addr);
+        }
+        let mut guard = guard;
+        guard.done = true;
         Ok(())
     }
 
@@ -225,6 +275,42 @@ mod tests {
             r.unregister(0x1000, Duration::from_secs(1)).await,
             Err(EngineError::NotRegistered { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn while_unregistering_the_range_stays_taken_and_a_cancelled_unregister_undoes_itself() {
+        let r = Arc::new(Regions::default());
+        r.register(0x1000, 0x1000, None).unwrap();
+        let held = r.lookup(0x1000, 0x10).unwrap();
+        let (r1, r2) = (r.clone(), r.clone());
+        let first =
+            tokio::spawn(async move { r1.unregister(0x1000, Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Still taken: registering over it is refused, not a second region on the same bytes.
+        assert!(matches!(
+            r.register(0x1800, 0x10, None),
+            Err(EngineError::Overlapped { .. })
+        ));
+        // A second unregister waits for the same uses.
+        let second =
+            tokio::spawn(async move { r2.unregister(0x1000, Duration::from_secs(5)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!first.is_finished() && !second.is_finished());
+        drop(held);
+        first.await.unwrap().unwrap();
+        second.await.unwrap().unwrap();
+        assert!(r.list().is_empty());
+        // A caller that stops waiting leaves the region as it was: usable.
+        r.register(0x1000, 0x1000, None).unwrap();
+        let held = r.lookup(0x1000, 0x10).unwrap();
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(20),
+            r.unregister(0x1000, Duration::from_secs(5)),
+        )
+        .await;
+        assert!(gave_up.is_err());
+        assert!(r.lookup(0x1000, 0x10).is_ok(), "usable again");
+        drop(held);
     }
 
     #[tokio::test]

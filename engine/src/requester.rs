@@ -155,7 +155,8 @@ impl Requester {
                 Some(d) => {
                     let staging = d.staging(r.len as usize).map_err(device_err)?;
                     if op == TransferOp::Write {
-                        copies.push((i, d.clone(), r.local as usize, staging));
+                        // The copy holds its range: it may outlive a caller that stops waiting.
+                        copies.push((i, d.clone(), r.local as usize, staging, u.clone()));
                         out.push(None);
                     } else {
                         out.push(Some(staging));
@@ -167,7 +168,7 @@ impl Requester {
             let filled = tokio::task::spawn_blocking(move || {
                 copies
                     .into_iter()
-                    .map(|(i, d, from, mut st)| {
+                    .map(|(i, d, from, mut st, _held)| {
                         d.copy_to_host(from, st.bytes_mut()).map(|()| (i, st))
                     })
                     .collect::<Result<Vec<_>, _>>()
@@ -189,11 +190,13 @@ impl Requester {
         uses: &[Use],
         stagings: Vec<Option<Staging>>,
     ) -> Result<(), EngineError> {
-        let copies: Vec<(Arc<dyn DeviceMemory>, usize, Staging)> = batch
+        let copies: Vec<(Arc<dyn DeviceMemory>, usize, Staging, Use)> = batch
             .iter()
             .zip(uses)
             .zip(stagings)
-            .filter_map(|((r, u), st)| Some((u.device()?.clone(), r.local as usize, st?)))
+            .filter_map(|((r, u), st)| {
+                Some((u.device()?.clone(), r.local as usize, st?, u.clone()))
+            })
             .collect();
         if copies.is_empty() {
             return Ok(());
@@ -201,7 +204,7 @@ impl Requester {
         tokio::task::spawn_blocking(move || {
             copies
                 .into_iter()
-                .try_for_each(|(d, to, st)| d.copy_from_host(st.bytes(), to))
+                .try_for_each(|(d, to, st, _held)| d.copy_from_host(st.bytes(), to))
         })
         .await
         .map_err(|e| EngineError::Invalid(format!("a device copy panicked: {e}")))?

@@ -64,14 +64,6 @@ const SMALL_ANSWER: usize = 8 << 10;
 /// The refusal of a same-host grant that touches device memory (the caller then uses TCP).
 pub const DEVICE_MEMORY: &str = "device memory: copy it over TCP, staged";
 
-/// Sleeps until `at`, or forever without one.
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
 /// Runs a device copy (which may block) on a blocking thread.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> std::io::Result<T> {
     tokio::task::spawn_blocking(f)
@@ -97,9 +89,8 @@ struct Connection {
     peer: SocketAddr,
     served: Arc<Served>,
     key: Vec<u8>,
-    /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`), since when.
+    /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`).
     held: Vec<crate::regions::Use>,
-    held_since: Option<tokio::time::Instant>,
 }
 
 impl Connection {
@@ -112,7 +103,6 @@ impl Connection {
             served,
             key: Vec::with_capacity(64),
             held: Vec::new(),
-            held_since: None,
         }
     }
 
@@ -121,18 +111,17 @@ impl Connection {
             if self.reader.buffer().is_empty() {
                 // Nothing more pipelined: the peer waits for what was answered so far.
                 self.writer.flush().await?;
-                // A same-host grant is held until its release, and at most for the frame
-                // timeout: a peer that never says it is done does not keep a region forever.
-                let grant_ends = self.held_since.map(|t| t + self.served.frame_timeout);
+                // A same-host grant is held until its release or until the connection closes,
+                // even while the engine stops: the peer's copy cannot be interrupted, so its
+                // ranges never go under it (unregistering then reports them still in use).
+                let stopping = *stop.borrow();
+                if stopping && self.held.is_empty() {
+                    return Ok(());
+                }
+                let idle = self.held.is_empty();
                 tokio::select! {
                     r = self.reader.fill_buf() => if r?.is_empty() { return Ok(()) },
-                    _ = stop.changed() => return Ok(()),
-                    _ = sleep_until(grant_ends) => {
-                        tracing::warn!(peer = %self.peer, "a same-host grant was not released in time; dropping it");
-                        self.held.clear();
-                        self.held_since = None;
-                        continue;
-                    }
+                    _ = stop.changed(), if idle && !stopping => return Ok(()),
                 }
             }
             let timeout = self.served.frame_timeout;
@@ -192,8 +181,14 @@ impl Connection {
                         let mut staging = staging(&*device, h.length)?;
                         self.reader.read_exact(staging.bytes_mut()).await?;
                         let to = h.offset as usize;
-                        let copied =
-                            blocking(move || device.copy_from_host(staging.bytes(), to)).await?;
+                        // The copy holds the range: a copy that outlives this request (its
+                        // deadline passed) still keeps the region from being unregistered.
+                        let copied = blocking(move || {
+                            let done = device.copy_from_host(staging.bytes(), to);
+                            drop(usage);
+                            done
+                        })
+                        .await?;
                         if let Err(e) = copied {
                             return self.refuse_frame(&h, false, &e.to_string()).await;
                         }
@@ -209,9 +204,9 @@ impl Connection {
                         let mut staging = staging(&*device, h.length)?;
                         let from = h.offset as usize;
                         let copied = blocking(move || {
-                            device
-                                .copy_to_host(from, staging.bytes_mut())
-                                .map(|()| staging)
+                            let done = device.copy_to_host(from, staging.bytes_mut());
+                            drop(usage);
+                            done.map(|()| staging)
                         })
                         .await?;
                         match copied {
@@ -239,7 +234,6 @@ impl Connection {
             }
             Op::PeerGrant => {
                 self.held.clear();
-                self.held_since = None;
                 if h.length % 16 != 0 || h.length > MAX_GRANT {
                     let msg = format!("a grant of {} bytes of ranges", h.length);
                     return self.refuse_frame(&h, true, &msg).await;
@@ -264,7 +258,6 @@ impl Connection {
                     }
                     Ok(uses) => {
                         self.held = uses;
-                        self.held_since = Some(tokio::time::Instant::now());
                         self.ok(&h, 0).await?;
                     }
                     Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
@@ -272,7 +265,6 @@ impl Connection {
             }
             Op::PeerRelease => {
                 self.held.clear();
-                self.held_since = None;
                 self.ok(&h, 0).await?;
             }
             Op::Write | Op::Read | Op::ReadDisk => {

@@ -54,12 +54,22 @@ impl Small {
                 false,
             ),
         };
-        let mut outcome = self.exchange(&mut s, target, remote, &mut dir);
-        if outcome.is_err() && reused {
+        let deadline = Instant::now() + self.timeout;
+        let mut outcome = self.exchange(&mut s, target, remote, &mut dir, deadline);
+        let closed = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::ConnectionAborted
+            )
+        };
+        if reused && outcome.as_ref().is_err_and(closed) {
             // An idle connection the peer closed meanwhile (it restarted, say): once more on a
-            // fresh one. Both directions are idempotent.
+            // fresh one, under the same deadline. Both directions are idempotent.
             s = self.connect(target).map_err(|e| Self::fail(target, e))?;
-            outcome = self.exchange(&mut s, target, remote, &mut dir);
+            outcome = self.exchange(&mut s, target, remote, &mut dir, deadline);
         }
         match outcome {
             Ok(Ok(())) => {
@@ -99,8 +109,8 @@ impl Small {
         target: &str,
         remote: u64,
         dir: &mut Dir<'_>,
+        deadline: Instant,
     ) -> io::Result<Result<(), String>> {
-        let deadline = Instant::now() + self.timeout;
         let (op, len) = match dir {
             Dir::Write(d) => (Op::PeerWrite, d.len()),
             Dir::Read(d) => (Op::PeerRead, d.len()),

@@ -205,7 +205,8 @@ impl Connection {
             _ => match ObjectKey::from_bytes(&self.key_buf) {
                 Ok(k) => Some(k),
                 Err(e) => {
-                    if h.op == Op::Write && !self.drain(h.length).await? {
+                    let payload = matches!(h.op, Op::Write | Op::PeerWrite | Op::PeerGrant);
+                    if payload && !self.drain(h.length).await? {
                         return Ok(false);
                     }
                     self.reply_error(

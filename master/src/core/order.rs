@@ -283,6 +283,8 @@ impl EvictionOrder {
     /// An object back in memory without a new put (a promotion from disk, a copy): it was read,
     /// so it joins the frequent list.
     pub fn relink(&mut self, hash: u32) -> Place {
+        // Back in memory: not a key eviction took any more.
+        self.ghosts.take(hash);
         let list = match self.policy {
             EvictionPolicy::Car => List::Frequent,
             EvictionPolicy::Lru => List::Recent,
@@ -461,6 +463,13 @@ mod tests {
             !gone.is_linked() && !gone.referenced(),
             "no bit on an unlinked place"
         );
+        // A key evicted and then back in memory without a put (a promotion) is no ghost.
+        let mut order = EvictionOrder::new(EvictionPolicy::Car);
+        order.admit(7);
+        let c = order.pop([false; 2]).unwrap();
+        order.evicted(c);
+        order.relink(7);
+        assert_eq!(order.ghosts.len(GhostList::Recent), 0);
         // With LRU there is one list.
         let mut lru = EvictionOrder::new(EvictionPolicy::Lru);
         lru.admit(1);
