@@ -48,7 +48,8 @@ pub enum Op {
     PeerHello = 8,
     /// Transfer engine, same-host path: the payload lists (address u64, length u64) ranges the
     /// caller is about to copy with `process_vm_readv`/`writev`; the target checks them against
-    /// its regions and holds them until `PeerRelease` (or the connection closes).
+    /// its regions and holds them until `PeerRelease` (or the connection closes), answering with
+    /// its pid (u64), the process the caller must copy with.
     PeerGrant = 9,
     /// Transfer engine, same-host path: the copies of the last `PeerGrant` are done.
     PeerRelease = 10,

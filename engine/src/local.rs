@@ -221,7 +221,14 @@ impl SameHost {
             .map_err(timed("the grant"))?
             .map_err(|e| Self::fail(target, e))?;
         match granted {
-            Ok(_) => {}
+            // The process that granted is the one the copy goes to; another one behind the
+            // same port (the peer restarted) is asked again who it is, and this batch goes over
+            // TCP.
+            Ok(body) if body.len() == 8 && body[..] == u64::from(pid as u32).to_le_bytes() => {}
+            Ok(_) => {
+                self.peers.lock().remove(target);
+                return Ok(Outcome::NotLocal(uses));
+            }
             // Device memory on the target: over TCP, where the target stages it.
             Err((status, _)) if status == Code::UnavailableInCurrentStatus.as_i32() => {
                 self.idle

@@ -258,7 +258,10 @@ impl Connection {
                     }
                     Ok(uses) => {
                         self.held = uses;
-                        self.ok(&h, 0).await?;
+                        // Which process granted: the caller copies with exactly this one.
+                        self.ok(&h, 8).await?;
+                        let pid = u64::from(std::process::id());
+                        self.writer.write_all(&pid.to_le_bytes()).await?;
                     }
                     Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
                 }
