@@ -24,12 +24,16 @@ fn single(buffer: u64, peer_buffer_address: u64, length: u64) -> Vec<TransferReq
     }]
 }
 
-/// Mooncake's `TransferOpcode`: Read = 0, Write = 1.
-fn opcode(op: i64) -> Option<TransferOp> {
-    match op {
-        0 => Some(TransferOp::Read),
-        1 => Some(TransferOp::Write),
-        _ => None,
+/// Mooncake's `TransferOpcode` (Read = 0, Write = 1), when supported: not with a notify
+/// (logged otherwise).
+fn opcode(op: i64, notify: bool) -> Option<TransferOp> {
+    match (op, notify) {
+        (0, false) => Some(TransferOp::Read),
+        (1, false) => Some(TransferOp::Write),
+        _ => {
+            tracing::warn!("transfer engine: opcode {op} (or a notify) is not supported");
+            None
+        }
     }
 }
 
@@ -95,35 +99,40 @@ impl NativeEngine {
             .collect())
     }
 
-    /// A synchronous batch: 0, or -1 (the failure is logged).
+    /// A synchronous batch (or why its lists are not one): 0, or -1 (the failure is logged).
     fn sync(
         &self,
         py: Python<'_>,
         target: &str,
         op: TransferOp,
-        batch: Vec<TransferRequest>,
+        batch: Result<Vec<TransferRequest>, EngineError>,
     ) -> i64 {
         let run = || -> Result<(), EngineError> {
-            let r = self.running()?;
+            let (r, batch) = (self.running()?, batch?);
             py.detach(|| r.sync_rt.block_on(r.sync.transfer(target, op, &batch)))
         };
         match run() {
             Ok(()) => 0,
             Err(e) => {
-                log_failure(
-                    &format!("{op:?} of {} blocks with {target}", batch.len()),
-                    &e,
-                );
+                log_failure(&format!("{op:?} with {target}"), &e);
                 -1
             }
         }
     }
 
-    /// Starts a batch in the background; its id, or 0 when it cannot start.
-    fn submit(&self, target: &str, op: TransferOp, batch: Vec<TransferRequest>) -> u64 {
-        let Ok(r) = self.running() else {
-            tracing::warn!("transfer engine: initialize() was not called");
-            return 0;
+    /// Starts a batch in the background; its id, or 0 when it cannot start (logged).
+    fn submit(
+        &self,
+        target: &str,
+        op: TransferOp,
+        batch: Result<Vec<TransferRequest>, EngineError>,
+    ) -> u64 {
+        let (r, batch) = match self.running().and_then(|r| Ok((r, batch?))) {
+            Ok(v) => v,
+            Err(e) => {
+                log_failure(&format!("starting a {op:?} with {target}"), &e);
+                return 0;
+            }
         };
         let engine = r.engine.clone();
         let target = target.to_string();
@@ -341,7 +350,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let one = single(buffer, peer_buffer_address, length);
+        let one = Ok(single(buffer, peer_buffer_address, length));
         self.sync(py, target_hostname, TransferOp::Write, one)
     }
 
@@ -356,7 +365,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let one = single(buffer, peer_buffer_address, length);
+        let one = Ok(single(buffer, peer_buffer_address, length));
         self.sync(py, target_hostname, TransferOp::Read, one)
     }
 
@@ -375,11 +384,10 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let Some(op) = self::opcode(opcode).filter(|_| notify.is_none()) else {
-            tracing::warn!("transfer engine: opcode {opcode} (or a notify) is not supported");
+        let Some(op) = self::opcode(opcode, notify.is_some()) else {
             return -1;
         };
-        let one = single(buffer, peer_buffer_address, length);
+        let one = Ok(single(buffer, peer_buffer_address, length));
         self.sync(py, target_hostname, op, one)
     }
 
@@ -394,10 +402,8 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.sync(py, target_hostname, TransferOp::Write, b),
-            Err(e) => log_failure("batch_transfer_sync_write", &e),
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, target_hostname, TransferOp::Write, batch)
     }
 
     #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
@@ -411,10 +417,8 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.sync(py, target_hostname, TransferOp::Read, b),
-            Err(e) => log_failure("batch_transfer_sync_read", &e),
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, target_hostname, TransferOp::Read, batch)
     }
 
     #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify = None, transport_hint = ""))]
@@ -431,14 +435,11 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> i64 {
         let _ = transport_hint;
-        let Some(op) = self::opcode(opcode).filter(|_| notify.is_none()) else {
-            tracing::warn!("transfer engine: opcode {opcode} (or a notify) is not supported");
+        let Some(op) = self::opcode(opcode, notify.is_some()) else {
             return -1;
         };
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.sync(py, target_hostname, op, b),
-            Err(e) => log_failure("batch_transfer_sync", &e),
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.sync(py, target_hostname, op, batch)
     }
 
     /// Starts the batch and returns its id for `get_batch_transfer_status`; 0 when it cannot
@@ -453,13 +454,8 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.submit(target_hostname, TransferOp::Write, b),
-            Err(e) => {
-                log_failure("batch_transfer_async_write", &e);
-                0
-            }
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.submit(target_hostname, TransferOp::Write, batch)
     }
 
     #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = ""))]
@@ -472,13 +468,8 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.submit(target_hostname, TransferOp::Read, b),
-            Err(e) => {
-                log_failure("batch_transfer_async_read", &e);
-                0
-            }
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.submit(target_hostname, TransferOp::Read, batch)
     }
 
     #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint = ""))]
@@ -492,17 +483,11 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let Some(op) = self::opcode(opcode) else {
-            tracing::warn!("transfer engine: opcode {opcode} is not supported");
+        let Some(op) = self::opcode(opcode, false) else {
             return 0;
         };
-        match Self::batch(&buffers, &peer_buffer_addresses, &lengths) {
-            Ok(b) => self.submit(target_hostname, op, b),
-            Err(e) => {
-                log_failure("batch_transfer_async", &e);
-                0
-            }
-        }
+        let batch = Self::batch(&buffers, &peer_buffer_addresses, &lengths);
+        self.submit(target_hostname, op, batch)
     }
 
     /// Waits for the batches `batch_ids` (each ends within the transfer deadline): 0 when all
@@ -543,7 +528,7 @@ impl NativeEngine {
         transport_hint: &str,
     ) -> u64 {
         let _ = transport_hint;
-        let one = single(buffer, peer_buffer_address, length);
+        let one = Ok(single(buffer, peer_buffer_address, length));
         self.submit(target_hostname, TransferOp::Write, one)
     }
 

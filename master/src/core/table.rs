@@ -78,10 +78,10 @@ impl ObjectTable {
     pub fn insert(&mut self, mut object: Box<Object>) -> Option<Box<Object>> {
         let h32 = self.hash32(object.key().as_str());
         let hasher = &self.hasher;
-        let key = object.key().clone();
+        let key = object.key().as_str();
         let entry = self.table.entry(
             spread(h32),
-            |o| o.key().as_str() == key.as_str(),
+            |o| o.key().as_str() == key,
             |o| spread(fold(hasher.hash_one(o.key().as_str()))),
         );
         match entry {
