@@ -74,25 +74,26 @@ impl Client {
     /// count. The client contributes no memory.
     pub async fn connect(config: ClientConfig) -> Result<Client, ClientError> {
         let preferred = config.preferred()?;
-        let transport = Self::default_transport(&config);
+        let transport = Self::default_transport(&config)?;
         Self::connect_with(config, preferred, transport).await
     }
 
     /// The transport `connect` uses: the same-host path where available (unless turned off in
-    /// the config), TCP elsewhere.
-    pub fn default_transport(config: &ClientConfig) -> Arc<dyn DataTransport> {
-        Arc::new(HybridTransport::new(HybridConfig {
+    /// the config), TCP elsewhere. Fails only when the config's auth token file cannot be read.
+    pub fn default_transport(config: &ClientConfig) -> Result<Arc<dyn DataTransport>, ClientError> {
+        Ok(Arc::new(HybridTransport::new(HybridConfig {
             tcp: TcpConfig {
                 connect_timeout: config.connect_timeout,
                 transfer_timeout: config.transfer_timeout,
                 connections_per_owner: config.connections_per_owner,
                 transfer_threads: config.transfer_threads,
                 dedicated_runtime: config.dedicated_runtime,
+                credential: config.credential()?,
             },
             shared_memory: config.shared_memory,
             socket_dir: config.socket_dir.clone(),
             copy_threads: config.copy_threads,
-        }))
+        })))
     }
 
     /// Like `connect`, with an explicit preferred segment and transport.

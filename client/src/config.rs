@@ -5,6 +5,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
+use mooncake_common::auth::Credential;
 use mooncake_common::{
     config::duration,
     local::{DEFAULT_SOCKET_DIR, SHM_ENV, SOCKET_DIR_ENV},
@@ -76,6 +77,9 @@ pub struct ClientConfig {
     /// `MOONCAKE_MASTER_SPIN_US`, in microseconds.
     #[serde(with = "duration")]
     pub master_spin: Duration,
+    /// A file holding the cluster's secret, proved on every connection to the master and to
+    /// owners (which refuse a client without it when they have one). Unset: no proof.
+    pub auth_token_file: Option<PathBuf>,
 }
 
 impl Default for ClientConfig {
@@ -95,6 +99,7 @@ impl Default for ClientConfig {
             copy_threads: 2,
             master_protocol: Default::default(),
             master_spin: Duration::from_micros(50),
+            auth_token_file: None,
         }
     }
 }
@@ -107,6 +112,8 @@ pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
 pub const COPY_THREADS_ENV: &str = "MOONCAKE_COPY_THREADS";
 /// Sets `cluster_id` (Mooncake's name).
 pub const CLUSTER_ID_ENV: &str = "MC_STORE_CLUSTER_ID";
+/// Sets `auth_token_file`.
+pub const AUTH_TOKEN_FILE_ENV: &str = "MOONCAKE_AUTH_TOKEN_FILE";
 
 /// The longest `master_spin` accepted: it holds the calling thread.
 const MAX_MASTER_SPIN: Duration = Duration::from_millis(1);
@@ -129,7 +136,8 @@ impl ClientConfig {
     /// The environment applied over this config, `env` answering a variable's value:
     /// `MOONCAKE_PREFERRED_SEGMENT` (only where `preferred_segment` is unset),
     /// `MOONCAKE_MASTER_SPIN_US`, `MOONCAKE_TRANSFER_THREADS`, `MOONCAKE_COPY_THREADS`,
-    /// `MOONCAKE_SHM` ("0": no same-host path), `MOONCAKE_SOCKET_DIR` and `MC_STORE_CLUSTER_ID`.
+    /// `MOONCAKE_SHM` ("0": no same-host path), `MOONCAKE_SOCKET_DIR`, `MC_STORE_CLUSTER_ID` and
+    /// `MOONCAKE_AUTH_TOKEN_FILE`.
     /// A value that does not
     /// parse is a configuration error naming the variable.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Self, ClientError> {
@@ -154,12 +162,25 @@ impl ClientConfig {
         if let Some(v) = env(CLUSTER_ID_ENV) {
             self.cluster_id = v.trim().to_string();
         }
+        if let Some(v) = env(AUTH_TOKEN_FILE_ENV) {
+            self.auth_token_file = Some(PathBuf::from(v.trim()));
+        }
         Ok(self)
     }
 
     /// `with_env` over this process's environment.
     pub fn with_process_env(self) -> Result<Self, ClientError> {
         self.with_env(|name| std::env::var(name).ok())
+    }
+
+    /// What this client proves to the master and the owners: the cluster's secret, read from
+    /// `auth_token_file` (none without one).
+    pub fn credential(&self) -> Result<Option<Credential>, ClientError> {
+        self.auth_token_file
+            .as_deref()
+            .map(Credential::cluster_from_file)
+            .transpose()
+            .map_err(ClientError::Config)
     }
 
     /// The preferred segment, parsed (see `resolve_preferred`).

@@ -26,10 +26,16 @@ pub enum Code {
     /// The master cannot answer this yet: it is rebuilding its catalog from the owners' reports
     /// (just restarted or just elected), or it is not the leader. Retry shortly.
     UnavailableInCurrentStatus = -1010,
+    /// The peer did not prove it holds the cluster's (or its tenant's) secret: configure
+    /// `auth_token_file` with the right token. Not a Mooncake code (Mooncake has no auth).
+    Unauthenticated = -1500,
+    /// Authenticated, but the access is not covered by what the master granted (a forged,
+    /// expired or widened grant, or another tenant's key). Not a Mooncake code.
+    PermissionDenied = -1501,
 }
 
 impl Code {
-    pub const ALL: [Code; 15] = [
+    pub const ALL: [Code; 17] = [
         Code::Ok,
         Code::InternalError,
         Code::SegmentNotFound,
@@ -45,6 +51,8 @@ impl Code {
         Code::RpcFail,
         Code::RpcTimeout,
         Code::UnavailableInCurrentStatus,
+        Code::Unauthenticated,
+        Code::PermissionDenied,
     ];
 
     pub fn as_i32(self) -> i32 {
@@ -82,6 +90,8 @@ impl Code {
             Code::RpcFail => "RPC_FAIL",
             Code::RpcTimeout => "RPC_TIMEOUT",
             Code::UnavailableInCurrentStatus => "UNAVAILABLE_IN_CURRENT_STATUS",
+            Code::Unauthenticated => "UNAUTHENTICATED",
+            Code::PermissionDenied => "PERMISSION_DENIED",
         }
     }
 
@@ -103,7 +113,9 @@ impl Code {
             | Code::InvalidParams
             | Code::ObjectNotFound
             | Code::ObjectAlreadyExists
-            | Code::ChecksumMismatch => false,
+            | Code::ChecksumMismatch
+            | Code::Unauthenticated
+            | Code::PermissionDenied => false,
         }
     }
 }

@@ -1,10 +1,13 @@
 //! Vocabulary shared by every role: validated ids, the Mooncake-compatible numeric codes, config
 //! primitives (human sizes and durations), and the data plane's wire format and transport trait.
 //! Nothing here performs I/O on its own (except `leader`, which reads the elected master's address
-//! from etcd for clients and owners alike) or knows about a particular role.
-// `unsafe` only in `memcopy` (streaming stores); nowhere else. I/O only in `leader` (one etcd read).
+//! from etcd for clients and owners alike, and `auth`, which runs the connection handshake on a
+//! stream it is given) or knows about a particular role.
+// `unsafe` only in `memcopy` (streaming stores); nowhere else. I/O only in `leader` (one etcd read)
+// and `auth` (the handshake on a stream it is given, and reading a secret file).
 #![deny(unsafe_code)]
 
+pub mod auth;
 pub mod code;
 pub mod config;
 pub mod disk_stats;

@@ -81,6 +81,7 @@ impl Requester {
                 connections_per_owner: config.connections_per_peer.max(1),
                 transfer_threads: config.transfer_threads.max(1),
                 dedicated_runtime,
+                credential: None,
             }),
             same_host: config
                 .same_host

@@ -78,6 +78,10 @@ pub struct MasterConfig {
     /// The address published for clients and owners when this master leads; empty: the bind
     /// address and RPC port (which must then be concrete).
     pub advertise_address: String,
+    /// A file holding the cluster's secret: with it, every connection to the RPC port must
+    /// prove it holds the same secret (owners and clients read the same file). Unset: the
+    /// master runs open, and says so once in its log.
+    pub auth_token_file: Option<std::path::PathBuf>,
 }
 
 impl Default for MasterConfig {
@@ -110,6 +114,7 @@ impl Default for MasterConfig {
             cluster_id: mooncake_common::leader::DEFAULT_CLUSTER_ID.into(),
             ha_lease_ttl: Duration::from_secs(5),
             advertise_address: String::new(),
+            auth_token_file: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
+use mooncake_common::auth::{admit_tcp, Admission, Keyring, AUTH_REQUIRED};
 use mooncake_proto::master::master_server::MasterServer;
 use tokio::{
     net::{TcpListener, TcpStream},
@@ -91,6 +92,20 @@ impl RunningMaster {
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
+        let keyring = match &config.auth_token_file {
+            Some(path) => {
+                Some(Arc::new(Keyring::cluster_from_file(path).map_err(|e| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
+                })?))
+            }
+            None => {
+                tracing::warn!(
+                    "the master runs open: no auth_token_file, so any peer that reaches the RPC \
+                     port may use it"
+                );
+                None
+            }
+        };
         let service = Arc::new(MasterService::new(shared.clone()));
         let grpc = GrpcMaster(service.clone());
         let leader = service.clone();
@@ -106,25 +121,45 @@ impl RunningMaster {
                 }
             },
         );
+        // gRPC connections that did not authenticate where the master requires it: every call
+        // is answered UNAUTHENTICATED.
+        let refusing = tonic::service::interceptor::InterceptedService::new(
+            MasterServer::new(grpc.clone()),
+            |_: tonic::Request<()>| {
+                Err::<tonic::Request<()>, _>(tonic::Status::unauthenticated(AUTH_REQUIRED))
+            },
+        );
         // One port, two protocols: framed-RPC connections are served here, the rest go to tonic.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
+        let (refused_tx, refused_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
         tasks.push(tokio::spawn(split_connections(
             rpc,
-            grpc_tx,
-            grpc,
+            Routes {
+                grpc: grpc_tx,
+                refused: refused_tx,
+                service: grpc,
+                keyring,
+            },
             stopped.clone(),
         )));
-        let incoming = futures::stream::unfold(grpc_rx, |mut rx| async move {
-            rx.recv().await.map(|s| (Ok::<_, std::io::Error>(s), rx))
-        });
         let stop_rpc = wait_stop(stopped.clone());
         tasks.push(tokio::spawn(async move {
             if let Err(e) = tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(incoming, stop_rpc)
+                .serve_with_incoming_shutdown(incoming(grpc_rx), stop_rpc)
                 .await
             {
                 tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+        let stop_refusing = wait_stop(stopped.clone());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(refusing)
+                .serve_with_incoming_shutdown(incoming(refused_rx), stop_refusing)
+                .await
+            {
+                tracing::error!(error = %e, "gRPC refusal server failed");
             }
         }));
 
@@ -208,14 +243,23 @@ impl RunningMaster {
     }
 }
 
-/// Accepts RPC connections and routes each by its first bytes: the framed RPC is served here,
-/// anything else (HTTP/2) goes to the gRPC server.
-async fn split_connections(
-    listener: TcpListener,
+/// Where accepted RPC connections go.
+struct Routes {
+    /// Authenticated (or open) gRPC connections.
     grpc: tokio::sync::mpsc::Sender<TcpStream>,
+    /// gRPC connections that did not authenticate.
+    refused: tokio::sync::mpsc::Sender<TcpStream>,
     service: GrpcMaster,
-    mut stop: watch::Receiver<bool>,
-) {
+    keyring: Option<Arc<Keyring>>,
+}
+
+/// How long a connection may take to authenticate and to show which protocol it speaks.
+const OPENING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accepts RPC connections, admits each (see `mooncake_common::auth`) and routes it by its
+/// first bytes: the framed RPC is served here, anything else (HTTP/2) goes to the gRPC server.
+async fn split_connections(listener: TcpListener, routes: Routes, mut stop: watch::Receiver<bool>) {
+    let routes = Arc::new(routes);
     loop {
         let (stream, _) = tokio::select! {
             r = listener.accept() => match r {
@@ -229,40 +273,66 @@ async fn split_connections(
             _ = stop.changed() => return,
         };
         let _ = stream.set_nodelay(true);
-        let (grpc, service, stop) = (grpc.clone(), service.clone(), stop.clone());
+        let (routes, stop) = (routes.clone(), stop.clone());
         tokio::spawn(async move {
-            let mut first = [0u8; 4];
-            // Wait for four bytes (or a clear mismatch) before deciding.
-            let peek = async {
-                loop {
-                    let n = stream.peek(&mut first).await?;
-                    if n == 0 || n >= 4 || !mooncake_proto::framed::MAGIC.starts_with(&first[..n]) {
-                        return Ok::<_, std::io::Error>(n);
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                }
-            };
-            let peeked = tokio::time::timeout(std::time::Duration::from_secs(10), peek).await;
-            match peeked {
-                Ok(Ok(n)) if crate::wire::framed::is_framed(&first[..n]) => {
-                    if let Err(e) = crate::wire::framed::serve(
-                        stream,
-                        service,
-                        std::time::Duration::from_secs(30),
-                        stop,
-                    )
-                    .await
-                    {
-                        tracing::debug!(error = %e, "framed RPC connection closed");
-                    }
-                }
-                Ok(Ok(_)) => {
-                    let _ = grpc.send(stream).await;
-                }
-                _ => {}
+            if let Err(e) = route(stream, &routes, stop).await {
+                tracing::debug!(error = %e, "RPC connection closed");
             }
         });
     }
+}
+
+async fn route(
+    mut stream: TcpStream,
+    routes: &Routes,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let admitted = admit_tcp(&mut stream, routes.keyring.as_deref(), OPENING_TIMEOUT).await?;
+    let allowed = admitted != Admission::Unauthenticated;
+    let mut first = [0u8; 4];
+    // Wait for four bytes (or a clear mismatch) before deciding.
+    let peek = async {
+        loop {
+            let n = stream.peek(&mut first).await?;
+            if n == 0 || n >= 4 || !mooncake_proto::framed::MAGIC.starts_with(&first[..n]) {
+                return Ok::<_, std::io::Error>(n);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    };
+    let n = tokio::time::timeout(OPENING_TIMEOUT, peek)
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let framed = crate::wire::framed::is_framed(&first[..n]);
+    match (framed, allowed) {
+        (true, true) => {
+            crate::wire::framed::serve(
+                stream,
+                routes.service.clone(),
+                std::time::Duration::from_secs(30),
+                stop,
+            )
+            .await
+        }
+        (true, false) => crate::wire::framed::refuse(stream, OPENING_TIMEOUT).await,
+        (false, true) => {
+            let _ = routes.grpc.send(stream).await;
+            Ok(())
+        }
+        (false, false) => {
+            let _ = routes.refused.send(stream).await;
+            Ok(())
+        }
+    }
+}
+
+/// A channel of accepted connections as the stream tonic serves.
+fn incoming(
+    rx: tokio::sync::mpsc::Receiver<TcpStream>,
+) -> impl futures::Stream<Item = std::io::Result<TcpStream>> {
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|s| (Ok::<_, std::io::Error>(s), rx))
+    })
 }
 
 async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {

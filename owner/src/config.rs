@@ -54,6 +54,10 @@ pub struct OwnerConfig {
     pub ssd_concurrency: usize,
     /// Bytes of disk reads buffered at once for clients; more wait their turn.
     pub ssd_read_budget: ByteSize,
+    /// A file holding the cluster's secret: the data port and the same-host socket refuse peers
+    /// that do not prove it, and the owner proves it to the master and to other owners. Unset:
+    /// open, as the master must then be too.
+    pub auth_token_file: Option<PathBuf>,
 }
 
 impl Default for OwnerConfig {
@@ -78,20 +82,25 @@ impl Default for OwnerConfig {
             ssd_queue_depth: 64,
             ssd_concurrency: 32,
             ssd_read_budget: ByteSize::mib(256),
+            auth_token_file: None,
         }
     }
 }
 
 impl OwnerConfig {
     /// The environment applied over this config, `env` answering a variable's value: the one
-    /// place the owner reads it (`MOONCAKE_SOCKET_DIR` and `MC_STORE_CLUSTER_ID`, which clients
-    /// read too). Binaries apply it between the config file and their flags.
+    /// place the owner reads it (`MOONCAKE_SOCKET_DIR`, `MC_STORE_CLUSTER_ID` and
+    /// `MOONCAKE_AUTH_TOKEN_FILE`, which clients read too). Binaries apply it between the config
+    /// file and their flags.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Self {
         if let Some(dir) = env(mooncake_common::local::SOCKET_DIR_ENV) {
             self.socket_dir = PathBuf::from(dir);
         }
         if let Some(id) = env("MC_STORE_CLUSTER_ID") {
             self.cluster_id = id.trim().to_string();
+        }
+        if let Some(file) = env("MOONCAKE_AUTH_TOKEN_FILE") {
+            self.auth_token_file = Some(PathBuf::from(file.trim()));
         }
         self
     }

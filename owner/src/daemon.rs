@@ -3,7 +3,10 @@
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
-use mooncake_common::{ClientId, SegmentName};
+use mooncake_common::{
+    auth::{Keyring, CLUSTER},
+    ClientId, SegmentName,
+};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 use crate::{
@@ -56,6 +59,13 @@ pub struct RunningOwner {
 impl RunningOwner {
     pub async fn start(config: OwnerConfig) -> Result<RunningOwner, OwnerError> {
         config.validate().map_err(OwnerError::Config)?;
+        let keyring = match &config.auth_token_file {
+            Some(path) => Some(Arc::new(
+                Keyring::cluster_from_file(path).map_err(OwnerError::Config)?,
+            )),
+            None => None,
+        };
+        let credential = keyring.as_ref().and_then(|k| k.credential(CLUSTER));
         let size = config.segment_size.bytes();
         let pool = Arc::new(
             MemoryPool::create(size, config.lock_memory)
@@ -95,6 +105,7 @@ impl RunningOwner {
             pool.clone(),
             catalog.clone(),
             ssd.clone(),
+            keyring.clone(),
             config.frame_timeout,
             stopped.clone(),
         ))];
@@ -109,6 +120,7 @@ impl RunningOwner {
                         segment: segment.clone(),
                         frame_timeout: config.frame_timeout,
                         path: path.clone(),
+                        keyring: keyring.clone(),
                     });
                     tasks.push(tokio::spawn(server.serve(listener, stopped.clone())));
                     Some(path)
@@ -131,6 +143,7 @@ impl RunningOwner {
             config.rpc_timeout,
             ssd.clone(),
             catalog.clone(),
+            credential,
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);

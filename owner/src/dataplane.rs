@@ -6,6 +6,7 @@
 use std::{io, sync::Arc, time::Duration};
 
 use mooncake_common::{
+    auth::{admit_tcp, Admission, Keyring, AUTH_REQUIRED},
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, Stamp,
 };
@@ -28,16 +29,23 @@ pub async fn serve(
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
+    keyring: Option<Arc<Keyring>>,
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
+                Ok((mut stream, peer)) => {
                     let (pool, catalog, ssd, stop) = (pool.clone(), catalog.clone(), ssd.clone(), stop.clone());
+                    let keyring = keyring.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = Connection::new(stream, pool, catalog, ssd, frame_timeout).run(stop).await {
+                        let served = match admit_tcp(&mut stream, keyring.as_deref(), frame_timeout).await {
+                            Ok(Admission::Unauthenticated) => refuse(stream, frame_timeout).await,
+                            Ok(_) => Connection::new(stream, pool, catalog, ssd, frame_timeout).run(stop).await,
+                            Err(e) => Err(e),
+                        };
+                        if let Err(e) = served {
                             tracing::debug!(%peer, error = %e, "data-plane connection closed");
                         }
                     });
@@ -51,6 +59,34 @@ pub async fn serve(
             _ = stop.changed() => return,
         }
     }
+}
+
+/// Answers the first request of a peer that did not authenticate with `Code::Unauthenticated`
+/// and the reason, then closes. A small request is read whole first, so that closing does not
+/// reset the connection before the peer has read the answer.
+async fn refuse(mut stream: TcpStream, timeout: Duration) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    within(timeout, "send its first request", async {
+        let mut h = [0u8; wire::REQUEST_HEADER_LEN];
+        stream.read_exact(&mut h).await?;
+        let header =
+            RequestHeader::decode(&h).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if header.body_len() <= 1 << 20 {
+            let mut body = vec![0u8; header.body_len() as usize];
+            stream.read_exact(&mut body).await?;
+        }
+        let why = AUTH_REQUIRED.as_bytes();
+        let answer = ResponseHeader {
+            op: header.op,
+            status: Code::Unauthenticated.as_i32(),
+            request_id: header.request_id,
+            length: why.len() as u64,
+        };
+        stream.write_all(&answer.encode()).await?;
+        stream.write_all(why).await?;
+        stream.flush().await
+    })
+    .await
 }
 
 /// Runs `io` under `timeout`; running out is an error naming what the peer did not do.

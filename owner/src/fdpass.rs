@@ -1,5 +1,5 @@
-//! Sending a file descriptor over a Unix-domain socket (SCM_RIGHTS), the one system call the
-//! same-host path needs that std does not offer on stable Rust.
+//! The Unix-socket calls the same-host path needs that std does not offer on stable Rust:
+//! sending a file descriptor (SCM_RIGHTS), and peeking at a connection's first bytes.
 
 use std::{
     io,
@@ -34,6 +34,25 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, payload: &[u8], fd: BorrowedFd<'_>) ->
     }
     // SAFETY: `sock` is a valid socket descriptor and `msg` is fully initialised above.
     let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Copies the first bytes waiting on `sock` into `buf` without consuming them (`MSG_PEEK`),
+/// without blocking: `WouldBlock` when nothing has arrived yet.
+pub fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is a live, writable buffer of `buf.len()` bytes for the duration of the
+    // call, and `sock` is a valid descriptor.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr() as *mut libc::c_void,
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -21,6 +21,8 @@ use tokio::{
     sync::watch,
 };
 
+use mooncake_common::auth::{admit, starts_with_hello, Admission, Keyring, HELLO_MAGIC};
+
 use crate::{
     catalog::Catalog,
     fdpass,
@@ -45,6 +47,8 @@ pub struct LocalServer {
     pub segment: SegmentName,
     pub frame_timeout: Duration,
     pub path: PathBuf,
+    /// With one, a local client must prove the cluster's secret before it gets the pool's memfd.
+    pub keyring: Option<Arc<Keyring>>,
 }
 
 impl LocalServer {
@@ -57,7 +61,7 @@ impl LocalServer {
                         let me = self.clone();
                         let stop = stop.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = me.session(stream, stop).await {
+                            if let Err(e) = me.admitted_session(stream, stop).await {
                                 tracing::debug!(error = %e, "local session closed");
                             }
                         });
@@ -71,6 +75,48 @@ impl LocalServer {
             }
         }
         let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// Admits a connection (see `mooncake_common::auth`), then serves it, or answers its hello
+    /// with `Code::Unauthenticated` when it did not authenticate where the owner requires it.
+    async fn admitted_session(
+        &self,
+        mut stream: UnixStream,
+        stop: watch::Receiver<bool>,
+    ) -> io::Result<()> {
+        let peer = match stream.peer_cred() {
+            Ok(c) => format!("local pid {:?} uid {}", c.pid(), c.uid()),
+            Err(_) => "a local peer".to_string(),
+        };
+        let hello = tokio::time::timeout(self.frame_timeout, peek_hello(&stream))
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+        match admit(
+            &mut stream,
+            hello,
+            self.keyring.as_deref(),
+            &peer,
+            self.frame_timeout,
+        )
+        .await?
+        {
+            Admission::Unauthenticated => {
+                let refuse = async {
+                    let mut h = [0u8; 5];
+                    stream.read_exact(&mut h).await?;
+                    let (len, _) = frame_header(h).map_err(invalid)?;
+                    let mut body = vec![0u8; len];
+                    stream.read_exact(&mut body).await?;
+                    let mut w = FrameWriter::new(LocalOp::Hello);
+                    w.i32(Code::Unauthenticated.as_i32()).u64(0);
+                    stream.write_all(&w.finish()).await
+                };
+                tokio::time::timeout(self.frame_timeout, refuse)
+                    .await
+                    .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+            }
+            _ => self.session(stream, stop).await,
+        }
     }
 
     /// One client connection. Its locks live in `held` and are released when it ends, however
@@ -258,4 +304,26 @@ impl Held {
 
 fn invalid(e: LocalFrameError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+/// Waits for a connection's first bytes and tells whether they open an auth hello (see
+/// `mooncake_common::auth`), leaving them unread.
+async fn peek_hello(stream: &UnixStream) -> io::Result<bool> {
+    let mut first = [0u8; HELLO_MAGIC.len()];
+    loop {
+        stream.readable().await?;
+        let n = match stream.try_io(tokio::io::Interest::READABLE, || {
+            fdpass::peek(stream.as_fd(), &mut first)
+        }) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        if let Some(hello) = starts_with_hello(&first[..n]) {
+            return Ok(hello);
+        }
+        // A proper prefix of the magic: the rest is on its way.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }

@@ -130,7 +130,7 @@ impl Session {
         let (owner_rt, owner) = start_owner(&master, &host, port, args.global_segment_size, env)?;
         // Puts and reads prefer this process's own segment unless configured otherwise.
         let preferred = config.preferred()?.or_else(|| Some(owner.segment.clone()));
-        let transport = Client::default_transport(&config);
+        let transport = Client::default_transport(&config)?;
         let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
         Ok(Session {
             hostname: owner.segment.to_string(),

@@ -164,6 +164,7 @@ pub fn transport(config: &ClientConfig) -> Arc<dyn mooncake_common::transport::D
             connections_per_owner: config.connections_per_owner,
             transfer_threads: config.transfer_threads,
             dedicated_runtime: config.dedicated_runtime,
+            credential: config.credential().expect("a readable auth token file"),
         },
     ))
 }

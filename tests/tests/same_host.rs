@@ -22,7 +22,7 @@ fn config(master: &str, shm: bool) -> ClientConfig {
 
 async fn client(master: &str, shm: bool) -> Client {
     let cfg = config(master, shm);
-    let transport = Client::default_transport(&cfg);
+    let transport = Client::default_transport(&cfg).unwrap();
     Client::connect_with(cfg, None, transport).await.unwrap()
 }
 

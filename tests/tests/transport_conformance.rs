@@ -37,6 +37,7 @@ fn tcp_config(transfer_threads: usize) -> TcpConfig {
         connections_per_owner: 4,
         transfer_threads,
         dedicated_runtime: false,
+        credential: None,
     }
 }
 
@@ -330,6 +331,7 @@ fn large_batches_on_current_thread_runtimes() {
     let seg = c.owners[0].segment.clone();
     let t = TcpTransport::new(TcpConfig {
         dedicated_runtime: true,
+        credential: None,
         ..tcp_config(2)
     });
     current().block_on(large_batches("tcp-threads/dedicated-runtime", &t, &seg));

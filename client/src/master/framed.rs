@@ -5,6 +5,7 @@
 use std::{io, time::Duration};
 
 use mooncake_common::{
+    auth::{prove, Credential},
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
@@ -35,12 +36,19 @@ pub struct FramedMaster {
 
 impl FramedMaster {
     /// A master at `addr` ("host:port"); connections are made on first use.
-    pub fn new(addr: &str, timeout: Duration, connect_timeout: Duration, spin: Duration) -> Self {
+    pub fn new(
+        addr: &str,
+        timeout: Duration,
+        connect_timeout: Duration,
+        spin: Duration,
+        credential: Option<Credential>,
+    ) -> Self {
         FramedMaster {
             pool: FramedPool {
                 addr: addr.to_string(),
                 connect_timeout,
                 spin,
+                credential,
                 idle: Mutex::new(Vec::new()),
                 permits: Semaphore::new(8),
             },
@@ -256,6 +264,8 @@ struct FramedPool {
     connect_timeout: Duration,
     /// How long to poll for an answer before parking (see `ClientConfig::master_spin`).
     spin: Duration,
+    /// Proved on every new connection.
+    credential: Option<Credential>,
     idle: Mutex<Vec<FramedConn>>,
     permits: Semaphore,
 }
@@ -316,6 +326,14 @@ impl FramedPool {
         let mut out = vec![0u8; len];
         conn.stream.read_exact(&mut out).await.map_err(rpc_err)?;
         let status = status as i32;
+        if status == rpc_wire::STATUS_UNAUTHENTICATED {
+            // The master closes this connection after saying so.
+            let text = String::from_utf8_lossy(&out);
+            return Err(ApiError::new(
+                Code::Unauthenticated,
+                format!("master {}: {text}", self.addr),
+            ));
+        }
         if status != rpc_wire::STATUS_OK {
             self.idle.lock().push(conn);
             let text = String::from_utf8_lossy(&out);
@@ -351,6 +369,9 @@ impl FramedPool {
             .map_err(fail)?;
         stream.set_nodelay(true).map_err(fail)?;
         let mut stream = stream;
+        prove(&mut stream, self.credential.as_ref(), self.connect_timeout)
+            .await
+            .map_err(|e| ApiError::new(e.code(), format!("master {}: {e}", self.addr)))?;
         stream.write_all(&rpc_wire::hello()).await.map_err(fail)?;
         let mut hello = [0u8; rpc_wire::HELLO_LEN];
         stream.read_exact(&mut hello).await.map_err(fail)?;

@@ -5,6 +5,7 @@
 use std::{future::Future, time::Duration};
 
 use mooncake_common::{
+    auth::{grpc_channel, Credential},
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
@@ -29,15 +30,20 @@ pub struct GrpcMaster {
 
 impl GrpcMaster {
     /// A master at `addr` ("host:port"); the channel connects on first use. None: the address
-    /// does not make a URI.
-    pub fn new(addr: &str, timeout: Duration, connect_timeout: Duration) -> Option<Self> {
+    /// does not make a URI. With a credential, each connection proves it first.
+    pub fn new(
+        addr: &str,
+        timeout: Duration,
+        connect_timeout: Duration,
+        credential: Option<Credential>,
+    ) -> Option<Self> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .ok()?
             .connect_timeout(connect_timeout)
             .timeout(timeout)
             .tcp_nodelay(true);
         Some(GrpcMaster {
-            client: MasterClient::new(endpoint.connect_lazy())
+            client: MasterClient::new(grpc_channel(endpoint, addr, credential))
                 .max_decoding_message_size(256 << 20)
                 .max_encoding_message_size(256 << 20),
             timeout,
@@ -70,12 +76,29 @@ fn status_error(s: &Status, timeout: Duration) -> ApiError {
             format!("master call timed out after {timeout:?}"),
         ),
         tonic::Code::InvalidArgument => ApiError::new(Code::InvalidParams, s.message()),
+        tonic::Code::Unauthenticated => ApiError::new(Code::Unauthenticated, s.message()),
+        // The connection's proof failed (the connector reports it as an I/O error).
+        _ if refused_proof(s) => ApiError::new(Code::Unauthenticated, format!("{s}")),
         // A master that is not (or no longer) the elected leader.
         tonic::Code::Unavailable if s.message().contains("not the elected leader") => {
             ApiError::new(Code::UnavailableInCurrentStatus, s.message())
         }
         c => ApiError::rpc(format!("{c}: {}", s.message())),
     }
+}
+
+/// Whether the status comes from a connection whose authentication was refused.
+fn refused_proof(s: &Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
+    while let Some(e) = source {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 fn put_refs(puts: &[(&str, u64)]) -> Vec<pb::PutRef> {

@@ -59,15 +59,18 @@ fn wire_adapter(config: &ClientConfig, addr: &str) -> Result<Arc<dyn MasterApi>,
     {
         return Err(bad());
     }
+    let credential = config.credential()?;
     Ok(match config.master_protocol {
         MasterProtocol::Framed => Arc::new(FramedMaster::new(
             addr,
             config.rpc_timeout,
             config.connect_timeout,
             config.master_spin,
+            credential,
         )),
         MasterProtocol::Grpc => Arc::new(
-            GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout).ok_or_else(bad)?,
+            GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout, credential)
+                .ok_or_else(bad)?,
         ),
     })
 }

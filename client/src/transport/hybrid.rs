@@ -75,14 +75,15 @@ impl HybridTransport {
         if !path.exists() {
             return Route::Tcp;
         }
-        let (seg, timeout, conns, threads) = (
+        let (seg, timeout, conns, threads, credential) = (
             target.clone(),
             self.config.tcp.connect_timeout,
             self.config.tcp.connections_per_owner,
             self.config.copy_threads,
+            self.config.tcp.credential.clone(),
         );
         let connected = tokio::task::spawn_blocking(move || {
-            LocalOwner::connect(&path, &seg, timeout, conns, threads)
+            LocalOwner::connect(&path, &seg, timeout, conns, threads, credential)
         })
         .await;
         match connected {

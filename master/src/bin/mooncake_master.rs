@@ -82,6 +82,9 @@ struct Args {
     /// The address published to clients and owners when this master leads.
     #[arg(long = "advertise_address", alias = "advertise-address")]
     advertise_address: Option<String>,
+    /// A file holding the cluster's secret: every RPC connection must prove it holds it.
+    #[arg(long = "auth_token_file", alias = "auth-token-file")]
+    auth_token_file: Option<std::path::PathBuf>,
 }
 
 fn ms(s: &str) -> Result<Duration, String> {
@@ -123,6 +126,9 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         ha_lease_ttl <- args.ha_lease_ttl,
         advertise_address <- args.advertise_address,
     );
+    if args.auth_token_file.is_some() {
+        c.auth_token_file = args.auth_token_file;
+    }
     if args.eager_offload {
         c.eager_offload = true;
     }

@@ -85,6 +85,39 @@ pub async fn serve(
     }
 }
 
+/// Answers a framed connection that did not authenticate where the master requires it: the
+/// hello, then its first request with `STATUS_UNAUTHENTICATED` and the reason, then closes.
+pub async fn refuse(stream: TcpStream, timeout: Duration) -> io::Result<()> {
+    let (mut r, mut w) = stream.into_split();
+    let exchange = async {
+        let mut hello = [0u8; rpc_wire::HELLO_LEN];
+        r.read_exact(&mut hello).await?;
+        w.write_all(&rpc_wire::hello()).await?;
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        r.read_exact(&mut h).await?;
+        let (len, _, id) = rpc_wire::decode_header(&h)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        // Read the request (when small) so that closing does not reset the connection before
+        // the peer has read the answer.
+        if len <= 1 << 20 {
+            let mut body = vec![0u8; len];
+            r.read_exact(&mut body).await?;
+        }
+        let why = mooncake_common::auth::AUTH_REQUIRED.as_bytes();
+        w.write_all(&rpc_wire::encode_header(
+            why.len(),
+            rpc_wire::STATUS_UNAUTHENTICATED as u32,
+            id,
+        ))
+        .await?;
+        w.write_all(why).await?;
+        w.flush().await
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+}
+
 async fn call<Req, Resp, F, Fut>(body: &[u8], f: F) -> (i32, Vec<u8>)
 where
     Req: Message + Default,

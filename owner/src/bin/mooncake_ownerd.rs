@@ -62,6 +62,9 @@ struct Args {
     /// SSD I/O engine: auto, uring or pread.
     #[arg(long)]
     ssd_engine: Option<EngineKind>,
+    /// A file holding the cluster's secret (as the master's --auth_token_file).
+    #[arg(long = "auth_token_file", alias = "auth-token-file")]
+    auth_token_file: Option<PathBuf>,
 }
 
 fn config(args: Args) -> Result<OwnerConfig, String> {
@@ -86,6 +89,9 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     );
     if args.ssd_path.is_some() {
         c.ssd_path = args.ssd_path;
+    }
+    if args.auth_token_file.is_some() {
+        c.auth_token_file = args.auth_token_file;
     }
     if args.ready_file.is_some() {
         c.ready_file = args.ready_file;

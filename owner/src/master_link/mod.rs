@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use mooncake_common::{ClientId, Code, ObjectKey, SegmentName};
+use mooncake_common::{auth::Credential, ClientId, Code, ObjectKey, SegmentName};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -63,6 +63,8 @@ pub struct MasterLink {
     /// The epoch of the master this owner is mounted at (0: none yet): work of any other is
     /// refused, and a heartbeat answered by another one means mounting again.
     epoch: Arc<std::sync::atomic::AtomicU64>,
+    /// Proved to the master and to other owners (copies read from them).
+    credential: Option<Credential>,
 }
 
 impl MasterLink {
@@ -76,9 +78,15 @@ impl MasterLink {
         rpc_timeout: Duration,
         ssd: Option<Arc<SsdStore>>,
         catalog: Arc<Catalog>,
+        credential: Option<Credential>,
     ) -> Result<Self, LinkError> {
         Ok(MasterLink {
-            target: Arc::new(Target::new(master, cluster_id, rpc_timeout)?),
+            target: Arc::new(Target::new(
+                master,
+                cluster_id,
+                rpc_timeout,
+                credential.clone(),
+            )?),
             owner,
             segment,
             size,
@@ -86,7 +94,13 @@ impl MasterLink {
             ssd,
             catalog,
             epoch: Arc::default(),
+            credential,
         })
+    }
+
+    /// What this owner proves to its peers.
+    pub fn credential(&self) -> Option<&Credential> {
+        self.credential.as_ref()
     }
 
     /// A call to the master at `addr` got no answer: with etcd, the leader is looked up again.

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use mooncake_common::{
+    auth::{authenticate, Credential},
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, SegmentName,
 };
@@ -22,6 +23,8 @@ pub struct PeerRead<'a> {
     pub offset: u64,
     pub size: u64,
     pub from_disk: bool,
+    /// Proved on the connection (the peer refuses one without it when it has a keyring).
+    pub credential: Option<&'a Credential>,
 }
 
 /// Why a peer read failed: the code for the master and a message for people.
@@ -45,6 +48,12 @@ async fn exchange(r: &PeerRead<'_>) -> Result<Vec<u8>, PeerError> {
     let io = |e: std::io::Error| (Code::TransferFail, format!("{}: {e}", r.segment));
     let mut stream = TcpStream::connect(r.segment.as_str()).await.map_err(io)?;
     stream.set_nodelay(true).map_err(io)?;
+    // The whole exchange, proof included, runs under the caller's deadline.
+    if let Some(credential) = r.credential {
+        authenticate(&mut stream, credential)
+            .await
+            .map_err(|e| (e.code(), format!("{}: {e}", r.segment)))?;
+    }
     let op = if r.from_disk { Op::ReadDisk } else { Op::Read };
     let header = RequestHeader {
         op,

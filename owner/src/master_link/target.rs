@@ -4,7 +4,10 @@
 
 use std::time::Duration;
 
-use mooncake_common::leader::{LeaderLookup, MasterAddress};
+use mooncake_common::{
+    auth::{grpc_channel, Credential},
+    leader::{LeaderLookup, MasterAddress},
+};
 use mooncake_proto::master::master_client::MasterClient;
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
@@ -16,16 +19,26 @@ pub(super) struct Target {
     given: String,
     lookup: Option<LeaderLookup>,
     rpc_timeout: Duration,
+    credential: Option<Credential>,
     current: Mutex<Option<(String, MasterClient<Channel>)>>,
 }
 
 impl Target {
-    pub fn new(master: &str, cluster_id: &str, rpc_timeout: Duration) -> Result<Self, LinkError> {
+    pub fn new(
+        master: &str,
+        cluster_id: &str,
+        rpc_timeout: Duration,
+        credential: Option<Credential>,
+    ) -> Result<Self, LinkError> {
         let bad = |_| LinkError::BadAddress(master.to_string());
         let (lookup, current) = match MasterAddress::parse(master).map_err(bad)? {
-            MasterAddress::Fixed(addr) => {
-                (None, Some((addr.clone(), channel(&addr, rpc_timeout)?)))
-            }
+            MasterAddress::Fixed(addr) => (
+                None,
+                Some((
+                    addr.clone(),
+                    channel(&addr, rpc_timeout, credential.clone())?,
+                )),
+            ),
             MasterAddress::Etcd(endpoints) => (
                 Some(LeaderLookup::new(endpoints, cluster_id, rpc_timeout)),
                 None,
@@ -35,6 +48,7 @@ impl Target {
             given: master.to_string(),
             lookup,
             rpc_timeout,
+            credential,
             current: Mutex::new(current),
         })
     }
@@ -62,7 +76,7 @@ impl Target {
             })?;
         let c = (
             leader.address.clone(),
-            channel(&leader.address, self.rpc_timeout)?,
+            channel(&leader.address, self.rpc_timeout, self.credential.clone())?,
         );
         tracing::info!(leader = %leader.address, term = leader.term, "following the elected master");
         *self.current.lock() = Some(c.clone());
@@ -80,11 +94,15 @@ impl Target {
     }
 }
 
-fn channel(addr: &str, rpc_timeout: Duration) -> Result<MasterClient<Channel>, LinkError> {
+fn channel(
+    addr: &str,
+    rpc_timeout: Duration,
+    credential: Option<Credential>,
+) -> Result<MasterClient<Channel>, LinkError> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|_| LinkError::BadAddress(addr.to_string()))?
         .connect_timeout(rpc_timeout)
         .timeout(rpc_timeout)
         .tcp_nodelay(true);
-    Ok(MasterClient::new(endpoint.connect_lazy()))
+    Ok(MasterClient::new(grpc_channel(endpoint, addr, credential)))
 }

@@ -245,6 +245,7 @@ impl Worker {
             offset: t.source_offset,
             size: t.size,
             from_disk: t.source_tier == pb::ReplicaTier::Disk as i32,
+            credential: self.link.credential(),
         };
         let value = peer_read::read(read, self.copy_timeout)
             .await

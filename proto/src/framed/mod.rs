@@ -28,6 +28,9 @@ pub const STATUS_BAD_REQUEST: i32 = 1;
 pub const STATUS_INTERNAL: i32 = 2;
 /// This master may not answer (not the elected leader): ask etcd for the leader and retry there.
 pub const STATUS_UNAVAILABLE: i32 = 3;
+/// The connection did not authenticate where the master requires it (see
+/// `mooncake_common::auth`); the body says what to configure. The master closes it after this.
+pub const STATUS_UNAUTHENTICATED: i32 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]

@@ -15,6 +15,7 @@ use std::{
 };
 
 use mooncake_common::{
+    auth::{authenticate_blocking, AuthError, Credential, AUTH_REQUIRED},
     local::{self, frame_header, FrameReader, FrameWriter, Item, LocalOp},
     transport::{parts_len, ReadItem, TransferError, WriteItem},
     Code, SegmentName,
@@ -110,6 +111,8 @@ pub struct LocalOwner {
     timeout: Duration,
     /// Threads a large batch's copies may use (1: the calling thread only).
     copy_threads: usize,
+    /// Proved on every new connection to the owner's socket.
+    credential: Option<Credential>,
 }
 
 impl LocalOwner {
@@ -121,8 +124,9 @@ impl LocalOwner {
         timeout: Duration,
         conns: usize,
         copy_threads: usize,
+        credential: Option<Credential>,
     ) -> io::Result<LocalOwner> {
-        let (stream, fd, size) = hello(path, segment, timeout)?;
+        let (stream, fd, size) = hello(path, segment, timeout, credential.as_ref())?;
         let fd =
             fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
         let pool = SharedPool::map(fd, size)?;
@@ -135,6 +139,7 @@ impl LocalOwner {
             permits: Arc::new(Semaphore::new(conns.max(1))),
             timeout,
             copy_threads,
+            credential,
         })
     }
 
@@ -158,10 +163,14 @@ impl LocalOwner {
         let stream = match pooled {
             Some(s) => s,
             None => {
-                let (path, segment, timeout) =
-                    (self.path.clone(), self.segment.clone(), self.timeout);
+                let (path, segment, timeout, credential) = (
+                    self.path.clone(),
+                    self.segment.clone(),
+                    self.timeout,
+                    self.credential.clone(),
+                );
                 let std_stream = tokio::task::spawn_blocking(move || {
-                    hello(&path, &segment, timeout).map(|(s, _, _)| s)
+                    hello(&path, &segment, timeout, credential.as_ref()).map(|(s, _, _)| s)
                 })
                 .await
                 .map_err(|e| self.io_err(io::Error::other(e)))?
@@ -364,15 +373,20 @@ impl LocalOwner {
     }
 }
 
-/// Opens a control connection: hello, then the owner's answer with the pool size and its memfd.
+/// Opens a control connection: the credential's proof (with one), hello, then the owner's
+/// answer with the pool size and its memfd.
 fn hello(
     path: &Path,
     segment: &SegmentName,
     timeout: Duration,
+    credential: Option<&Credential>,
 ) -> io::Result<(StdUnixStream, Option<std::os::fd::OwnedFd>, u64)> {
     let mut stream = StdUnixStream::connect(path)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
+    if let Some(credential) = credential {
+        authenticate_blocking(&mut stream, credential).map_err(AuthError::into_io)?;
+    }
     let mut w = FrameWriter::new(LocalOp::Hello);
     w.u8(local::VERSION).bytes(segment.as_str().as_bytes());
     stream.write_all(&w.finish())?;
@@ -390,6 +404,12 @@ fn hello(
     let size = r
         .u64()
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if op == LocalOp::Hello && status == Code::Unauthenticated.as_i32() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("owner at {}: {AUTH_REQUIRED}", path.display()),
+        ));
+    }
     if op != LocalOp::Hello || status != 0 {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,

@@ -12,6 +12,7 @@ use std::{
 
 use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
+    auth::{prove, Credential},
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
     ObjectKey, SegmentName, Stamp,
@@ -38,6 +39,8 @@ pub struct TcpConfig {
     /// may block it while its threads work. Otherwise batches on such a runtime stay on it (a
     /// multi-threaded runtime hands its other tasks to another thread first).
     pub dedicated_runtime: bool,
+    /// Proved on every new connection (owners with a keyring refuse connections without it).
+    pub credential: Option<Credential>,
 }
 
 pub struct TcpTransport {
@@ -179,6 +182,18 @@ impl TcpTransport {
             }
         };
         stream.set_nodelay(true).map_err(err)?;
+        let mut stream = stream;
+        prove(
+            &mut stream,
+            self.config.credential.as_ref(),
+            self.config.connect_timeout,
+        )
+        .await
+        .map_err(|e| TransferError::Remote {
+            target: target.clone(),
+            code: e.code(),
+            message: e.to_string(),
+        })?;
         Ok(Conn {
             stream,
             next_id: 1,
