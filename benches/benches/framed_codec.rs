@@ -22,6 +22,7 @@ fn replica(i: usize) -> replicas::ReplicaRef<'static> {
         size: 1 << 20,
         tier: 0,
         put_id: 0,
+        seal: &[],
     }
 }
 

@@ -207,6 +207,7 @@ impl Client {
                     key: job.key,
                     offset: loc.offset,
                     put_id: loc.put_id,
+                    seal: loc.seal,
                     parts: &mut job.dst[..],
                 },
             );
@@ -341,18 +342,16 @@ impl Client {
         key: &ObjectKey,
         dst: &mut [&mut [u8]],
     ) -> Result<(), TransferError> {
-        if loc.tier == Tier::Memory {
-            return self
-                .transport
-                .read(&loc.segment, key, loc.offset, loc.put_id, dst)
-                .await;
-        }
         let mut items = [ReadItem {
             key,
             offset: loc.offset,
             put_id: loc.put_id,
+            seal: loc.seal,
             parts: dst,
         }];
+        if loc.tier == Tier::Memory {
+            return self.transport.read(&loc.segment, &mut items[0]).await;
+        }
         self.transport
             .read_disk_batch(&loc.segment, &mut items)
             .await

@@ -139,6 +139,7 @@ impl Client {
                         key,
                         offset: rep.offset,
                         stamp: Stamp::new(grant.put_id, config),
+                        seal: rep.seal,
                         parts: items[*i].1,
                     },
                 );

@@ -13,15 +13,19 @@
 //! EndWrite   (c->o) u32 n | n x (u64 offset, u64 len, u8 commit)   reply: as BeginWrite
 //! BeginRead  (c->o) u32 n | n x item          reply: as BeginWrite
 //! EndRead    (c->o) u32 n | n x (u64 offset, u64 len)              no reply
-//! item: u64 offset | u64 len | u64 grant | u16 flags | u16 key length | key
+//! item: u64 offset | u64 len | u64 grant | u16 flags | seal [24] | u16 key length | key
 //! ```
 //!
-//! An item's grant and flags mean what they mean in a TCP request header (`wire`): a write's
+//! An item's grant, flags and seal mean what they mean in a TCP request header (`wire`): a write's
 //! stamp, or the version a read must find.
 
 use std::path::{Path, PathBuf};
 
-use crate::{ids::MAX_KEY_LEN, SegmentName};
+use crate::{
+    auth::{Seal, SEAL_LEN},
+    ids::MAX_KEY_LEN,
+    SegmentName,
+};
 
 /// Environment variable naming the directory of owners' sockets (both sides must agree).
 pub const SOCKET_DIR_ENV: &str = "MOONCAKE_SOCKET_DIR";
@@ -29,7 +33,7 @@ pub const SOCKET_DIR_ENV: &str = "MOONCAKE_SOCKET_DIR";
 pub const SHM_ENV: &str = "MOONCAKE_SHM";
 pub const DEFAULT_SOCKET_DIR: &str = "/tmp";
 /// The protocol's version, the first byte of a hello; an owner refuses another.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Largest control frame; a batch of thousands of keys fits many times over.
 pub const MAX_FRAME: usize = 64 << 20;
 pub const MAX_ITEMS: usize = 1 << 20;
@@ -86,6 +90,8 @@ pub struct Item<K> {
     pub len: u64,
     pub grant: u64,
     pub flags: u16,
+    /// The master's seal on the access (see `auth::seal`).
+    pub seal: Seal,
     pub key: K,
 }
 
@@ -130,6 +136,7 @@ impl FrameWriter {
         let key = item.key;
         self.u64(item.offset).u64(item.len).u64(item.grant);
         self.buf.extend_from_slice(&item.flags.to_le_bytes());
+        self.buf.extend_from_slice(item.seal.as_bytes());
         self.buf
             .extend_from_slice(&(key.len() as u16).to_le_bytes());
         self.bytes(key.as_bytes())
@@ -198,6 +205,7 @@ impl<'a> FrameReader<'a> {
         let len = self.u64()?;
         let grant = self.u64()?;
         let flags = self.u16()?;
+        let seal = Seal::from_bytes(self.take(SEAL_LEN)?).expect("24 bytes");
         let klen = self.u16()? as usize;
         if klen == 0 || klen > MAX_KEY_LEN {
             return Err(LocalFrameError("bad key length"));
@@ -207,6 +215,7 @@ impl<'a> FrameReader<'a> {
             len,
             grant,
             flags,
+            seal,
             key: self.take(klen)?,
         })
     }
@@ -248,6 +257,7 @@ mod tests {
             len: 100,
             grant: 9,
             flags: 3,
+            seal: Seal::new(123, [7; 16]),
             key: "a",
         };
         let b = Item {
@@ -255,6 +265,7 @@ mod tests {
             len: 7,
             grant: u64::MAX,
             flags: 0,
+            seal: Seal::default(),
             key: "key-2",
         };
         w.u32(2).item(a).item(b);
@@ -268,6 +279,7 @@ mod tests {
             len: i.len,
             grant: i.grant,
             flags: i.flags,
+            seal: i.seal,
             key: i.key.as_bytes(),
         };
         assert_eq!(r.item().unwrap(), bytes(a));

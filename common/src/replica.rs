@@ -2,7 +2,7 @@
 //! the client and their wire adapters share. The wire forms (`mooncake_proto`'s generated
 //! `ReplicaLocation` and the codecs' borrowed `ReplicaRef`) are translated to these at the edges.
 
-use crate::SegmentName;
+use crate::{auth::Seal, SegmentName};
 
 /// Which tier a replica lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -22,6 +22,9 @@ pub struct ReplicaLocation {
     pub tier: Tier,
     /// The object's version; an owner serving a disk replica checks its record against it.
     pub put_id: u64,
+    /// The master's seal on the access this answer grants (a put's write, a get's read), which
+    /// the owner checks; none in a cluster without a secret.
+    pub seal: Seal,
 }
 
 impl ReplicaLocation {

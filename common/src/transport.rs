@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::future::{join_all, BoxFuture};
 
-use crate::{wire::FrameError, Code, ObjectKey, SegmentName, Stamp};
+use crate::{auth::Seal, wire::FrameError, Code, ObjectKey, SegmentName, Stamp};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -86,12 +86,13 @@ impl TransferError {
     }
 }
 
-/// One object to write in a batch: its key, where it goes, the grant it is written under, and
-/// its bytes in order.
+/// One object to write in a batch: its key, where it goes, the grant it is written under (and
+/// the master's seal on it), and its bytes in order.
 pub struct WriteItem<'a> {
     pub key: &'a ObjectKey,
     pub offset: u64,
     pub stamp: Stamp,
+    pub seal: Seal,
     pub parts: &'a [&'a [u8]],
 }
 
@@ -101,6 +102,8 @@ pub struct ReadItem<'a, 'b> {
     pub key: &'a ObjectKey,
     pub offset: u64,
     pub put_id: u64,
+    /// The master's seal on the read (see `auth::seal`).
+    pub seal: Seal,
     pub parts: &'a mut [&'b mut [u8]],
 }
 
@@ -154,27 +157,21 @@ pub struct TransferStats {
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
 /// scattered over several caller buffers (e.g. K and V): `parts` are its bytes in order.
 pub trait DataTransport: Send + Sync + 'static {
-    /// Writes the concatenation of `parts` at `offset` of `target`'s segment, naming the key and
-    /// stamp the range now holds. Returns only after the owner acknowledged that the bytes
-    /// landed; an owner that already saw a later grant of the range refuses.
+    /// Writes the concatenation of the item's parts at its offset of `target`'s segment, naming
+    /// the key and stamp the range now holds. Returns only after the owner acknowledged that the
+    /// bytes landed; an owner that already saw a later grant of the range refuses.
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        stamp: Stamp,
-        parts: &'a [&'a [u8]],
+        item: &'a WriteItem<'a>,
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 
-    /// Fills `parts`, in order, from `offset` of `target`'s segment, which must hold version
-    /// `put_id` of `key`; the range read is as long as the parts together.
-    fn read<'a, 'b: 'a>(
+    /// Fills the item's parts, in order, from its offset of `target`'s segment, which must hold
+    /// version `put_id` of its key; the range read is as long as the parts together.
+    fn read<'a, 'k: 'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        put_id: u64,
-        parts: &'a mut [&'b mut [u8]],
+        item: &'a mut ReadItem<'k, 'b>,
     ) -> BoxFuture<'a, Result<(), TransferError>>;
 
     /// Writes several objects to one owner; one result per item, in order. Transports that can
@@ -184,11 +181,7 @@ pub trait DataTransport: Send + Sync + 'static {
         target: &'a SegmentName,
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(join_all(
-            items
-                .iter()
-                .map(|i| self.write(target, i.key, i.offset, i.stamp, i.parts)),
-        ))
+        Box::pin(join_all(items.iter().map(|i| self.write(target, i))))
     }
 
     /// Reads several objects from one owner; one result per item, in order.
@@ -197,11 +190,7 @@ pub trait DataTransport: Send + Sync + 'static {
         target: &'a SegmentName,
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(join_all(
-            items
-                .iter_mut()
-                .map(|i| self.read(target, i.key, i.offset, i.put_id, i.parts)),
-        ))
+        Box::pin(join_all(items.iter_mut().map(|i| self.read(target, i))))
     }
 
     /// Reads several objects from the SSD tier of one owner, which reads each from disk and

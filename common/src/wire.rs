@@ -4,19 +4,20 @@
 //! encoded here: payloads move straight between sockets and the owner's pool or the caller's buffer.
 //!
 //! ```text
-//! request  (40 B): magic u16 | version u8 | op u8 | key_len u16 | flags u16 | request_id u64 | offset u64 | length u64 | grant u64
+//! request  (64 B): magic u16 | version u8 | op u8 | key_len u16 | flags u16 | request_id u64 | offset u64 | length u64 | grant u64 | seal [24]
 //! response (24 B): magic u16 | version u8 | op u8 | status i32 | request_id u64 | length u64
 //! ```
 //!
 //! `grant` is the put id the access belongs to: a write's own (the owner fences a write whose
 //! grant is older than one it already saw for the range), the version a read or a disk read must
-//! find. A write's `flags` carry the rest of its `Stamp` (replica count and pins).
+//! find. A write's `flags` carry the rest of its `Stamp` (replica count and pins). `seal` is the
+//! master's seal on the grant or lease (see `auth::seal`), all zero in a cluster without a secret.
 
-use crate::{ids::MAX_KEY_LEN, Code};
+use crate::{auth::Seal, ids::MAX_KEY_LEN, Code};
 
 pub const MAGIC: u16 = 0x4D43; // "MC"
-pub const VERSION: u8 = 2;
-pub const REQUEST_HEADER_LEN: usize = 40;
+pub const VERSION: u8 = 3;
+pub const REQUEST_HEADER_LEN: usize = 64;
 pub const RESPONSE_HEADER_LEN: usize = 24;
 /// Longest error message an owner sends back; longer ones are truncated by the sender.
 pub const MAX_ERROR_MESSAGE: u64 = 1024;
@@ -100,6 +101,7 @@ pub struct RequestHeader {
     pub offset: u64,
     pub length: u64,
     pub grant: u64,
+    pub seal: Seal,
 }
 
 impl RequestHeader {
@@ -114,6 +116,7 @@ impl RequestHeader {
         b[16..24].copy_from_slice(&self.offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.length.to_le_bytes());
         b[32..40].copy_from_slice(&self.grant.to_le_bytes());
+        b[40..64].copy_from_slice(self.seal.as_bytes());
         b
     }
 
@@ -140,6 +143,7 @@ impl RequestHeader {
             offset: u64_at(b, 16),
             length,
             grant: u64_at(b, 32),
+            seal: Seal::from_bytes(&b[40..64]).expect("24 bytes"),
         })
     }
 
@@ -228,9 +232,11 @@ mod tests {
     proptest! {
         #[test]
         fn request_round_trips(op in op(), key_len in 1u16..=MAX_KEY_LEN as u16, flags: u16,
-                               request_id: u64, offset: u64, length in 0..=MAX_PAYLOAD, grant: u64) {
+                               request_id: u64, offset: u64, length in 0..=MAX_PAYLOAD, grant: u64,
+                               expiry_us: u64, tag: [u8; 16]) {
             let key_len = if op == Op::Ping { 0 } else { key_len };
-            let h = RequestHeader { op, key_len, flags, request_id, offset, length, grant };
+            let seal = Seal::new(expiry_us, tag);
+            let h = RequestHeader { op, key_len, flags, request_id, offset, length, grant, seal };
             prop_assert_eq!(RequestHeader::decode(&h.encode()), Ok(h));
         }
 
@@ -261,6 +267,7 @@ mod tests {
             offset: 0,
             length: 10,
             grant: 7,
+            seal: Seal::default(),
         };
         let mut b = good.encode();
         b[0] = 0;

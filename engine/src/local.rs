@@ -133,6 +133,7 @@ impl SameHost {
             offset: 0,
             length: payload.len() as u64,
             grant: 0,
+            seal: Default::default(),
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(target.as_bytes());

@@ -286,6 +286,7 @@ impl Requester {
                         key: &key,
                         offset: r.remote,
                         stamp,
+                        seal: Default::default(),
                         parts: p,
                     })
                     .collect();
@@ -308,6 +309,7 @@ impl Requester {
                         key: &key,
                         offset: r.remote,
                         put_id: 0,
+                        seal: Default::default(),
                         parts: p,
                     })
                     .collect();

@@ -123,6 +123,7 @@ impl Small {
             offset: remote,
             length: len as u64,
             grant: 0,
+            seal: Default::default(),
         };
         let mut frame = Vec::with_capacity(wire::REQUEST_HEADER_LEN + target.len() + len);
         frame.extend_from_slice(&h.encode());

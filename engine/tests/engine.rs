@@ -531,6 +531,7 @@ async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
         offset: 0,
         length: 16,
         grant: 0,
+        seal: Default::default(),
     }
     .encode()
     .to_vec();

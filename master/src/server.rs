@@ -3,7 +3,7 @@
 
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
-use mooncake_common::auth::{admit_tcp, Admission, Keyring, AUTH_REQUIRED};
+use mooncake_common::auth::{admit_tcp, Admission, Keyring, ServerAuth, AUTH_REQUIRED};
 use mooncake_proto::master::master_server::MasterServer;
 use tokio::{
     net::{TcpListener, TcpStream},
@@ -92,12 +92,11 @@ impl RunningMaster {
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
 
-        let keyring = match &config.auth_token_file {
-            Some(path) => {
-                Some(Arc::new(Keyring::cluster_from_file(path).map_err(|e| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
-                })?))
-            }
+        let auth = match &config.auth_token_file {
+            Some(path) => Some(
+                ServerAuth::from_file(path)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            ),
             None => {
                 tracing::warn!(
                     "the master runs open: no auth_token_file, so any peer that reaches the RPC \
@@ -106,7 +105,10 @@ impl RunningMaster {
                 None
             }
         };
-        let service = Arc::new(MasterService::new(shared.clone()));
+        let service = Arc::new(MasterService::new(
+            shared.clone(),
+            auth.as_ref().map(|a| a.seals.clone()),
+        ));
         let grpc = GrpcMaster(service.clone());
         let leader = service.clone();
         let svc = tonic::service::interceptor::InterceptedService::new(
@@ -138,7 +140,7 @@ impl RunningMaster {
                 grpc: grpc_tx,
                 refused: refused_tx,
                 service: grpc,
-                keyring,
+                keyring: auth.map(|a| Arc::new(a.keyring)),
             },
             stopped.clone(),
         )));

@@ -3,10 +3,7 @@
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
-use mooncake_common::{
-    auth::{Keyring, CLUSTER},
-    ClientId, SegmentName,
-};
+use mooncake_common::{auth::ServerAuth, ClientId, SegmentName};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 use crate::{
@@ -15,6 +12,7 @@ use crate::{
     dataplane,
     master_link::{tasks::Worker, LinkError, MasterLink},
     pool::MemoryPool,
+    seals::{Gate, Seals},
     ssd::{SsdError, SsdStore},
 };
 
@@ -59,13 +57,10 @@ pub struct RunningOwner {
 impl RunningOwner {
     pub async fn start(config: OwnerConfig) -> Result<RunningOwner, OwnerError> {
         config.validate().map_err(OwnerError::Config)?;
-        let keyring = match &config.auth_token_file {
-            Some(path) => Some(Arc::new(
-                Keyring::cluster_from_file(path).map_err(OwnerError::Config)?,
-            )),
+        let auth = match &config.auth_token_file {
+            Some(path) => Some(ServerAuth::from_file(path).map_err(OwnerError::Config)?),
             None => None,
         };
-        let credential = keyring.as_ref().and_then(|k| k.credential(CLUSTER));
         let size = config.segment_size.bytes();
         let pool = Arc::new(
             MemoryPool::create(size, config.lock_memory)
@@ -99,13 +94,19 @@ impl RunningOwner {
             ),
             None => None,
         };
+        let gate = auth.as_ref().map(|a| {
+            Arc::new(Gate {
+                seals: Seals::new(a.seals.clone(), segment.clone()),
+                keyring: a.keyring.clone(),
+            })
+        });
         let (stop, stopped) = watch::channel(false);
         let mut tasks = vec![tokio::spawn(dataplane::serve(
             listener,
             pool.clone(),
             catalog.clone(),
             ssd.clone(),
-            keyring.clone(),
+            gate.clone(),
             config.frame_timeout,
             stopped.clone(),
         ))];
@@ -120,7 +121,7 @@ impl RunningOwner {
                         segment: segment.clone(),
                         frame_timeout: config.frame_timeout,
                         path: path.clone(),
-                        keyring: keyring.clone(),
+                        gate: gate.clone(),
                     });
                     tasks.push(tokio::spawn(server.serve(listener, stopped.clone())));
                     Some(path)
@@ -143,7 +144,7 @@ impl RunningOwner {
             config.rpc_timeout,
             ssd.clone(),
             catalog.clone(),
-            credential,
+            auth.as_ref(),
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);

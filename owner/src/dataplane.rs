@@ -6,7 +6,7 @@
 use std::{io, sync::Arc, time::Duration};
 
 use mooncake_common::{
-    auth::{admit_tcp, Admission, Keyring, AUTH_REQUIRED},
+    auth::{admit_tcp, Access, Admission, AUTH_REQUIRED},
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, Stamp,
 };
@@ -20,6 +20,7 @@ use crate::{
     catalog::Catalog,
     pool::{MemoryPool, Supersession},
     replies::Replies,
+    seals::{Denied, Gate},
     ssd::SsdStore,
 };
 
@@ -29,7 +30,7 @@ pub async fn serve(
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
-    keyring: Option<Arc<Keyring>>,
+    gate: Option<Arc<Gate>>,
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -38,11 +39,12 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((mut stream, peer)) => {
                     let (pool, catalog, ssd, stop) = (pool.clone(), catalog.clone(), ssd.clone(), stop.clone());
-                    let keyring = keyring.clone();
+                    let gate = gate.clone();
                     tokio::spawn(async move {
-                        let served = match admit_tcp(&mut stream, keyring.as_deref(), frame_timeout).await {
+                        let keyring = gate.as_ref().map(|g| &g.keyring);
+                        let served = match admit_tcp(&mut stream, keyring, frame_timeout).await {
                             Ok(Admission::Unauthenticated) => refuse(stream, frame_timeout).await,
-                            Ok(_) => Connection::new(stream, pool, catalog, ssd, frame_timeout).run(stop).await,
+                            Ok(_) => Connection::new(stream, pool, catalog, ssd, gate, frame_timeout).run(stop).await,
                             Err(e) => Err(e),
                         };
                         if let Err(e) = served {
@@ -113,6 +115,8 @@ struct Connection {
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
+    /// The master's seals every access must carry (a cluster with a secret).
+    gate: Option<Arc<Gate>>,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
 }
@@ -146,6 +150,7 @@ impl Connection {
         pool: Arc<MemoryPool>,
         catalog: Arc<Catalog>,
         ssd: Option<Arc<SsdStore>>,
+        gate: Option<Arc<Gate>>,
         frame_timeout: Duration,
     ) -> Self {
         let _ = stream.set_nodelay(true);
@@ -157,6 +162,7 @@ impl Connection {
             pool,
             catalog,
             ssd,
+            gate,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
         }
@@ -300,6 +306,9 @@ impl Connection {
         h: &RequestHeader,
         key: ObjectKey,
     ) -> io::Result<Result<(), Refusal>> {
+        if let Err(d) = self.sealed(Access::Write, h, &key) {
+            return self.drain_then(h.length, d).await;
+        }
         let pool = self.pool.clone();
         let catalog = self.catalog.clone();
         catalog.saw_grant(h.grant);
@@ -371,6 +380,17 @@ impl Connection {
         Ok(Ok(()))
     }
 
+    /// Whether the request carries the master's seal on exactly this access (always, in a
+    /// cluster without a secret).
+    fn sealed(&self, access: Access, h: &RequestHeader, key: &ObjectKey) -> Result<(), Refusal> {
+        let Some(gate) = &self.gate else {
+            return Ok(());
+        };
+        gate.seals
+            .check(access, key, h.offset, h.length, h.grant, &h.seal)
+            .map_err(|Denied(code, message)| Refusal { code, message })
+    }
+
     /// Consumes `len` payload bytes so the connection stays at a frame boundary, then refuses.
     async fn drain_then(&mut self, len: u64, refusal: Refusal) -> io::Result<Result<(), Refusal>> {
         if !self.drain(len).await? {
@@ -384,6 +404,9 @@ impl Connection {
         h: &RequestHeader,
         key: &ObjectKey,
     ) -> io::Result<Result<(), Refusal>> {
+        if let Err(d) = self.sealed(Access::Read, h, key) {
+            return Ok(Err(d));
+        }
         if let Err(e) = self.pool.check_range(h.offset, h.length) {
             return Ok(Err(Refusal {
                 code: Code::InvalidParams,
@@ -427,6 +450,9 @@ impl Connection {
         h: &RequestHeader,
         key: &ObjectKey,
     ) -> io::Result<Result<(), Refusal>> {
+        if let Err(d) = self.sealed(Access::Read, h, key) {
+            return Ok(Err(d));
+        }
         let Some(ssd) = &self.ssd else {
             return Ok(Err(Refusal {
                 code: Code::ObjectNotFound,

@@ -1,6 +1,6 @@
 //! The owner: contributes a pinned memory pool to the store, mounts it at the master as a
 //! segment named by its data endpoint, and serves reads and writes of ranges of it.
-//! Raw memory access lives in `pool` alone, fd passing in `fdpass`.
+//! Raw memory access lives in `pool` alone, fd passing and peeking in `fdpass`.
 #![deny(unsafe_code)]
 
 pub mod catalog;
@@ -14,6 +14,7 @@ pub mod master_link;
 #[allow(unsafe_code)]
 pub mod pool;
 mod replies;
+pub mod seals;
 pub mod ssd;
 
 pub use config::OwnerConfig;

@@ -12,7 +12,7 @@ use std::{
 };
 
 use mooncake_common::{
-    local::{self, frame_header, FrameReader, FrameWriter, LocalFrameError, LocalOp},
+    local::{self, frame_header, FrameReader, FrameWriter, Item, LocalFrameError, LocalOp},
     Code, ObjectKey, SegmentName, Stamp,
 };
 use tokio::{
@@ -21,12 +21,13 @@ use tokio::{
     sync::watch,
 };
 
-use mooncake_common::auth::{admit, starts_with_hello, Admission, Keyring, HELLO_MAGIC};
+use mooncake_common::auth::{admit, starts_with_hello, Access, Admission, HELLO_MAGIC};
 
 use crate::{
     catalog::Catalog,
     fdpass,
     pool::{MemoryPool, RangeLock},
+    seals::Gate,
 };
 
 /// Binds the socket at `path`, replacing a stale file left by a dead owner.
@@ -47,8 +48,9 @@ pub struct LocalServer {
     pub segment: SegmentName,
     pub frame_timeout: Duration,
     pub path: PathBuf,
-    /// With one, a local client must prove the cluster's secret before it gets the pool's memfd.
-    pub keyring: Option<Arc<Keyring>>,
+    /// With one, a local client must prove the cluster's secret before it gets the pool's
+    /// memfd, and every range it locks must carry the master's seal.
+    pub gate: Option<Arc<Gate>>,
 }
 
 impl LocalServer {
@@ -94,7 +96,7 @@ impl LocalServer {
         match admit(
             &mut stream,
             hello,
-            self.keyring.as_deref(),
+            self.gate.as_ref().map(|g| &g.keyring),
             &peer,
             self.frame_timeout,
         )
@@ -223,8 +225,10 @@ impl LocalServer {
         for _ in 0..n {
             let item = r.item()?;
             let (offset, len) = (item.offset, item.len);
+            let access = if write { Access::Write } else { Access::Read };
             let code = match ObjectKey::from_bytes(item.key) {
                 Err(_) => Code::InvalidParams,
+                Ok(key) if !self.sealed(access, &key, &item) => Code::PermissionDenied,
                 Ok(key) if write => {
                     self.catalog.saw_grant(item.grant);
                     let taken = self
@@ -258,6 +262,16 @@ impl LocalServer {
             w.i32(code.as_i32());
         }
         Ok(w.finish())
+    }
+
+    /// Whether the item carries the master's seal on exactly this access (always, in a cluster
+    /// without a secret).
+    fn sealed(&self, access: Access, key: &ObjectKey, item: &Item<&[u8]>) -> bool {
+        self.gate.as_ref().is_none_or(|g| {
+            g.seals
+                .check(access, key, item.offset, item.len, item.grant, &item.seal)
+                .is_ok()
+        })
     }
 
     fn end_write(

@@ -462,3 +462,63 @@ pub fn metric(text: &str, name: &str) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// One write or read by its fields, through `DataTransport`'s single-item calls (no seal: for
+/// clusters without a secret).
+#[allow(async_fn_in_trait)] // used by this crate's tests only
+pub trait Single {
+    async fn write1(
+        &self,
+        seg: &mooncake_common::SegmentName,
+        key: &mooncake_common::ObjectKey,
+        offset: u64,
+        stamp: mooncake_common::Stamp,
+        parts: &[&[u8]],
+    ) -> Result<(), mooncake_common::transport::TransferError>;
+    async fn read1(
+        &self,
+        seg: &mooncake_common::SegmentName,
+        key: &mooncake_common::ObjectKey,
+        offset: u64,
+        put_id: u64,
+        parts: &mut [&mut [u8]],
+    ) -> Result<(), mooncake_common::transport::TransferError>;
+}
+
+impl<T: mooncake_common::transport::DataTransport + ?Sized> Single for T {
+    async fn write1(
+        &self,
+        seg: &mooncake_common::SegmentName,
+        key: &mooncake_common::ObjectKey,
+        offset: u64,
+        stamp: mooncake_common::Stamp,
+        parts: &[&[u8]],
+    ) -> Result<(), mooncake_common::transport::TransferError> {
+        let item = mooncake_common::transport::WriteItem {
+            key,
+            offset,
+            stamp,
+            seal: mooncake_common::auth::Seal::default(),
+            parts,
+        };
+        self.write(seg, &item).await
+    }
+
+    async fn read1(
+        &self,
+        seg: &mooncake_common::SegmentName,
+        key: &mooncake_common::ObjectKey,
+        offset: u64,
+        put_id: u64,
+        parts: &mut [&mut [u8]],
+    ) -> Result<(), mooncake_common::transport::TransferError> {
+        let mut item = mooncake_common::transport::ReadItem {
+            key,
+            offset,
+            put_id,
+            seal: mooncake_common::auth::Seal::default(),
+            parts,
+        };
+        self.read(seg, &mut item).await
+    }
+}

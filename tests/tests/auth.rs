@@ -99,6 +99,7 @@ async fn read_code(t: &TcpTransport, segment: &str, key: &str) -> Option<Code> {
         key: &key,
         offset: 0,
         put_id: 1,
+        seal: Default::default(),
         parts: &mut parts,
     }];
     let r = t.read_batch(&seg, &mut items).await;
@@ -130,6 +131,7 @@ async fn every_port_refuses_a_peer_without_the_token() {
         offset: 0,
         length: 16,
         grant: 1,
+        seal: Default::default(),
     };
     s.write_all(&h.encode()).await.unwrap();
     s.write_all(key).await.unwrap();
@@ -210,11 +212,12 @@ async fn a_wrong_token_is_refused_on_every_port() {
     let seg = SegmentName::parse(&g.segments[0]).unwrap();
     let path = socket_path(&mooncake_tests::socket_dir(), &seg);
     assert!(LocalOwner::connect(&path, &seg, Duration::from_secs(3), 1, 1, Some(wrong)).is_err());
-    // The right one passes the same doors (the key does not exist: a definite answer).
+    // The right one passes the same doors, to meet the next check: a read the master did not
+    // seal moves no byte.
     let right = credential(&g.token);
     assert_eq!(
         read_code(&tcp(Some(right.clone())), &g.segments[0], "k").await,
-        Some(Code::ObjectNotFound)
+        Some(Code::PermissionDenied)
     );
     assert!(LocalOwner::connect(&path, &seg, Duration::from_secs(3), 1, 1, Some(right)).is_ok());
 }

@@ -23,6 +23,7 @@ fn header(op: Op, key: &str, offset: u64, length: u64) -> Vec<u8> {
         offset,
         length,
         grant: 0,
+        seal: Default::default(),
     }
     .encode()
     .to_vec();

@@ -25,6 +25,7 @@ fn frame(op: Op, key: &str, length: u64, grant: u64) -> Vec<u8> {
         offset: 0,
         length,
         grant,
+        seal: Default::default(),
     }
     .encode()
     .to_vec();

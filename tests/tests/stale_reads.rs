@@ -4,7 +4,7 @@
 
 use mooncake_client::ReplicateConfig;
 use mooncake_common::ObjectKey;
-use mooncake_tests::{payload, transport, Cluster};
+use mooncake_tests::{payload, transport, Cluster, Single};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_location_reused_by_another_key_is_refused() {
@@ -44,7 +44,7 @@ async fn a_stale_location_reused_by_another_key_is_refused() {
     let t = transport(&c.client_config());
     let mut buf = vec![0u8; 4096];
     let err = t
-        .read(
+        .read1(
             &loc.segment,
             &ObjectKey::new("old").unwrap(),
             loc.offset,
@@ -58,7 +58,7 @@ async fn a_stale_location_reused_by_another_key_is_refused() {
         buf.iter().all(|b| *b == 0),
         "no byte of the new object reached the stale reader"
     );
-    t.read(
+    t.read1(
         &loc.segment,
         &ObjectKey::new("new").unwrap(),
         loc.offset,
@@ -86,7 +86,7 @@ async fn a_stale_location_reused_by_another_key_is_refused() {
     assert_eq!(again.replicas[0].offset, loc.offset);
     let mut buf = vec![0u8; 4096];
     let err = t
-        .read(
+        .read1(
             &loc.segment,
             &ObjectKey::new("new").unwrap(),
             loc.offset,

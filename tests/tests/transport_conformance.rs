@@ -9,10 +9,11 @@ use std::sync::{
 
 use mooncake_client::transport::{tcp::TcpConfig, HybridConfig, HybridTransport, TcpTransport};
 use mooncake_common::{
+    auth::Seal,
     transport::{DataTransport, ReadItem, WriteItem},
     ObjectKey, SegmentName, Stamp,
 };
-use mooncake_tests::{payload, Cluster};
+use mooncake_tests::{payload, Cluster, Single};
 
 /// A new grant, larger than every earlier one, as a master issues them.
 fn grant() -> u64 {
@@ -66,11 +67,11 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     let v = payload(name, 10_000);
     let (a, b) = v.split_at(3_000);
     let g = grant();
-    t.write(seg, &k("obj"), 4096, stamp(g), &[a, b])
+    t.write1(seg, &k("obj"), 4096, stamp(g), &[a, b])
         .await
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let (mut x, mut y, mut z) = (vec![0u8; 1], vec![0u8; 8_999], vec![0u8; 1_000]);
-    t.read(
+    t.read1(
         seg,
         &k("obj"),
         4096,
@@ -86,7 +87,7 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     let mut buf = vec![7u8; 10_000];
     for (key, version) in [("other", g), ("obj", g + 1000)] {
         let e = t
-            .read(seg, &k(key), 4096, version, &mut [&mut buf[..]])
+            .read1(seg, &k(key), 4096, version, &mut [&mut buf[..]])
             .await
             .unwrap_err();
         assert_eq!(e.code().as_i32(), -704, "{name}: {e}");
@@ -98,12 +99,12 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
 
     // Out of range, both ways.
     let e = t
-        .write(seg, &k("far"), SEG - 10, stamp(grant()), &[&[1u8; 100][..]])
+        .write1(seg, &k("far"), SEG - 10, stamp(grant()), &[&[1u8; 100][..]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
     let e = t
-        .read(seg, &k("obj"), u64::MAX - 5, g, &mut [&mut buf[..10]])
+        .read1(seg, &k("obj"), u64::MAX - 5, g, &mut [&mut buf[..10]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -600, "{name}: {e}");
@@ -120,18 +121,21 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
             key: &k1,
             offset: 65536,
             stamp: stamp(g1),
+            seal: Seal::default(),
             parts: &p1s,
         },
         WriteItem {
             key: &k3,
             offset: SEG,
             stamp: stamp(g3),
+            seal: Seal::default(),
             parts: &bad,
         },
         WriteItem {
             key: &k2,
             offset: 131072,
             stamp: stamp(g2),
+            seal: Seal::default(),
             parts: &p2s,
         },
     ];
@@ -145,18 +149,21 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
             key: &k2,
             offset: 131072,
             put_id: g2,
+            seal: Seal::default(),
             parts: &mut d2,
         },
         ReadItem {
             key: &k3,
             offset: 200_000,
             put_id: g3,
+            seal: Seal::default(),
             parts: &mut d3,
         },
         ReadItem {
             key: &k1,
             offset: 65536,
             put_id: g1,
+            seal: Seal::default(),
             parts: &mut d1,
         },
     ];
@@ -168,11 +175,11 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     // Rewriting a range under a newer grant replaces its key: the old key no longer reads.
     let newer = grant();
     let nv = payload("newer", 10_000);
-    t.write(seg, &k("newer"), 4096, stamp(newer), &[&nv[..]])
+    t.write1(seg, &k("newer"), 4096, stamp(newer), &[&nv[..]])
         .await
         .unwrap();
     let e = t
-        .read(seg, &k("obj"), 4096, g, &mut [&mut buf[..]])
+        .read1(seg, &k("obj"), 4096, g, &mut [&mut buf[..]])
         .await
         .unwrap_err();
     assert_eq!(e.code().as_i32(), -704, "{name}");
@@ -181,12 +188,12 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     // changes nothing, wherever it overlaps.
     for (offset, len) in [(4096, 10_000), (4000, 200), (14_000, 500)] {
         let e = t
-            .write(seg, &k("obj"), offset, stamp(g), &[&vec![0xEE; len][..]])
+            .write1(seg, &k("obj"), offset, stamp(g), &[&vec![0xEE; len][..]])
             .await
             .unwrap_err();
         assert_eq!(e.code().as_i32(), -800, "{name}: {e}");
     }
-    t.read(seg, &k("newer"), 4096, newer, &mut [&mut buf[..]])
+    t.read1(seg, &k("newer"), 4096, newer, &mut [&mut buf[..]])
         .await
         .unwrap();
     assert!(buf == nv, "{name}: a stale write changed the bytes");
@@ -209,6 +216,7 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
                 key: &keys[i],
                 offset: offset(i),
                 stamp: stamp(grants[i]),
+                seal: Seal::default(),
                 parts: &parts[i],
             })
             .collect();
@@ -229,6 +237,7 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
                 key: &keys[i],
                 offset: if i == 3 { 0 } else { offset(i) },
                 put_id: grants[i],
+                seal: Seal::default(),
                 parts: d,
             })
             .collect();
@@ -262,6 +271,7 @@ async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
             key: &keys[i],
             offset: BASE + (i * LEN) as u64,
             stamp: stamp(grants[i]),
+            seal: Seal::default(),
             parts: &parts[i],
         })
         .collect();
@@ -287,6 +297,7 @@ async fn many_small(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
                 key: &keys[if refused.contains(&i) { (i + 1) % N } else { i }],
                 offset: BASE + (i * LEN) as u64,
                 put_id: grants[i],
+                seal: Seal::default(),
                 parts: d,
             })
             .collect();

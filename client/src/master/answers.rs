@@ -9,6 +9,7 @@
 use std::{ops::Range, time::Duration};
 
 use mooncake_common::{
+    auth::Seal,
     master_api::{Found, Grant, Grants, Lookup, Runs, SegmentUsage},
     replica::SegmentNames,
     ApiError, Code, ReplicaLocation, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus,
@@ -36,6 +37,8 @@ fn location(
         size: r.size,
         tier: tier(r.tier),
         put_id: r.put_id,
+        seal: Seal::from_bytes(r.seal)
+            .map_err(|e| ApiError::rpc(format!("master sent a bad seal: {e}")))?,
     })
 }
 
@@ -46,6 +49,7 @@ fn borrowed(l: &pb::ReplicaLocation) -> replicas::ReplicaRef<'_> {
         size: l.size,
         tier: l.tier,
         put_id: l.put_id,
+        seal: &l.seal,
     }
 }
 

@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use mooncake_common::{
     local::socket_path,
     transport::{DataTransport, ReadItem, TransferError, TransferStats, WriteItem},
-    ObjectKey, SegmentName, Stamp,
+    SegmentName,
 };
 use parking_lot::Mutex;
 
@@ -140,41 +140,23 @@ impl DataTransport for HybridTransport {
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        stamp: Stamp,
-        parts: &'a [&'a [u8]],
+        item: &'a WriteItem<'a>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let items = [WriteItem {
-                key,
-                offset,
-                stamp,
-                parts,
-            }];
-            self.write_batch(target, &items)
+            self.write_batch(target, std::slice::from_ref(item))
                 .await
                 .pop()
                 .expect("one result")
         })
     }
 
-    fn read<'a, 'b: 'a>(
+    fn read<'a, 'k: 'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        put_id: u64,
-        parts: &'a mut [&'b mut [u8]],
+        item: &'a mut ReadItem<'k, 'b>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let mut items = [ReadItem {
-                key,
-                offset,
-                put_id,
-                parts,
-            }];
-            self.read_batch(target, &mut items)
+            self.read_batch(target, std::slice::from_mut(item))
                 .await
                 .pop()
                 .expect("one result")

@@ -3,6 +3,7 @@
 //! itself never crosses the wire: a peer proves it by a keyed hash over two fresh nonces.
 
 mod handshake;
+pub mod seal;
 mod tcp;
 
 use std::{collections::HashMap, fmt, path::Path};
@@ -11,6 +12,7 @@ pub use handshake::{
     admit, authenticate, authenticate_blocking, starts_with_hello, Admission, AuthError,
     HELLO_MAGIC,
 };
+pub use seal::{wall_clock_us, Access, Scope, Seal, SealError, SealKey, SEAL_LEN};
 pub use tcp::{admit_tcp, grpc_channel, peek_hello, prove, AUTH_REQUIRED};
 
 /// The identity of the cluster-wide secret (owners, the master, and clients of no tenant).
@@ -76,6 +78,36 @@ pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
         }
     }
     Ok(secret)
+}
+
+/// What a server of a cluster with a secret holds: who may connect, and the key of the master's
+/// seals on grants and leases.
+#[derive(Clone, Debug)]
+pub struct ServerAuth {
+    pub keyring: Keyring,
+    pub seals: SealKey,
+}
+
+impl ServerAuth {
+    pub fn from_secret(secret: &[u8]) -> ServerAuth {
+        ServerAuth {
+            keyring: Keyring::cluster(secret),
+            seals: SealKey::from_secret(secret),
+        }
+    }
+
+    /// From the cluster's secret file (see `read_secret`).
+    pub fn from_file(path: &Path) -> Result<ServerAuth, String> {
+        Ok(ServerAuth::from_secret(&read_secret(path)?))
+    }
+
+    /// What this server proves when it connects to its peers (an owner to the master and to
+    /// other owners).
+    pub fn credential(&self) -> Credential {
+        self.keyring
+            .credential(CLUSTER)
+            .expect("a server's keyring holds the cluster's secret")
+    }
 }
 
 /// What a client proves: an identity and the key of its secret.

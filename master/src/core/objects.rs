@@ -703,6 +703,7 @@ fn views_of(segments: &BTreeMap<SegmentId, Segment>, obj: &Object) -> Vec<Replic
         size,
         tier: Tier::Disk,
         put_id,
+        seal: Default::default(),
     }));
     views
 }
@@ -720,5 +721,6 @@ fn memory_view(
         size,
         tier: Tier::Memory,
         put_id,
+        seal: Default::default(),
     }
 }

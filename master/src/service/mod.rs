@@ -9,7 +9,9 @@ mod owners;
 use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
-    replica::MAX_REPLICAS, Code, ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName,
+    auth::{wall_clock_us, Access, Scope, SealKey},
+    replica::MAX_REPLICAS,
+    Code, ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName,
 };
 use parking_lot::Mutex;
 
@@ -61,6 +63,8 @@ const OFFLOAD_WAIT: Duration = Duration::from_secs(1);
 
 pub struct MasterService {
     shared: Arc<Shared>,
+    /// Seals every replica a put start or a lookup hands out (a cluster with a secret).
+    seals: Option<SealKey>,
 }
 
 fn short_of_memory(r: &Result<PutGrant, MasterError>) -> bool {
@@ -79,8 +83,33 @@ impl MasterService {
         self.shared.leadership.holds(self.shared.clock.now())
     }
 
-    pub fn new(shared: Arc<Shared>) -> Self {
-        MasterService { shared }
+    pub fn new(shared: Arc<Shared>, seals: Option<SealKey>) -> Self {
+        MasterService { shared, seals }
+    }
+
+    /// Seals each replica for `access` to version `put_id` of `key` until `life` from now.
+    fn seal(
+        &self,
+        access: Access,
+        key: &str,
+        put_id: u64,
+        life: Duration,
+        replicas: &mut [ReplicaLocation],
+    ) {
+        let Some(seals) = &self.seals else { return };
+        let expiry = wall_clock_us().saturating_add(life.as_micros() as u64);
+        for r in replicas {
+            let scope = Scope {
+                access,
+                tenant: "",
+                key,
+                segment: r.segment.as_str(),
+                offset: r.offset,
+                length: r.size,
+                put_id,
+            };
+            r.seal = seals.seal(&scope, expiry);
+        }
     }
 
     /// Starts every put of (key, size): space on `config.replica_num` segments each, or the
@@ -144,11 +173,20 @@ impl MasterService {
                 break;
             }
         }
-        let results: Vec<Result<PutGrant, MasterError>> = results
+        let mut results: Vec<Result<PutGrant, MasterError>> = results
             .into_iter()
             .map(|x| x.expect("every item tried"))
             .collect();
         self.count_put_starts(&results);
+        if self.seals.is_some() {
+            // A grant lives as long as the master keeps its space for the put.
+            let life = self.shared.state.lock().policy().put_discard_timeout;
+            for (&(k, _), r) in items.iter().zip(results.iter_mut()) {
+                if let Ok(g) = r {
+                    self.seal(Access::Write, k, g.put_id, life, &mut g.replicas);
+                }
+            }
+        }
         results
     }
 
@@ -222,9 +260,17 @@ impl MasterService {
         let lease_ttl = {
             let mut state = self.shared.state.lock();
             state.release_leases(release, now);
+            // A read's seal lives as long as the lease the lookup takes.
+            let life = state.policy().lease_ttl;
             for k in keys {
-                let found = validated(k).and_then(|k| state.get_replicas_str(k, now));
+                let mut found = validated(k).and_then(|k| state.get_replicas_str(k, now));
                 failed += usize::from(found.is_err());
+                if let Ok((_, replicas)) = &mut found {
+                    for r in replicas.iter_mut() {
+                        let put_id = r.put_id;
+                        self.seal(Access::Read, k, put_id, life, std::slice::from_mut(r));
+                    }
+                }
                 answer(found);
             }
             self.shared.wake_owners(&mut state);

@@ -75,6 +75,7 @@ pub fn replica_ref(r: &ReplicaLocation) -> ReplicaRef<'_> {
         size: r.size,
         tier: tier_number(r.tier),
         put_id: r.put_id,
+        seal: r.seal.wire_bytes(),
     }
 }
 
@@ -85,5 +86,6 @@ pub fn replica_pb(r: ReplicaLocation) -> pb::ReplicaLocation {
         size: r.size,
         tier: tier_number(r.tier),
         put_id: r.put_id,
+        seal: r.seal.wire_bytes().to_vec(),
     }
 }

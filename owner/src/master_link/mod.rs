@@ -13,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use mooncake_common::{auth::Credential, ClientId, Code, ObjectKey, SegmentName};
+use mooncake_common::{
+    auth::{wall_clock_us, Credential, Scope, Seal, SealKey, ServerAuth},
+    ClientId, Code, ObjectKey, SegmentName,
+};
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -65,6 +68,8 @@ pub struct MasterLink {
     epoch: Arc<std::sync::atomic::AtomicU64>,
     /// Proved to the master and to other owners (copies read from them).
     credential: Option<Credential>,
+    /// Seals this owner's own reads from other owners (it holds the cluster's secret).
+    seals: Option<SealKey>,
 }
 
 impl MasterLink {
@@ -78,8 +83,9 @@ impl MasterLink {
         rpc_timeout: Duration,
         ssd: Option<Arc<SsdStore>>,
         catalog: Arc<Catalog>,
-        credential: Option<Credential>,
+        auth: Option<&ServerAuth>,
     ) -> Result<Self, LinkError> {
+        let credential = auth.map(ServerAuth::credential);
         Ok(MasterLink {
             target: Arc::new(Target::new(
                 master,
@@ -95,12 +101,24 @@ impl MasterLink {
             catalog,
             epoch: Arc::default(),
             credential,
+            seals: auth.map(|a| a.seals.clone()),
         })
     }
 
     /// What this owner proves to its peers.
     pub fn credential(&self) -> Option<&Credential> {
         self.credential.as_ref()
+    }
+
+    /// This owner's seal on its own read of a replica held by another owner, good for `life`
+    /// (none in a cluster without a secret).
+    pub fn seal_read(&self, scope: &Scope<'_>, life: std::time::Duration) -> Seal {
+        self.seals.as_ref().map_or_else(Seal::default, |k| {
+            k.seal(
+                scope,
+                wall_clock_us().saturating_add(life.as_micros() as u64),
+            )
+        })
     }
 
     /// A call to the master at `addr` got no answer: with etcd, the leader is looked up again.

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use mooncake_common::{
-    auth::{authenticate, Credential},
+    auth::{authenticate, Credential, Seal},
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, SegmentName,
 };
@@ -25,6 +25,8 @@ pub struct PeerRead<'a> {
     pub from_disk: bool,
     /// Proved on the connection (the peer refuses one without it when it has a keyring).
     pub credential: Option<&'a Credential>,
+    /// The seal on this read (this owner's own, as a holder of the cluster's secret).
+    pub seal: Seal,
 }
 
 /// Why a peer read failed: the code for the master and a message for people.
@@ -63,6 +65,7 @@ async fn exchange(r: &PeerRead<'_>) -> Result<Vec<u8>, PeerError> {
         offset: r.offset,
         length: r.size,
         grant: r.put_id,
+        seal: r.seal,
     };
     let mut request = header.encode().to_vec();
     request.extend_from_slice(r.key.as_str().as_bytes());

@@ -7,7 +7,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_common::{Code, ObjectKey, Stamp};
+use mooncake_common::{
+    auth::{Access, Scope},
+    Code, ObjectKey, Stamp,
+};
 use mooncake_proto::master as pb;
 use tokio::sync::{mpsc, watch, Semaphore};
 
@@ -238,14 +241,30 @@ impl Worker {
     async fn copy(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
         let source = mooncake_common::SegmentName::parse(&t.source)
             .map_err(|e| Failure(Code::InvalidParams, format!("copy source: {e}")))?;
+        let from_disk = t.source_tier == pb::ReplicaTier::Disk as i32;
+        // A disk read names no offset (the record is found by key), as a client's does.
+        let offset = if from_disk { 0 } else { t.source_offset };
+        let seal = self.link.seal_read(
+            &Scope {
+                access: Access::Read,
+                tenant: "",
+                key: key.as_str(),
+                segment: source.as_str(),
+                offset,
+                length: t.size,
+                put_id: t.put_id,
+            },
+            self.copy_timeout,
+        );
         let read = PeerRead {
             segment: &source,
             key,
             put_id: t.put_id,
-            offset: t.source_offset,
+            offset,
             size: t.size,
-            from_disk: t.source_tier == pb::ReplicaTier::Disk as i32,
+            from_disk,
             credential: self.link.credential(),
+            seal,
         };
         let value = peer_read::read(read, self.copy_timeout)
             .await

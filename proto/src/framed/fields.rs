@@ -32,6 +32,7 @@ pub mod replica_location {
     pub const SIZE: u32 = 3;
     pub const TIER: u32 = 4;
     pub const PUT_ID: u32 = 5;
+    pub const SEAL: u32 = 6;
 }
 
 /// `BatchGetReplicasResponse`.

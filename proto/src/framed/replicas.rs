@@ -23,6 +23,8 @@ pub struct ReplicaRef<'a> {
     /// `ReplicaTier` as its number.
     pub tier: i32,
     pub put_id: u64,
+    /// The master's seal, as it travels (empty: none).
+    pub seal: &'a [u8],
 }
 
 /// One key's answer: its replicas are `replicas[range]` of the decoded response.
@@ -64,19 +66,29 @@ fn u64_len(field: u32, v: u64) -> usize {
 /// Bytes of a non-empty string field (empty ones are left out, as prost leaves them).
 #[inline]
 fn str_len(field: u32, s: &str) -> usize {
-    if s.is_empty() {
-        0
-    } else {
-        varint_len(tag(field, LEN)) + varint_len(s.len() as u64) + s.len()
-    }
+    bytes_len(field, s.as_bytes())
 }
 
 #[inline]
 fn put_str(field: u32, s: &str, out: &mut Vec<u8>) {
-    if !s.is_empty() {
+    put_bytes(field, s.as_bytes(), out)
+}
+
+#[inline]
+fn bytes_len(field: u32, b: &[u8]) -> usize {
+    if b.is_empty() {
+        0
+    } else {
+        varint_len(tag(field, LEN)) + varint_len(b.len() as u64) + b.len()
+    }
+}
+
+#[inline]
+fn put_bytes(field: u32, b: &[u8], out: &mut Vec<u8>) {
+    if !b.is_empty() {
         put_varint(tag(field, LEN), out);
-        put_varint(s.len() as u64, out);
-        out.extend_from_slice(s.as_bytes());
+        put_varint(b.len() as u64, out);
+        out.extend_from_slice(b);
     }
 }
 
@@ -91,6 +103,7 @@ fn replica_len(r: &ReplicaRef<'_>) -> usize {
         + u64_len(loc::SIZE, r.size)
         + u64_len(loc::TIER, i32_wire(r.tier))
         + u64_len(loc::PUT_ID, r.put_id)
+        + bytes_len(loc::SEAL, r.seal)
 }
 
 /// Bytes `put_replica` writes for every replica of `replicas` as field `field`.
@@ -113,6 +126,7 @@ fn put_replica(field: u32, r: &ReplicaRef<'_>, out: &mut Vec<u8>) {
     put_u64(loc::SIZE, r.size, out);
     put_u64(loc::TIER, i32_wire(r.tier), out);
     put_u64(loc::PUT_ID, r.put_id, out);
+    put_bytes(loc::SEAL, r.seal, out);
 }
 
 impl Encoder {
@@ -258,6 +272,7 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
         size: 0,
         tier: 0,
         put_id: 0,
+        seal: &[],
     };
     walk(body, |f, v| {
         match (f, v) {
@@ -269,6 +284,7 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
             (loc::SIZE, Value::Int(x)) => r.size = x,
             (loc::TIER, Value::Int(x)) => r.tier = x as i32,
             (loc::PUT_ID, Value::Int(x)) => r.put_id = x,
+            (loc::SEAL, Value::Bytes(b)) => r.seal = b,
             _ => {}
         }
         Ok(())
@@ -290,14 +306,16 @@ mod tests {
             any::<u64>(),
             0i32..3,
             any::<u64>(),
+            prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 24)],
         )
             .prop_map(
-                |(segment, offset, size, tier, put_id)| pb::ReplicaLocation {
+                |(segment, offset, size, tier, put_id, seal)| pb::ReplicaLocation {
                     segment,
                     offset,
                     size,
                     tier,
                     put_id,
+                    seal,
                 },
             )
     }
@@ -330,6 +348,7 @@ mod tests {
                     size: l.size,
                     tier: l.tier,
                     put_id: l.put_id,
+                    seal: &l.seal,
                 }).collect();
                 enc.result(r.code, r.size, refs.iter().copied());
             }
@@ -346,6 +365,7 @@ mod tests {
                 for (g, l) in got.iter().zip(&r.replicas) {
                     prop_assert_eq!(g.segment, l.segment.as_str());
                     prop_assert_eq!((g.offset, g.size, g.tier, g.put_id), (l.offset, l.size, l.tier, l.put_id));
+                    prop_assert_eq!(g.seal, l.seal.as_slice());
                 }
             }
         }
@@ -370,6 +390,7 @@ mod tests {
                     size: l.size,
                     tier: l.tier,
                     put_id: l.put_id,
+                    seal: &l.seal,
                 }));
             }
             let ours = enc.finish_put_start();

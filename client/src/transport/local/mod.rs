@@ -198,6 +198,7 @@ impl LocalOwner {
                     len: *len,
                     grant: i.stamp.put_id,
                     flags: i.stamp.flags(),
+                    seal: i.seal,
                     key: i.key.as_str(),
                 });
             }
@@ -267,6 +268,7 @@ impl LocalOwner {
                     len: *len,
                     grant: i.put_id,
                     flags: 0,
+                    seal: i.seal,
                     key: i.key.as_str(),
                 });
             }

@@ -12,10 +12,10 @@ use std::{
 
 use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
-    auth::{prove, Credential},
+    auth::{prove, Credential, Seal},
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
-    ObjectKey, SegmentName, Stamp,
+    ObjectKey, SegmentName,
 };
 use parking_lot::Mutex;
 use tokio::{
@@ -340,11 +340,7 @@ impl TcpTransport {
                     source,
                 };
                 let first = conn
-                    .send_pipelined(
-                        items
-                            .iter()
-                            .map(|it| Frame::write(op, it.key, it.offset, it.stamp, it.parts)),
-                    )
+                    .send_pipelined(items.iter().map(|it| Frame::write(op, it)))
                     .await
                     .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
@@ -384,7 +380,7 @@ impl TcpTransport {
                         items
                             .iter()
                             .zip(&lens)
-                            .map(|(it, len)| Frame::read(op, it.key, it.offset, *len, it.put_id)),
+                            .map(|(it, len)| Frame::read(op, it, *len)),
                     )
                     .await
                     .map_err(io_err)?;
@@ -530,7 +526,7 @@ impl TcpTransport {
                 target: target.clone(),
                 source,
             };
-            let frame = Frame::read(Op::PeerRegions, name, 0, 0, 0);
+            let frame = Frame::query(Op::PeerRegions, name);
             let id = conn.send(frame).await.map_err(io_err)?;
             let h = conn.receive(target, Op::PeerRegions, id, u64::MAX).await?;
             if h.length % 16 != 0 || h.length > wire::MAX_ERROR_MESSAGE * 1024 {
@@ -580,38 +576,49 @@ struct Frame<'a> {
     length: u64,
     flags: u16,
     grant: u64,
+    seal: Seal,
     payload: &'a [&'a [u8]],
 }
 
 impl<'a> Frame<'a> {
     /// A store write, or a transfer engine's write to an address.
-    fn write(
-        op: Op,
-        key: &'a ObjectKey,
-        offset: u64,
-        stamp: Stamp,
-        payload: &'a [&'a [u8]],
-    ) -> Self {
+    fn write(op: Op, item: &WriteItem<'a>) -> Self {
         Frame {
             op,
-            key,
-            offset,
-            length: parts_len(payload),
-            flags: stamp.flags(),
-            grant: stamp.put_id,
-            payload,
+            key: item.key,
+            offset: item.offset,
+            length: parts_len(item.parts),
+            flags: item.stamp.flags(),
+            grant: item.stamp.put_id,
+            seal: item.seal,
+            payload: item.parts,
         }
     }
 
-    /// A memory or disk read of `length` bytes of version `put_id`.
-    fn read(op: Op, key: &'a ObjectKey, offset: u64, length: u64, put_id: u64) -> Self {
+    /// A memory or disk read of the item's `length` bytes.
+    fn read(op: Op, item: &ReadItem<'a, '_>, length: u64) -> Self {
+        Frame {
+            op,
+            key: item.key,
+            offset: if op == Op::ReadDisk { 0 } else { item.offset },
+            length,
+            flags: 0,
+            grant: item.put_id,
+            seal: item.seal,
+            payload: &[],
+        }
+    }
+
+    /// A request about the target itself (no range, no payload).
+    fn query(op: Op, key: &'a ObjectKey) -> Self {
         Frame {
             op,
             key,
-            offset: if op == Op::ReadDisk { 0 } else { offset },
-            length,
+            offset: 0,
+            length: 0,
             flags: 0,
-            grant: put_id,
+            grant: 0,
+            seal: Seal::default(),
             payload: &[],
         }
     }
@@ -637,6 +644,7 @@ impl Conn {
                     offset: f.offset,
                     length: f.length,
                     grant: f.grant,
+                    seal: f.seal,
                 }
                 .encode()
             })
@@ -694,16 +702,13 @@ impl DataTransport for TcpTransport {
     fn write<'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        stamp: Stamp,
-        parts: &'a [&'a [u8]],
+        item: &'a WriteItem<'a>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
-                    .send(Frame::write(Op::Write, key, offset, stamp, parts))
+                    .send(Frame::write(Op::Write, item))
                     .await
                     .map_err(|source| TransferError::Io {
                         target: target.clone(),
@@ -715,24 +720,21 @@ impl DataTransport for TcpTransport {
         })
     }
 
-    fn read<'a, 'b: 'a>(
+    fn read<'a, 'k: 'a, 'b: 'a>(
         &'a self,
         target: &'a SegmentName,
-        key: &'a ObjectKey,
-        offset: u64,
-        put_id: u64,
-        parts: &'a mut [&'b mut [u8]],
+        item: &'a mut ReadItem<'k, 'b>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
             let checkout = self.checkout(target).await?;
-            let length = parts_len(parts);
+            let length = item.len();
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),
                     source,
                 };
                 let id = conn
-                    .send(Frame::read(Op::Read, key, offset, length, put_id))
+                    .send(Frame::read(Op::Read, item, length))
                     .await
                     .map_err(io_err)?;
                 let h = conn.receive(target, Op::Read, id, length).await?;
@@ -743,7 +745,7 @@ impl DataTransport for TcpTransport {
                         format!("owner sent {} bytes, {length} were asked for", h.length),
                     )));
                 }
-                for part in parts.iter_mut() {
+                for part in item.parts.iter_mut() {
                     conn.read_exact(part).await.map_err(io_err)?;
                 }
                 Ok(())

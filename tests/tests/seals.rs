@@ -1,0 +1,346 @@
+//! Transfers scoped by the master, against real processes: in a cluster with a secret, an owner
+//! moves a byte only for a write or read the master sealed, exactly as sealed (owner, key, range,
+//! version, kind of access) and before the seal lapses, on TCP and on the same-host path. Every
+//! refusal is checked to have moved no byte: the range refused keeps its value, a buffer refused
+//! keeps its filler.
+
+use std::{os::unix::fs::PermissionsExt, path::Path, time::Duration};
+
+use mooncake_client::{
+    master::FramedMaster,
+    transport::{local::LocalOwner, tcp::TcpConfig, TcpTransport},
+    Client, ClientConfig, ReplicateConfig,
+};
+use mooncake_common::{
+    auth::{Credential, Seal},
+    local::socket_path,
+    transport::{DataTransport, ReadItem, TransferError, WriteItem},
+    Code, MasterApi, ObjectKey, ReplicaLocation, SegmentName, Stamp,
+};
+use mooncake_tests::{payload, spawn_master, spawn_owner, ChildGuard, TempDir};
+
+const SECRET: &str = "Zq3v8Rk1Lm5Tn9Wx2Yb6Cd0Fg4Hj7Kp";
+
+struct Sealed {
+    _dir: TempDir,
+    token: String,
+    _master: ChildGuard,
+    rpc: String,
+    _owner: ChildGuard,
+    segment: SegmentName,
+    api: FramedMaster,
+    tcp: TcpTransport,
+}
+
+/// A master (with `master_args`) and one owner sharing a secret; a master API and a raw TCP
+/// transport that prove it.
+fn start(master_args: &[&str]) -> Sealed {
+    let dir = TempDir::new("seals");
+    let token = dir.path().join("token").display().to_string();
+    std::fs::write(&token, SECRET).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut args = vec!["--auth_token_file", token.as_str()];
+    args.extend_from_slice(master_args);
+    let (master, rpc, _) = spawn_master(&args);
+    let (owner, seg) = spawn_owner(&rpc, "32MiB", &["--auth_token_file", &token]);
+    let credential = Credential::cluster_from_file(Path::new(&token)).unwrap();
+    let api = FramedMaster::new(
+        &rpc,
+        Duration::from_secs(3),
+        Duration::from_secs(3),
+        Duration::ZERO,
+        Some(credential.clone()),
+    );
+    let tcp = TcpTransport::new(TcpConfig {
+        connect_timeout: Duration::from_secs(3),
+        transfer_timeout: Duration::from_secs(3),
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        dedicated_runtime: false,
+        credential: Some(credential),
+    });
+    Sealed {
+        _dir: dir,
+        token,
+        _master: master,
+        rpc,
+        _owner: owner,
+        segment: SegmentName::parse(&seg).unwrap(),
+        api,
+        tcp,
+    }
+}
+
+impl Sealed {
+    async fn client(&self) -> Client {
+        Client::connect(ClientConfig {
+            auth_token_file: Some(self.token.clone().into()),
+            shared_memory: false,
+            ..ClientConfig::new(&self.rpc)
+        })
+        .await
+        .unwrap()
+    }
+
+    /// The master's grant for a put of `size` bytes of `key`: its put id and its one replica.
+    async fn granted(&self, key: &str, size: u64) -> (u64, ReplicaLocation) {
+        let grants = self
+            .api
+            .put_start(&[(key, size)], &ReplicateConfig::default())
+            .await
+            .unwrap();
+        let g = grants.results[0].as_ref().unwrap();
+        (g.put_id, grants.run(&g.replicas)[0].clone())
+    }
+
+    /// The master's answer to a lookup of `key`: its one replica, sealed for reading.
+    async fn looked_up(&self, key: &str) -> ReplicaLocation {
+        let lookup = self.api.get_replicas(&[key], &[]).await.unwrap();
+        let found = lookup.results()[0].as_ref().unwrap();
+        lookup.replicas(found)[0].clone()
+    }
+
+    async fn write(
+        &self,
+        key: &str,
+        offset: u64,
+        put_id: u64,
+        seal: Seal,
+        bytes: &[u8],
+    ) -> Result<(), TransferError> {
+        let key = ObjectKey::new(key).unwrap();
+        let parts = [bytes];
+        let item = WriteItem {
+            key: &key,
+            offset,
+            stamp: Stamp::new(put_id, &ReplicateConfig::default()),
+            seal,
+            parts: &parts,
+        };
+        self.tcp.write(&self.segment, &item).await
+    }
+
+    /// Reads `len` bytes as `loc` says (with `seal`) into a buffer of 0xAB: the bytes, or the
+    /// refusal with the buffer checked untouched.
+    async fn read(
+        &self,
+        key: &str,
+        loc: &ReplicaLocation,
+        len: usize,
+        seal: Seal,
+    ) -> Result<Vec<u8>, Code> {
+        let key = ObjectKey::new(key).unwrap();
+        let mut buf = vec![0xABu8; len];
+        let r = {
+            let mut parts = [&mut buf[..]];
+            let mut item = ReadItem {
+                key: &key,
+                offset: loc.offset,
+                put_id: loc.put_id,
+                seal,
+                parts: &mut parts,
+            };
+            self.tcp.read(&self.segment, &mut item).await
+        };
+        match r {
+            Ok(()) => Ok(buf),
+            Err(e) => {
+                assert!(buf.iter().all(|b| *b == 0xAB), "a refused read moved bytes");
+                Err(e.code())
+            }
+        }
+    }
+}
+
+fn denied(r: Result<(), TransferError>) {
+    let e = r.expect_err("the owner must refuse");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_widened_or_misused_seals_move_no_byte() {
+    let s = start(&[]);
+    let client = s.client().await;
+    let kept = payload("kept", 65536);
+    client
+        .put("kept", &kept, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let at = s.looked_up("kept").await;
+    assert!(!at.seal.is_none(), "the master seals what it hands out");
+    let intact = async || {
+        let mut buf = vec![0u8; kept.len()];
+        assert_eq!(client.get("kept", &mut buf).await.unwrap(), kept.len());
+        assert!(buf == kept, "a refused write changed a committed value");
+    };
+
+    // Writes over "kept": a forged seal, no seal, another put's grant moved onto its range, and
+    // the read lease of "kept" itself.
+    let junk = vec![0xEEu8; 65536];
+    let forged = Seal::new(u64::MAX, [0x5A; 16]);
+    denied(
+        s.write("kept", at.offset, at.put_id + 1, forged, &junk)
+            .await,
+    );
+    denied(
+        s.write("kept", at.offset, at.put_id + 1, Seal::default(), &junk)
+            .await,
+    );
+    let (other_id, other) = s.granted("other", 65536).await;
+    assert_ne!(other.offset, at.offset);
+    denied(
+        s.write("other", at.offset, other_id, other.seal, &junk)
+            .await,
+    );
+    denied(
+        s.write("kept", at.offset, other_id, other.seal, &junk)
+            .await,
+    );
+    denied(
+        s.write("kept", at.offset, at.put_id + 1, at.seal, &junk)
+            .await,
+    );
+    intact().await;
+
+    // A grant is for its exact range: not wider, not shorter, not under another put id.
+    denied(
+        s.write(
+            "other",
+            other.offset,
+            other_id,
+            other.seal,
+            &[0u8; 65536 + 4096],
+        )
+        .await,
+    );
+    denied(
+        s.write("other", other.offset, other_id, other.seal, &[0u8; 4096])
+            .await,
+    );
+    denied(
+        s.write("other", other.offset, other_id + 1, other.seal, &junk)
+            .await,
+    );
+    let value = payload("other", 65536);
+    s.write("other", other.offset, other_id, other.seal, &value)
+        .await
+        .expect("the write as granted lands");
+    s.api.put_end(&[("other", other_id)]).await.unwrap();
+
+    // Reads: as sealed they land; widened, under another key, with a write's seal, or with
+    // none, they move nothing.
+    assert!(s.read("kept", &at, 65536, at.seal).await.unwrap() == kept);
+    assert_eq!(
+        s.read("kept", &at, 65536 + 4096, at.seal).await,
+        Err(Code::PermissionDenied)
+    );
+    assert_eq!(
+        s.read("kept", &at, 65536, Seal::default()).await,
+        Err(Code::PermissionDenied)
+    );
+    let other_at = s.looked_up("other").await;
+    assert!(
+        s.read("other", &other_at, 65536, other_at.seal)
+            .await
+            .unwrap()
+            == value
+    );
+    assert_eq!(
+        s.read("kept", &at, 65536, other_at.seal).await,
+        Err(Code::PermissionDenied)
+    );
+    assert_eq!(
+        s.read("other", &other_at, 65536, other.seal).await,
+        Err(Code::PermissionDenied),
+        "a write grant does not read"
+    );
+    intact().await;
+
+    // The same-host path checks the same seals before it locks a range.
+    let path = socket_path(&mooncake_tests::socket_dir(), &s.segment);
+    let credential = Credential::cluster_from_file(Path::new(&s.token)).unwrap();
+    let segment = s.segment.clone();
+    let local = tokio::task::spawn_blocking(move || {
+        LocalOwner::connect(
+            &path,
+            &segment,
+            Duration::from_secs(3),
+            1,
+            1,
+            Some(credential),
+        )
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let key = ObjectKey::new("kept").unwrap();
+    let parts = [&junk[..]];
+    let forged_write = [WriteItem {
+        key: &key,
+        offset: at.offset,
+        stamp: Stamp::new(at.put_id + 1, &ReplicateConfig::default()),
+        seal: forged,
+        parts: &parts,
+    }];
+    let r = local.write_batch(&forged_write).await;
+    assert_eq!(r[0].as_ref().unwrap_err().code(), Code::PermissionDenied);
+    let mut buf = vec![0xABu8; 65536];
+    for (seal, want) in [
+        (Seal::default(), Err(Code::PermissionDenied)),
+        (other_at.seal, Err(Code::PermissionDenied)),
+        (at.seal, Ok(())),
+    ] {
+        let mut parts = [&mut buf[..]];
+        let mut items = [ReadItem {
+            key: &key,
+            offset: at.offset,
+            put_id: at.put_id,
+            seal,
+            parts: &mut parts,
+        }];
+        let got = local.read_batch(&mut items).await.remove(0);
+        assert_eq!(got.map_err(|e| e.code()), want);
+        if want.is_err() {
+            assert!(
+                buf.iter().all(|b| *b == 0xAB),
+                "a refused same-host read moved bytes"
+            );
+        }
+    }
+    assert!(buf == kept);
+    intact().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_seal_moves_no_byte() {
+    // Leases of 100 ms, and puts the master keeps for 1 s.
+    let s = start(&[
+        "--default_kv_lease_ttl",
+        "100",
+        "--put_start_discard_timeout_sec",
+        "1",
+    ]);
+    let client = s.client().await;
+    let value = payload("lapsing", 8192);
+    client
+        .put("lapsing", &value, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let at = s.looked_up("lapsing").await;
+    let (late_id, late) = s.granted("late", 8192).await;
+    assert!(s.read("lapsing", &at, 8192, at.seal).await.unwrap() == value);
+    // Past the seals' lives and the owner's allowance for clock skew.
+    let skew = Duration::from_micros(mooncake_owner::seals::CLOCK_SKEW_US);
+    tokio::time::sleep(Duration::from_secs(1) + skew + Duration::from_millis(500)).await;
+    assert_eq!(
+        s.read("lapsing", &at, 8192, at.seal).await,
+        Err(Code::PermissionDenied)
+    );
+    denied(
+        s.write("late", late.offset, late_id, late.seal, &value)
+            .await,
+    );
+    // A fresh lookup seals again.
+    let again = s.looked_up("lapsing").await;
+    assert!(s.read("lapsing", &again, 8192, again.seal).await.unwrap() == value);
+}
