@@ -94,6 +94,11 @@ struct Args {
     /// Embedded mode: the master's read lease, e.g. 10s or 200ms.
     #[arg(long, value_parser = mooncake_common::config::parse_duration)]
     lease_ttl: Option<Duration>,
+    /// The cluster's secret file: the client proves it (as MOONCAKE_AUTH_TOKEN_FILE does), and
+    /// in embedded mode the master and owners require it (connections authenticated, every
+    /// transfer sealed).
+    #[arg(long)]
+    auth_token_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -161,6 +166,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = ClientConfig::new(master.clone()).with_process_env()?;
     if let Some(p) = &args.preferred_segment {
         config.preferred_segment = Some(p.clone());
+    }
+    if let Some(f) = &args.auth_token_file {
+        config.auth_token_file = Some(f.clone());
     }
     let client = Client::connect(config)
         .await
@@ -573,6 +581,7 @@ impl Embedded {
             default_kv_lease_ttl: args.lease_ttl.unwrap_or(defaults.default_kv_lease_ttl),
             lease_mode: args.lease_mode.unwrap_or(defaults.lease_mode),
             eviction_policy: args.eviction_policy.unwrap_or(defaults.eviction_policy),
+            auth_token_file: args.auth_token_file.clone(),
             ..defaults
         })
         .await
@@ -588,6 +597,7 @@ impl Embedded {
                 // One directory per owner: each tier owns its file.
                 ssd_path: args.ssd_path.as_ref().map(|p| p.join(format!("owner{i}"))),
                 ssd_size: args.ssd_size,
+                auth_token_file: args.auth_token_file.clone(),
                 ..Default::default()
             })
             .await

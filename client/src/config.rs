@@ -162,7 +162,8 @@ impl ClientConfig {
         if let Some(v) = env(CLUSTER_ID_ENV) {
             self.cluster_id = v.trim().to_string();
         }
-        if let Some(v) = env(AUTH_TOKEN_FILE_ENV) {
+        // Set but empty is unset (scripts export it for some runs only).
+        if let Some(v) = env(AUTH_TOKEN_FILE_ENV).filter(|v| !v.trim().is_empty()) {
             self.auth_token_file = Some(PathBuf::from(v.trim()));
         }
         Ok(self)

@@ -99,7 +99,7 @@ impl OwnerConfig {
         if let Some(id) = env("MC_STORE_CLUSTER_ID") {
             self.cluster_id = id.trim().to_string();
         }
-        if let Some(file) = env("MOONCAKE_AUTH_TOKEN_FILE") {
+        if let Some(file) = env("MOONCAKE_AUTH_TOKEN_FILE").filter(|f| !f.trim().is_empty()) {
             self.auth_token_file = Some(PathBuf::from(file.trim()));
         }
         self

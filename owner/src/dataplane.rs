@@ -20,7 +20,7 @@ use crate::{
     catalog::Catalog,
     pool::{MemoryPool, Supersession},
     replies::Replies,
-    seals::{Denied, Gate},
+    seals::{Denied, Gate, Seals},
     ssd::SsdStore,
 };
 
@@ -117,6 +117,8 @@ struct Connection {
     ssd: Option<Arc<SsdStore>>,
     /// The master's seals every access must carry (a cluster with a secret).
     gate: Option<Arc<Gate>>,
+    /// The time seals are checked against, read when a batch of requests arrives.
+    seal_now: u64,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
 }
@@ -163,6 +165,7 @@ impl Connection {
             catalog,
             ssd,
             gate,
+            seal_now: 0,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
         }
@@ -179,6 +182,9 @@ impl Connection {
                         Err(e) => return Err(e),
                     },
                     _ = stop.changed() => return Ok(()),
+                }
+                if self.gate.is_some() {
+                    self.seal_now = Seals::now();
                 }
             } else if stop.has_changed().unwrap_or(true) {
                 return Ok(());
@@ -387,7 +393,15 @@ impl Connection {
             return Ok(());
         };
         gate.seals
-            .check(access, key, h.offset, h.length, h.grant, &h.seal)
+            .check(
+                access,
+                key,
+                h.offset,
+                h.length,
+                h.grant,
+                &h.seal,
+                self.seal_now,
+            )
             .map_err(|Denied(code, message)| Refusal { code, message })
     }
 

@@ -27,7 +27,7 @@ use crate::{
     catalog::Catalog,
     fdpass,
     pool::{MemoryPool, RangeLock},
-    seals::Gate,
+    seals::{Gate, Seals},
 };
 
 /// Binds the socket at `path`, replacing a stale file left by a dead owner.
@@ -222,13 +222,14 @@ impl LocalServer {
         };
         let mut w = FrameWriter::new(op);
         w.u32(n as u32);
+        let now = Seals::now();
         for _ in 0..n {
             let item = r.item()?;
             let (offset, len) = (item.offset, item.len);
             let access = if write { Access::Write } else { Access::Read };
             let code = match ObjectKey::from_bytes(item.key) {
                 Err(_) => Code::InvalidParams,
-                Ok(key) if !self.sealed(access, &key, &item) => Code::PermissionDenied,
+                Ok(key) if !self.sealed(access, &key, &item, now) => Code::PermissionDenied,
                 Ok(key) if write => {
                     self.catalog.saw_grant(item.grant);
                     let taken = self
@@ -266,10 +267,11 @@ impl LocalServer {
 
     /// Whether the item carries the master's seal on exactly this access (always, in a cluster
     /// without a secret).
-    fn sealed(&self, access: Access, key: &ObjectKey, item: &Item<&[u8]>) -> bool {
+    fn sealed(&self, access: Access, key: &ObjectKey, item: &Item<&[u8]>, now: u64) -> bool {
         self.gate.as_ref().is_none_or(|g| {
+            let (offset, len, grant) = (item.offset, item.len, item.grant);
             g.seals
-                .check(access, key, item.offset, item.len, item.grant, &item.seal)
+                .check(access, key, offset, len, grant, &item.seal, now)
                 .is_ok()
         })
     }

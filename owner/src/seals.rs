@@ -23,8 +23,16 @@ impl Seals {
         Seals { key, segment }
     }
 
+    /// The time seals are checked against: now, less the allowance for clock skew. Read once
+    /// per batch of requests (a few milliseconds stale at most).
+    pub fn now() -> u64 {
+        wall_clock_us().saturating_sub(CLOCK_SKEW_US)
+    }
+
     /// Whether `seal` allows `access` to `length` bytes at `offset` of version `put_id` of `key`
-    /// on this owner now. Refusals are logged (the peer sees only the reason).
+    /// on this owner at `now` (see `Seals::now`). Refusals are logged (the peer sees only the
+    /// reason).
+    #[allow(clippy::too_many_arguments)]
     pub fn check(
         &self,
         access: Access,
@@ -33,6 +41,7 @@ impl Seals {
         length: u64,
         put_id: u64,
         seal: &Seal,
+        now: u64,
     ) -> Result<(), Denied> {
         let scope = Scope {
             access,
@@ -43,7 +52,6 @@ impl Seals {
             length,
             put_id,
         };
-        let now = wall_clock_us().saturating_sub(CLOCK_SKEW_US);
         self.key.check(&scope, seal, now).map_err(|e| {
             tracing::warn!(%key, offset, length, put_id, ?access, reason = %e, "refused an access the master did not seal");
             Denied(Code::PermissionDenied, format!("{access:?} of {key} refused: {e}"))

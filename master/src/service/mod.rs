@@ -87,17 +87,21 @@ impl MasterService {
         MasterService { shared, seals }
     }
 
-    /// Seals each replica for `access` to version `put_id` of `key` until `life` from now.
+    /// When seals made now for `life` lapse.
+    fn expiry(life: Duration) -> u64 {
+        wall_clock_us().saturating_add(life.as_micros() as u64)
+    }
+
+    /// Seals each replica for `access` to version `put_id` of `key` until `expiry`.
     fn seal(
         &self,
         access: Access,
         key: &str,
         put_id: u64,
-        life: Duration,
+        expiry: u64,
         replicas: &mut [ReplicaLocation],
     ) {
         let Some(seals) = &self.seals else { return };
-        let expiry = wall_clock_us().saturating_add(life.as_micros() as u64);
         for r in replicas {
             let scope = Scope {
                 access,
@@ -181,9 +185,10 @@ impl MasterService {
         if self.seals.is_some() {
             // A grant lives as long as the master keeps its space for the put.
             let life = self.shared.state.lock().policy().put_discard_timeout;
+            let expiry = Self::expiry(life);
             for (&(k, _), r) in items.iter().zip(results.iter_mut()) {
                 if let Ok(g) = r {
-                    self.seal(Access::Write, k, g.put_id, life, &mut g.replicas);
+                    self.seal(Access::Write, k, g.put_id, expiry, &mut g.replicas);
                 }
             }
         }
@@ -261,14 +266,14 @@ impl MasterService {
             let mut state = self.shared.state.lock();
             state.release_leases(release, now);
             // A read's seal lives as long as the lease the lookup takes.
-            let life = state.policy().lease_ttl;
+            let expiry = Self::expiry(state.policy().lease_ttl);
             for k in keys {
                 let mut found = validated(k).and_then(|k| state.get_replicas_str(k, now));
                 failed += usize::from(found.is_err());
                 if let Ok((_, replicas)) = &mut found {
                     for r in replicas.iter_mut() {
                         let put_id = r.put_id;
-                        self.seal(Access::Read, k, put_id, life, std::slice::from_mut(r));
+                        self.seal(Access::Read, k, put_id, expiry, std::slice::from_mut(r));
                     }
                 }
                 answer(found);
