@@ -189,6 +189,17 @@ def rss_kib(pid):
     return None
 
 
+def ssd_evictions(http):
+    """Records the owners' SSD rings overwrote, from the master's metrics."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://{http}/metrics", timeout=5).read().decode()
+    except OSError:
+        return "unknown"
+    return int(sum(float(l.split()[-1]) for l in text.splitlines()
+                   if l.startswith("segment_ssd_evicted_records_total")))
+
+
 def start(cmd, log, ready):
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
     deadline = time.monotonic() + 30
@@ -209,7 +220,9 @@ def main():
     ap.add_argument("--keys", type=int, default=1500, help="keys per requester")
     ap.add_argument("--pinned", type=int, default=32, help="never-removed keys per requester")
     ap.add_argument("--pool", default="64MiB", help="memory of each owner")
-    ap.add_argument("--ssd", default="2GiB", help="SSD tier of each owner")
+    ap.add_argument("--ssd", default="2GiB",
+                    help="SSD tier of each owner: it must hold what the run writes, since the ring "
+                         "overwrites its oldest records (and the objects only they held) when full")
     ap.add_argument("--token-file", help="the cluster's secret: every role proves it")
     args = ap.parse_args()
     bins = os.environ.get("MOONCAKE_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", "target", "release"))
@@ -223,7 +236,8 @@ def main():
                          "--metrics_port", "0", "--when_disk_behind", "keep", *auth],
                         os.path.join(work, "master.log"), "mooncake_master ready")
         procs.append(("master", m))
-        master = dict(w.split("=", 1) for w in line.split() if "=" in w)["rpc"]
+        fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        master, http = fields["rpc"], fields["http"]
         for i in range(2):
             o, _ = start([os.path.join(bins, "mooncake_ownerd"), "--master", master, "--host", "127.0.0.1",
                           "--port", "0", "--segment-size", args.pool, "--no-mlock",
@@ -237,14 +251,15 @@ def main():
                                                        args.pinned, out, barrier)) for i in range(args.workers)]
         for w in workers:
             w.start()
-        # Resident memory: after warm-up (a third of the run) and at the end.
+        # Resident memory: after warm-up (a third of the run), at two thirds and at the end.
         t0 = time.monotonic()
-        warm = {}
+        samples = []
         while any(w.is_alive() for w in workers) and time.monotonic() - t0 < args.seconds + 300:
             time.sleep(0.5)
-            if not warm and time.monotonic() - t0 >= args.seconds / 3:
-                warm = {n: rss_kib(p.pid) for n, p in procs}
-        end = {n: rss_kib(p.pid) for n, p in procs}
+            if len(samples) < 2 and time.monotonic() - t0 >= args.seconds * (len(samples) + 1) / 3:
+                samples.append({n: rss_kib(p.pid) for n, p in procs})
+        samples.append({n: rss_kib(p.pid) for n, p in procs})
+        ssd_evicted = ssd_evictions(http)
         results = [out.get(timeout=60) for _ in workers]
         for w in workers:
             w.join(timeout=30)
@@ -291,12 +306,13 @@ def main():
     print(f"committed keys at the end: {sum(r['committed'] for r in results)}; wrong bytes: {wrong}; "
           f"lost objects: {lost}; unexpected codes: {sum(unexpected.values())} {dict(unexpected) or ''}")
     print()
-    print("| process | RSS after warm-up (MiB) | RSS at the end (MiB) |")
-    print("|---|---|---|")
+    print(f"records the SSD tiers' rings overwrote (dropping objects they held last): {ssd_evicted}")
+    print()
+    print("| process | RSS at 1/3 of the run (MiB) | at 2/3 | at the end |")
+    print("|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v / 1024:.1f}"
     for n, _ in procs:
-        w, e = warm.get(n), end.get(n)
-        fmt = lambda v: "-" if v is None else f"{v / 1024:.1f}"
-        print(f"| {n} | {fmt(w)} | {fmt(e)} |")
+        print(f"| {n} | " + " | ".join(fmt(s.get(n)) for s in samples) + " |")
     for r in results:
         for w in r["wrong"] + [f"lost {k}" for k in r["lost"]]:
             print(f"worker {r['worker']}: {w}")

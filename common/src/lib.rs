@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod auth;
+pub mod body;
 pub mod code;
 pub mod config;
 pub mod disk_stats;

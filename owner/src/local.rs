@@ -107,8 +107,7 @@ impl LocalServer {
                     let mut h = [0u8; 5];
                     stream.read_exact(&mut h).await?;
                     let (len, _) = frame_header(h).map_err(invalid)?;
-                    let mut body = vec![0u8; len];
-                    stream.read_exact(&mut body).await?;
+                    mooncake_common::body::read_new_body(&mut stream, len).await?;
                     let mut w = FrameWriter::new(LocalOp::Hello);
                     w.i32(Code::Unauthenticated.as_i32()).u64(0);
                     stream.write_all(&w.finish()).await
@@ -139,8 +138,7 @@ impl LocalServer {
             let rest = async {
                 stream.read_exact(&mut h[1..]).await?;
                 let (len, op) = frame_header(h).map_err(invalid)?;
-                body.resize(len, 0);
-                stream.read_exact(&mut body).await?;
+                mooncake_common::body::read_body(&mut stream, len, &mut body).await?;
                 Ok::<_, io::Error>(op)
             };
             let op = tokio::time::timeout(self.frame_timeout, rest)

@@ -17,6 +17,8 @@ use mooncake_owner::{OwnerConfig, RunningOwner};
 
 pub mod delay;
 pub mod etcd;
+pub mod fuzz;
+pub mod fuzz_net;
 pub mod netns;
 
 /// Puts `payload(key, size)` under every key in one batch; panics unless each is stored.
@@ -202,6 +204,7 @@ pub fn bin_path(name: &str) -> PathBuf {
             "mooncake_master" => "mooncake-master",
             "mooncake_ownerd" => "mooncake-owner",
             "mooncake_bench" => "mooncake-bench",
+            "mooncake_fuzz" => "mooncake-tests",
             other => panic!("unknown binary {other}"),
         };
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -323,8 +323,9 @@ impl FramedPool {
                 self.addr
             )));
         }
-        let mut out = vec![0u8; len];
-        conn.stream.read_exact(&mut out).await.map_err(rpc_err)?;
+        let out = mooncake_common::body::read_new_body(&mut conn.stream, len)
+            .await
+            .map_err(rpc_err)?;
         let status = status as i32;
         if status == rpc_wire::STATUS_UNAUTHENTICATED {
             // The master closes this connection after saying so.

@@ -4,7 +4,7 @@
 //! `mooncake_common::master_api`, under the RPC deadline, with transport failures turned into
 //! RPC_FAIL / RPC_TIMEOUT. The in-process implementation lives with the master.
 
-mod answers;
+pub mod answers;
 mod following;
 mod framed;
 mod grpc;

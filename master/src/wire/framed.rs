@@ -58,8 +58,7 @@ pub async fn serve(
             r.read_exact(&mut h[1..]).await?;
             let (len, method, id) = rpc_wire::decode_header(&h)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            body.resize(len, 0);
-            r.read_exact(&mut body).await?;
+            mooncake_common::body::read_body(&mut r, len, &mut body).await?;
             Ok::<_, io::Error>((method, id))
         };
         let (method, id) = tokio::time::timeout(frame_timeout, frame)
@@ -100,8 +99,7 @@ pub async fn refuse(stream: TcpStream, timeout: Duration) -> io::Result<()> {
         // Read the request (when small) so that closing does not reset the connection before
         // the peer has read the answer.
         if len <= 1 << 20 {
-            let mut body = vec![0u8; len];
-            r.read_exact(&mut body).await?;
+            mooncake_common::body::read_new_body(&mut r, len).await?;
         }
         let why = mooncake_common::auth::AUTH_REQUIRED.as_bytes();
         w.write_all(&rpc_wire::encode_header(

@@ -349,9 +349,7 @@ impl LocalOwner {
             .map_err(|e| self.io_err(e))?;
         let (len, _) = frame_header(h)
             .map_err(|e| self.io_err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
-        let mut body = vec![0u8; len];
-        stream
-            .read_exact(&mut body)
+        let body = mooncake_common::body::read_new_body(stream, len)
             .await
             .map_err(|e| self.io_err(e))?;
         let mut r = FrameReader::new(&body);
