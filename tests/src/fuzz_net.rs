@@ -81,6 +81,37 @@ where
     report
 }
 
+/// A real client's put and verified get of `key` while the fuzzer runs. The servers must answer:
+/// a transport failure or a timeout is a failure, wrong bytes always are. A definite refusal is
+/// not: in a cluster without a secret anyone may write anything, and a fuzzed write under a made-up
+/// newer grant legitimately fences the range the client's put was given (with a secret, the
+/// master's seals refuse such writes).
+pub async fn round_trip(
+    client: &mooncake_client::Client,
+    key: &str,
+    len: usize,
+) -> Result<(), String> {
+    use mooncake_common::Code;
+    let answered =
+        |e: &mooncake_client::ClientError| !matches!(e.code(), Code::RpcFail | Code::RpcTimeout);
+    let value = crate::payload(key, len);
+    match client
+        .put(key, &value, &mooncake_client::ReplicateConfig::default())
+        .await
+    {
+        Ok(_) => {}
+        Err(e) if answered(&e) => return Ok(()),
+        Err(e) => return Err(format!("put {key}: {e}")),
+    }
+    let mut buf = vec![0u8; len];
+    match client.get(key, &mut buf).await {
+        Ok(n) if n == len && buf == value => Ok(()),
+        Ok(_) => Err(format!("get {key}: wrong bytes")),
+        Err(e) if answered(&e) => Ok(()),
+        Err(e) => Err(format!("get {key}: {e}")),
+    }
+}
+
 enum To {
     Tcp(String),
     Unix(PathBuf),

@@ -7,13 +7,13 @@ use std::{
     time::Duration,
 };
 
-use mooncake_client::{Client, ClientConfig, ReplicateConfig};
+use mooncake_client::{Client, ClientConfig};
 use mooncake_proto::framed as rpc_wire;
 use mooncake_tests::{
     bin_path,
     fuzz::{self, CountingAlloc, Finding, Target},
-    fuzz_net::{fuzz_servers, Servers},
-    payload, ChildGuard, TempDir,
+    fuzz_net::{fuzz_servers, round_trip, Servers},
+    ChildGuard, TempDir,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -181,24 +181,6 @@ fn panics_logged(logs: &TempDir) -> usize {
         .sum()
 }
 
-async fn round_trip(client: &Client, n: u64) -> Result<(), String> {
-    let key = format!("fuzz/{n}");
-    let value = payload(&key, 32 << 10);
-    client
-        .put(&key, &value, &ReplicateConfig::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; value.len()];
-    client
-        .get(&key, &mut buf)
-        .await
-        .map_err(|e| e.to_string())?;
-    if buf != value {
-        return Err(format!("{key}: wrong bytes"));
-    }
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_servers_survive_mutated_frames_and_keep_serving() {
     let logs = TempDir::new("fuzz-live");
@@ -210,7 +192,7 @@ async fn live_servers_survive_mutated_frames_and_keep_serving() {
     let report = fuzz_servers(&servers, 3_000, 7, 8, 500, || {
         n += 1;
         let (client, n) = (&client, n);
-        async move { round_trip(client, n).await }
+        async move { round_trip(client, &format!("fuzz/{n}"), 32 << 10).await }
     })
     .await;
     assert!(

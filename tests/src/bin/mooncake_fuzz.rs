@@ -15,11 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mooncake_client::{Client, ClientConfig, ReplicateConfig};
+use mooncake_client::{Client, ClientConfig};
 use mooncake_tests::{
     fuzz::{self, CountingAlloc, Finding},
-    fuzz_net::{fuzz_servers, Servers},
-    payload, ChildGuard, TempDir,
+    fuzz_net::{fuzz_servers, round_trip, Servers},
+    ChildGuard, TempDir,
 };
 
 #[global_allocator]
@@ -218,21 +218,7 @@ fn network(args: &[String]) -> bool {
     report.failed_checks.is_empty() && panics == 0 && alive
 }
 
-/// A put and a verified get of a fresh key.
+/// A put and a verified get of a fresh key (see `fuzz_net::round_trip`).
 async fn check(client: &Client, round: u64) -> Result<(), String> {
-    let key = format!("fuzz-check/{round}");
-    let value = payload(&key, 64 << 10);
-    client
-        .put(&key, &value, &ReplicateConfig::default())
-        .await
-        .map_err(|e| format!("put {key}: {e}"))?;
-    let mut buf = vec![0u8; value.len()];
-    let n = client
-        .get(&key, &mut buf)
-        .await
-        .map_err(|e| format!("get {key}: {e}"))?;
-    if n != value.len() || buf != value {
-        return Err(format!("get {key}: wrong bytes"));
-    }
-    Ok(())
+    round_trip(client, &format!("fuzz-check/{round}"), 64 << 10).await
 }
