@@ -294,3 +294,93 @@ fn data_plane(rng: &mut Rng, out: &mut Vec<u8>, frames: u64) {
         out.extend(std::iter::repeat_n(0xAB, payload.saturating_sub(4096)));
     }
 }
+
+/// A master and an owner (32 MiB) to fuzz, from the binaries `bin` names, with their logs in
+/// `logs` (so panics in them can be counted with `panics_logged`).
+pub fn start_servers(
+    logs: &std::path::Path,
+    bin: impl Fn(&str) -> PathBuf,
+) -> (crate::ChildGuard, crate::ChildGuard, Servers) {
+    let spawn = |name: &str, log: &str, args: &[&str]| {
+        let err = std::fs::File::create(logs.join(log)).expect("a log file");
+        crate::ChildGuard::spawn_cmd(
+            std::process::Command::new(bin(name))
+                .args(args)
+                .stderr(std::process::Stdio::from(err)),
+        )
+    };
+    let master = spawn(
+        "mooncake_master",
+        "master.log",
+        &[
+            "--rpc_address",
+            "127.0.0.1",
+            "--rpc_port",
+            "0",
+            "--metrics_port",
+            "0",
+        ],
+    );
+    let line = master.wait_line("mooncake_master ready", Duration::from_secs(20));
+    let rpc = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("rpc="))
+        .expect("rpc= in the ready line")
+        .to_string();
+    let owner = spawn(
+        "mooncake_ownerd",
+        "owner.log",
+        &[
+            "--master",
+            &rpc,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--segment-size",
+            "32MiB",
+            "--no-mlock",
+        ],
+    );
+    let line = owner.wait_line("mooncake_ownerd ready", Duration::from_secs(20));
+    let segment = line
+        .rsplit("segment=")
+        .next()
+        .expect("a segment")
+        .to_string();
+    let socket = mooncake_common::local::socket_path(
+        &crate::socket_dir(),
+        &mooncake_common::SegmentName::parse(&segment).expect("a segment name"),
+    );
+    let servers = Servers {
+        master: rpc,
+        owner: segment,
+        socket: socket.exists().then_some(socket),
+    };
+    (master, owner, servers)
+}
+
+/// Panics the servers `start_servers` started wrote to their logs.
+pub fn panics_logged(logs: &std::path::Path) -> usize {
+    ["master.log", "owner.log"]
+        .iter()
+        .map(|l| {
+            std::fs::read_to_string(logs.join(l))
+                .unwrap_or_default()
+                .matches("panicked")
+                .count()
+        })
+        .sum()
+}
+
+/// A process's resident memory in KiB (0 if it is gone).
+pub fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}

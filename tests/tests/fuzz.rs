@@ -2,18 +2,15 @@
 //! the harness shown to catch what it looks for, and live servers fed mutated frames while a real
 //! client keeps working. `mooncake_fuzz` runs the same for millions of inputs.
 
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
 
 use mooncake_client::{Client, ClientConfig};
 use mooncake_proto::framed as rpc_wire;
 use mooncake_tests::{
     bin_path,
     fuzz::{self, CountingAlloc, Finding, Target},
-    fuzz_net::{fuzz_servers, round_trip, Servers},
-    ChildGuard, TempDir,
+    fuzz_net::{fuzz_servers, panics_logged, round_trip, rss_kib, start_servers},
+    TempDir,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -101,90 +98,10 @@ fn the_harness_catches_panics_and_oversized_allocations() {
     let _ = std::panic::take_hook();
 }
 
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-/// A master and an owner whose logs go to files (so panics in them can be counted).
-fn servers(logs: &TempDir) -> (ChildGuard, ChildGuard, Servers) {
-    let spawn = |name: &str, log: &str, args: &[&str]| {
-        let err = std::fs::File::create(logs.path().join(log)).unwrap();
-        ChildGuard::spawn_cmd(
-            Command::new(bin_path(name))
-                .args(args)
-                .stderr(Stdio::from(err)),
-        )
-    };
-    let master = spawn(
-        "mooncake_master",
-        "master.log",
-        &[
-            "--rpc_address",
-            "127.0.0.1",
-            "--rpc_port",
-            "0",
-            "--metrics_port",
-            "0",
-        ],
-    );
-    let line = master.wait_line("mooncake_master ready", Duration::from_secs(20));
-    let rpc = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("rpc="))
-        .unwrap()
-        .to_string();
-    let owner = spawn(
-        "mooncake_ownerd",
-        "owner.log",
-        &[
-            "--master",
-            &rpc,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--segment-size",
-            "32MiB",
-            "--no-mlock",
-        ],
-    );
-    let line = owner.wait_line("mooncake_ownerd ready", Duration::from_secs(20));
-    let segment = line.rsplit("segment=").next().unwrap().to_string();
-    let socket = mooncake_common::local::socket_path(
-        &mooncake_tests::socket_dir(),
-        &mooncake_common::SegmentName::parse(&segment).unwrap(),
-    );
-    let servers = Servers {
-        master: rpc,
-        owner: segment,
-        socket: socket.exists().then_some(socket),
-    };
-    (master, owner, servers)
-}
-
-fn panics_logged(logs: &TempDir) -> usize {
-    ["master.log", "owner.log"]
-        .iter()
-        .map(|l| {
-            std::fs::read_to_string(logs.path().join(l))
-                .unwrap_or_default()
-                .matches("panicked")
-                .count()
-        })
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_servers_survive_mutated_frames_and_keep_serving() {
     let logs = TempDir::new("fuzz-live");
-    let (mut master, mut owner, servers) = servers(&logs);
+    let (mut master, mut owner, servers) = start_servers(logs.path(), bin_path);
     let client = Client::connect(ClientConfig::new(&servers.master))
         .await
         .unwrap();
@@ -206,7 +123,7 @@ async fn live_servers_survive_mutated_frames_and_keep_serving() {
         "the master died"
     );
     assert!(owner.child.try_wait().unwrap().is_none(), "the owner died");
-    assert_eq!(panics_logged(&logs), 0, "a server panicked");
+    assert_eq!(panics_logged(logs.path()), 0, "a server panicked");
 }
 
 /// The bug the network fuzzer found: a frame that declared a large body made the master (and the
@@ -215,7 +132,7 @@ async fn live_servers_survive_mutated_frames_and_keep_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_declaring_huge_bodies_cost_only_what_they_send() {
     let logs = TempDir::new("fuzz-declared");
-    let (master, owner, servers) = servers(&logs);
+    let (master, owner, servers) = start_servers(logs.path(), bin_path);
     let before = (rss_kib(master.pid()), rss_kib(owner.pid()));
     let mut held = Vec::new();
     for i in 0..32 {

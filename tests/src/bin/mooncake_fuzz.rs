@@ -11,15 +11,14 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use mooncake_client::{Client, ClientConfig};
 use mooncake_tests::{
     fuzz::{self, CountingAlloc, Finding},
-    fuzz_net::{fuzz_servers, round_trip, Servers},
-    ChildGuard, TempDir,
+    fuzz_net::{fuzz_servers, panics_logged, round_trip, rss_kib, start_servers},
+    TempDir,
 };
 
 #[global_allocator]
@@ -94,17 +93,6 @@ fn decoders(args: &[String]) -> bool {
     clean
 }
 
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn network(args: &[String]) -> bool {
     let frames: u64 = arg(args, "--frames", 100_000);
     let seed: u64 = arg(args, "--seed", 1);
@@ -114,58 +102,8 @@ fn network(args: &[String]) -> bool {
         .unwrap_or_default();
     let bin_dir: PathBuf = arg(args, "--bin-dir", own_dir);
     let logs = TempDir::new("fuzz-net");
-    let spawn = |name: &str, log: &str, args: &[&str]| {
-        let err = std::fs::File::create(logs.path().join(log)).expect("a log file");
-        ChildGuard::spawn_cmd(
-            Command::new(bin_dir.join(name))
-                .args(args)
-                .stderr(Stdio::from(err)),
-        )
-    };
-    let master = spawn(
-        "mooncake_master",
-        "master.log",
-        &[
-            "--rpc_address",
-            "127.0.0.1",
-            "--rpc_port",
-            "0",
-            "--metrics_port",
-            "0",
-        ],
-    );
-    let line = master.wait_line("mooncake_master ready", Duration::from_secs(20));
-    let rpc = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("rpc="))
-        .expect("rpc= in the ready line")
-        .to_string();
-    let owner = spawn(
-        "mooncake_ownerd",
-        "owner.log",
-        &[
-            "--master",
-            &rpc,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--segment-size",
-            "64MiB",
-            "--no-mlock",
-        ],
-    );
-    let line = owner.wait_line("mooncake_ownerd ready", Duration::from_secs(20));
-    let segment = line.rsplit("segment=").next().expect("segment").to_string();
-    let socket = mooncake_common::local::socket_path(
-        &mooncake_tests::socket_dir(),
-        &mooncake_common::SegmentName::parse(&segment).expect("a segment name"),
-    );
-    let servers = Servers {
-        master: rpc.clone(),
-        owner: segment.clone(),
-        socket: socket.exists().then_some(socket),
-    };
+    let (master, owner, servers) = start_servers(logs.path(), |name| bin_dir.join(name));
+    let rpc = servers.master.clone();
     let rt = tokio::runtime::Runtime::new().expect("a runtime");
     let (rss_before, report, secs) = rt.block_on(async {
         let client = Client::connect(ClientConfig::new(&rpc))
@@ -190,15 +128,7 @@ fn network(args: &[String]) -> bool {
     let mut owner = owner;
     let alive = master.child.try_wait().ok().flatten().is_none()
         && owner.child.try_wait().ok().flatten().is_none();
-    let panics: usize = ["master.log", "owner.log"]
-        .iter()
-        .map(|l| {
-            std::fs::read_to_string(logs.path().join(l))
-                .unwrap_or_default()
-                .matches("panicked")
-                .count()
-        })
-        .sum();
+    let panics = panics_logged(logs.path());
     println!("| frames | connections | seconds | round trips (failed) | panics in logs | servers alive | master RSS MiB (before, after) | owner RSS MiB (before, after) |");
     println!("|---|---|---|---|---|---|---|---|");
     println!(
