@@ -23,6 +23,7 @@ mod tests;
 #[cfg(test)]
 mod tier_tests;
 mod tiers;
+mod tombstones;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
@@ -227,8 +228,7 @@ pub struct MasterState {
     eager_backlog: VecDeque<ObjectKey>,
     last_early_offload: Millis,
     /// Versions removed while an owner (by segment name) still held them on disk.
-    tombstones: HashMap<(SegmentName, ObjectKey), u64>,
-    tombstone_order: VecDeque<(SegmentName, ObjectKey)>,
+    tombstones: tombstones::Tombstones,
     /// When upkeep last ran (see `tick`): a long gap means the master itself was away.
     last_tick: Option<Millis>,
     /// Whether unknown keys may still be reported by owners (see `rebuild`).
@@ -288,8 +288,7 @@ impl MasterState {
             offload_freeing: 0,
             eager_backlog: VecDeque::new(),
             last_early_offload: Millis(0),
-            tombstones: HashMap::new(),
-            tombstone_order: VecDeque::new(),
+            tombstones: Default::default(),
             last_tick: None,
             rebuild: rebuild::Rebuild::Over,
             born: None,

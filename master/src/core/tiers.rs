@@ -14,7 +14,6 @@ use super::{
 };
 
 /// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
-const MAX_TOMBSTONES: usize = 1 << 20;
 /// Eager offloads waiting for queue room, at most; beyond it a fresh object is offloaded when it
 /// is evicted instead (the backlog stays bounded when puts outrun the SSD for good).
 const MAX_EAGER_BACKLOG: usize = 1 << 20;
@@ -123,22 +122,12 @@ impl MasterState {
         key: ObjectKey,
         put_id: u64,
     ) {
-        if self.tombstones.len() >= MAX_TOMBSTONES {
-            if let Some(old) = self.tombstone_order.pop_front() {
-                self.tombstones.remove(&old);
-            }
-        }
-        let id = (segment, key);
-        if self.tombstones.insert(id.clone(), put_id).is_none() {
-            self.tombstone_order.push_back(id);
-        }
+        self.tombstones.add((segment, key), put_id);
     }
 
     fn clear_tombstone(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64) {
         let id = (self.segment_name(segment).clone(), key.clone());
-        if self.tombstones.get(&id) == Some(&put_id) {
-            self.tombstones.remove(&id);
-        }
+        self.tombstones.clear(&id, put_id);
     }
 
     pub(super) fn forget_offload(&mut self, offload: &Offload) {
@@ -544,8 +533,7 @@ impl MasterState {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
         }
         let id = (self.segment_name(segment).clone(), key.clone());
-        if self.tombstones.get(&id) == Some(&put_id) {
-            self.tombstones.remove(&id);
+        if self.tombstones.clear(&id, put_id) {
             return Err(MasterError::StalePut {
                 key: key.clone(),
                 put_id,
