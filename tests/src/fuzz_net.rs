@@ -327,7 +327,7 @@ pub fn start_servers(
         .find_map(|w| w.strip_prefix("rpc="))
         .expect("rpc= in the ready line")
         .to_string();
-    let owner = spawn(
+    let mut owner = spawn(
         "mooncake_ownerd",
         "owner.log",
         &[
@@ -352,6 +352,8 @@ pub fn start_servers(
         &crate::socket_dir(),
         &mooncake_common::SegmentName::parse(&segment).expect("a segment name"),
     );
+    // A killed owner cannot remove its same-host socket; the guard does.
+    owner.remove_on_drop(socket.clone());
     let servers = Servers {
         master: rpc,
         owner: segment,

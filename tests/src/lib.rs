@@ -266,6 +266,12 @@ impl ChildGuard {
         }
     }
 
+    /// A file the child would remove on a clean exit (an owner's socket), removed when the
+    /// guard drops.
+    pub fn remove_on_drop(&mut self, path: PathBuf) {
+        self.leftovers.push(path);
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }
