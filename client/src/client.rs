@@ -3,6 +3,7 @@
 //! transfers of a batch run concurrently. Put and get live in `put` and `get`; this file holds
 //! the client itself and the calls that only ask the master.
 
+use std::borrow::Cow;
 use std::sync::{
     atomic::{AtomicU64, Ordering},
     Arc,
@@ -10,8 +11,10 @@ use std::sync::{
 
 use mooncake_common::{
     master_api::SegmentUsage,
+    tenant::Tenant,
     transport::{DataTransport, TransferStats},
-    Code, MasterApi, ReplicaLocation, ReplicaTaskSpec, ReplicaTaskState, SegmentName, Tier,
+    Code, MasterApi, ObjectKey, ReplicaLocation, ReplicaTaskSpec, ReplicaTaskState, SegmentName,
+    Tier,
 };
 
 use crate::{
@@ -34,6 +37,8 @@ pub struct Client {
     pub(crate) tiers: TierCounters,
     /// The read leases this client holds, handed back when its reads are done.
     pub(crate) leases: Arc<crate::leases::Leases>,
+    /// Whose namespace the keys live in: every key is scoped before it leaves the client.
+    pub(crate) tenant: Tenant,
 }
 
 impl Drop for Client {
@@ -103,8 +108,11 @@ impl Client {
         transport: Arc<dyn DataTransport>,
     ) -> Result<Client, ClientError> {
         config.validate()?;
+        let tenant = config.tenant()?;
         let master = crate::master::connect(&config)?;
-        Self::with_master(master, preferred, transport).await
+        let mut client = Self::with_master(master, preferred, transport).await?;
+        client.tenant = tenant;
+        Ok(client)
     }
 
     /// A client over any `MasterApi` (e.g. the master's in-process one), checking that it
@@ -121,6 +129,26 @@ impl Client {
             master,
             transport,
             preferred,
+            tenant: Tenant::default(),
+        })
+    }
+
+    /// The tenant whose keys this client reads and writes.
+    pub fn tenant(&self) -> &Tenant {
+        &self.tenant
+    }
+
+    /// `key` as stored (see `mooncake_common::tenant`), checked.
+    pub(crate) fn object_key(&self, key: &str) -> Result<ObjectKey, ClientError> {
+        ObjectKey::new(&self.tenant.scope(key)).map_err(|e| ClientError::Invalid(e.to_string()))
+    }
+
+    /// `keys` as stored: None where they are stored as they are (the default tenant).
+    pub(crate) fn scoped(&self, keys: &[&str]) -> Option<Vec<String>> {
+        (!self.tenant.is_default()).then(|| {
+            keys.iter()
+                .map(|k| self.tenant.scope(k).into_owned())
+                .collect()
         })
     }
 
@@ -156,6 +184,8 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
+        let scoped = self.scoped(keys);
+        let keys = &refs(&scoped, keys)[..];
         let found = self.check(keys).await;
         // The holds of the previous call's checks go back; a get of these hits usually follows.
         self.leases.call_ended();
@@ -184,9 +214,10 @@ impl Client {
         keys: &[&str],
         force: bool,
     ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+        let scoped = self.scoped(keys);
         Ok(self
             .master
-            .remove(keys, force)
+            .remove(&refs(&scoped, keys), force)
             .await?
             .into_iter()
             .zip(keys)
@@ -194,7 +225,8 @@ impl Client {
             .collect())
     }
 
-    /// Removes every object (leased ones only with `force`); returns how many.
+    /// Removes every object of this client's tenant (leased ones only with `force`); returns
+    /// how many.
     pub async fn remove_all(&self, force: bool) -> Result<u64, ClientError> {
         Ok(self.master.remove_all(force, None).await?)
     }
@@ -211,7 +243,10 @@ impl Client {
     /// task's id for `query_task`. The object stays readable throughout.
     pub async fn create_copy_task(&self, key: &str, targets: &[&str]) -> Result<u64, ClientError> {
         let spec = ReplicaTaskSpec::Copy { targets };
-        Ok(self.master.create_replica_task(key, spec).await?)
+        Ok(self
+            .master
+            .create_replica_task(&self.tenant.scope(key), spec)
+            .await?)
     }
 
     /// Starts moving `key`'s replica on `source` to `target`: copied first, then dropped from
@@ -223,7 +258,10 @@ impl Client {
         target: &str,
     ) -> Result<u64, ClientError> {
         let spec = ReplicaTaskSpec::Move { source, target };
-        Ok(self.master.create_replica_task(key, spec).await?)
+        Ok(self
+            .master
+            .create_replica_task(&self.tenant.scope(key), spec)
+            .await?)
     }
 
     /// A copy or move task's state.
@@ -238,7 +276,11 @@ impl Client {
         keys: &[&str],
         segment: Option<&str>,
     ) -> Result<Vec<Result<(), Code>>, ClientError> {
-        Ok(self.master.replica_clear(keys, segment).await?)
+        let scoped = self.scoped(keys);
+        Ok(self
+            .master
+            .replica_clear(&refs(&scoped, keys), segment)
+            .await?)
     }
 
     /// Where each key's replicas are (leases the hits, like a get).
@@ -246,6 +288,8 @@ impl Client {
         &self,
         keys: &[&str],
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
+        let scoped = self.scoped(keys);
+        let keys = &refs(&scoped, keys)[..];
         let lookup = self.lookup(keys).await;
         self.leases.call_ended();
         let lookup = lookup?;
@@ -266,5 +310,13 @@ impl Client {
     /// Mounted segments with their capacity and allocated bytes.
     pub async fn list_segments(&self) -> Result<Vec<SegmentUsage>, ClientError> {
         Ok(self.master.list_segments().await?)
+    }
+}
+
+/// The keys a call sends: the scoped ones where there are any, else the caller's own.
+pub(crate) fn refs<'a>(scoped: &'a Option<Vec<String>>, keys: &'a [&'a str]) -> Cow<'a, [&'a str]> {
+    match scoped {
+        Some(s) => Cow::Owned(s.iter().map(String::as_str).collect()),
+        None => Cow::Borrowed(keys),
     }
 }

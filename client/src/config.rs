@@ -5,7 +5,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use mooncake_common::auth::Credential;
+use mooncake_common::{auth::Credential, tenant::Tenant};
 use mooncake_common::{
     config::duration,
     local::{DEFAULT_SOCKET_DIR, SHM_ENV, SOCKET_DIR_ENV},
@@ -80,6 +80,17 @@ pub struct ClientConfig {
     /// A file holding the cluster's secret, proved on every connection to the master and to
     /// owners (which refuse a client without it when they have one). Unset: no proof.
     pub auth_token_file: Option<PathBuf>,
+    /// The tenant whose namespace this client's keys live in (`tenant_id` of `setup()`,
+    /// `MOONCAKE_TENANT_ID`); unset or "default": the default tenant, or the tenant whose
+    /// token `auth_token_file` holds.
+    pub tenant_id: Option<String>,
+    /// TLS to the master (whose RPC port runs TLS): the CA its certificate chains to (PEM;
+    /// `MOONCAKE_TLS_CA`). Unset: plain TCP.
+    pub tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM; `MOONCAKE_TLS_CERT`), for masters that check clients;
+    /// with `tls_key` (`MOONCAKE_TLS_KEY`).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Default for ClientConfig {
@@ -100,6 +111,10 @@ impl Default for ClientConfig {
             master_protocol: Default::default(),
             master_spin: Duration::from_micros(50),
             auth_token_file: None,
+            tenant_id: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -114,6 +129,10 @@ pub const COPY_THREADS_ENV: &str = "MOONCAKE_COPY_THREADS";
 pub const CLUSTER_ID_ENV: &str = "MC_STORE_CLUSTER_ID";
 /// Sets `auth_token_file`.
 pub const AUTH_TOKEN_FILE_ENV: &str = "MOONCAKE_AUTH_TOKEN_FILE";
+/// Sets `tenant_id`.
+pub const TENANT_ID_ENV: &str = "MOONCAKE_TENANT_ID";
+/// Set `tls_ca`, `tls_cert` and `tls_key`.
+pub const TLS_ENV: [&str; 3] = ["MOONCAKE_TLS_CA", "MOONCAKE_TLS_CERT", "MOONCAKE_TLS_KEY"];
 
 /// The longest `master_spin` accepted: it holds the calling thread.
 const MAX_MASTER_SPIN: Duration = Duration::from_millis(1);
@@ -166,6 +185,18 @@ impl ClientConfig {
         if let Some(v) = env(AUTH_TOKEN_FILE_ENV).filter(|v| !v.trim().is_empty()) {
             self.auth_token_file = Some(PathBuf::from(v.trim()));
         }
+        if let Some(v) = env(TENANT_ID_ENV).filter(|v| !v.trim().is_empty()) {
+            self.tenant_id = Some(v.trim().to_string());
+        }
+        for (name, field) in
+            TLS_ENV
+                .iter()
+                .zip([&mut self.tls_ca, &mut self.tls_cert, &mut self.tls_key])
+        {
+            if let Some(v) = env(name).filter(|v| !v.trim().is_empty()) {
+                *field = Some(PathBuf::from(v.trim()));
+            }
+        }
         Ok(self)
     }
 
@@ -174,14 +205,41 @@ impl ClientConfig {
         self.with_env(|name| std::env::var(name).ok())
     }
 
-    /// What this client proves to the master and the owners: the cluster's secret, read from
-    /// `auth_token_file` (none without one).
+    /// What this client proves to the master and the owners: the secret `auth_token_file`
+    /// holds, the cluster's or a tenant's (none without one).
     pub fn credential(&self) -> Result<Option<Credential>, ClientError> {
         self.auth_token_file
             .as_deref()
-            .map(Credential::cluster_from_file)
+            .map(Credential::from_file)
             .transpose()
             .map_err(ClientError::Config)
+    }
+
+    /// TLS to the master, if configured.
+    pub fn master_tls(&self) -> Result<Option<mooncake_common::tls::TlsClient>, ClientError> {
+        mooncake_common::tls::TlsClient::from_files(
+            self.tls_ca.as_deref(),
+            self.tls_cert.as_deref(),
+            self.tls_key.as_deref(),
+        )
+        .map_err(ClientError::Config)
+    }
+
+    /// The tenant this client's keys belong to: `tenant_id`, or the tenant of a tenant's
+    /// token; the two must agree where both are given.
+    pub fn tenant(&self) -> Result<Tenant, ClientError> {
+        let asked = Tenant::parse(self.tenant_id.as_deref().unwrap_or(""))
+            .map_err(|e| ClientError::Config(format!("tenant_id: {e}")))?;
+        let bound = self
+            .credential()?
+            .and_then(|c| c.tenant().map(str::to_string));
+        match bound {
+            Some(name) if asked.is_default() => Tenant::parse(&name).map_err(ClientError::Config),
+            Some(name) if name != asked.name() => Err(ClientError::Config(format!(
+                "tenant_id is {asked} but the auth token file holds tenant {name}'s token"
+            ))),
+            _ => Ok(asked),
+        }
     }
 
     /// The preferred segment, parsed (see `resolve_preferred`).

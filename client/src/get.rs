@@ -76,9 +76,9 @@ impl Client {
         let mut results: Vec<Option<GetResult>> = (0..keys.len()).map(|_| None).collect();
         let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
-            match ObjectKey::new(key) {
+            match self.object_key(key) {
                 Ok(k) => valid.push((i, k)),
-                Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
+                Err(e) => results[i] = Some(Err(e)),
             }
         }
         if !valid.is_empty() {
@@ -267,10 +267,8 @@ impl Client {
         keys: &[&str],
         mut alloc: impl FnMut(usize) -> Result<B, ClientError>,
     ) -> Vec<Result<B, ClientError>> {
-        let valid: Vec<Result<ObjectKey, ClientError>> = keys
-            .iter()
-            .map(|k| ObjectKey::new(k).map_err(|e| ClientError::Invalid(e.to_string())))
-            .collect();
+        let valid: Vec<Result<ObjectKey, ClientError>> =
+            keys.iter().map(|k| self.object_key(k)).collect();
         let names: Vec<&str> = valid.iter().flatten().map(|k| k.as_str()).collect();
         if names.is_empty() {
             return valid

@@ -57,8 +57,8 @@ impl Client {
         // Validate locally; only valid items go to the master.
         let mut valid: Vec<(usize, ObjectKey)> = Vec::with_capacity(items.len());
         for (i, (key, parts)) in items.iter().enumerate() {
-            match ObjectKey::new(key) {
-                Err(e) => results[i] = Some(Err(ClientError::Invalid(e.to_string()))),
+            match self.object_key(key) {
+                Err(e) => results[i] = Some(Err(e)),
                 Ok(_) if parts.iter().all(|p| p.is_empty()) => {
                     results[i] = Some(Err(ClientError::Invalid(format!(
                         "value of {key} is empty"

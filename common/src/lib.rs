@@ -20,6 +20,8 @@ pub mod memcopy;
 pub mod replica;
 pub mod size;
 pub mod stamp;
+pub mod tenant;
+pub mod tls;
 pub mod transport;
 pub mod wire;
 

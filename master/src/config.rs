@@ -82,6 +82,32 @@ pub struct MasterConfig {
     /// prove it holds the same secret (owners and clients read the same file). Unset: the
     /// master runs open, and says so once in its log.
     pub auth_token_file: Option<std::path::PathBuf>,
+    /// Tenants: quotas, and which tenants' own token files the master admits (`[[tenants]]`).
+    pub tenants: Vec<TenantConfig>,
+    /// TLS on the RPC port: the master's certificate chain (PEM). With it, every RPC
+    /// connection (framed and gRPC) must speak TLS.
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `tls_cert` (PEM).
+    pub tls_key: Option<std::path::PathBuf>,
+    /// With TLS, a CA (PEM) that every peer's client certificate must chain to; unset: peers
+    /// show none (they still prove the token where the master has one).
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+/// One tenant of the master's config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// The tenant's name (what clients give as `tenant_id`; "default" for clients without one).
+    pub name: String,
+    /// The most bytes of values the tenant may store (each object once); unset: no quota.
+    #[serde(default)]
+    pub quota: Option<mooncake_common::ByteSize>,
+    /// The tenant's token file (`--print_tenant_token` makes it). With it, workers holding only
+    /// this token act as this tenant and no other; without it, only holders of the cluster's
+    /// secret act as the tenant. Needs `auth_token_file`.
+    #[serde(default)]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 impl Default for MasterConfig {
@@ -115,6 +141,10 @@ impl Default for MasterConfig {
             ha_lease_ttl: Duration::from_secs(5),
             advertise_address: String::new(),
             auth_token_file: None,
+            tenants: Vec::new(),
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -158,6 +188,26 @@ impl MasterConfig {
         if self.enable_ha {
             self.ha()?;
         }
+        let mut names = std::collections::HashSet::new();
+        for t in &self.tenants {
+            let tenant = mooncake_common::tenant::Tenant::parse(&t.name)
+                .map_err(|e| format!("tenants: {e}"))?;
+            if !names.insert(tenant.clone()) {
+                return Err(format!("tenants: {} is listed twice", tenant.label()));
+            }
+            if t.token_file.is_some() && self.auth_token_file.is_none() {
+                return Err(format!(
+                    "tenant {}: a token_file needs the cluster's auth_token_file",
+                    tenant.label()
+                ));
+            }
+            if t.token_file.is_some() && tenant.is_default() {
+                return Err(
+                    "the default tenant's workers use the cluster's token; it takes no token_file"
+                        .into(),
+                );
+            }
+        }
         if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
             return Err(format!(
                 "rpc_port and metrics_port are both {}",
@@ -169,6 +219,17 @@ impl MasterConfig {
 
     /// The HA settings, checked: endpoints that parse, a whole-second lease of at least 2 s, and
     /// an address others can reach.
+    /// The RPC port's TLS acceptor, if TLS is configured.
+    pub fn tls(&self) -> Result<Option<mooncake_common::tls::TlsAcceptor>, String> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                mooncake_common::tls::acceptor(cert, key, self.tls_ca.as_deref()).map(Some)
+            }
+            (None, None) if self.tls_ca.is_none() => Ok(None),
+            _ => Err("TLS needs both tls_cert and tls_key (tls_ca only with them)".into()),
+        }
+    }
+
     pub fn ha(&self) -> Result<crate::ha::HaConfig, String> {
         let endpoints = mooncake_common::leader::parse_endpoints(&self.etcd_endpoints)
             .map_err(|e| format!("etcd_endpoints: {e}"))?;
@@ -223,6 +284,14 @@ impl MasterConfig {
             promote_after_hits: self.promote_after_hits,
             rebuild_grace: self.rebuild_grace,
             rebuild_window: self.rebuild_window,
+            quotas: self
+                .tenants
+                .iter()
+                .filter_map(|t| {
+                    let name = mooncake_common::tenant::Tenant::parse(&t.name).ok()?;
+                    Some((name.name().to_string(), t.quota?.bytes()))
+                })
+                .collect(),
         }
     }
 }

@@ -38,6 +38,15 @@ pub enum MasterError {
     GrantsExhausted,
     #[error("{0}")]
     Busy(String),
+    #[error("tenant {tenant}'s quota of {quota} bytes is full ({used} bytes stored; this put needs {size} more): remove some of its objects or raise its quota")]
+    QuotaFull {
+        tenant: String,
+        quota: u64,
+        used: u64,
+        size: u64,
+    },
+    #[error("permission denied: {0}")]
+    Denied(String),
 }
 
 impl MasterError {
@@ -46,7 +55,10 @@ impl MasterError {
             MasterError::Invalid(_) | MasterError::BadId(_) | MasterError::TooLarge { .. } => {
                 Code::InvalidParams
             }
-            MasterError::NoSpace { .. } | MasterError::NoSegments => Code::NoAvailableHandle,
+            MasterError::NoSpace { .. }
+            | MasterError::NoSegments
+            | MasterError::QuotaFull { .. } => Code::NoAvailableHandle,
+            MasterError::Denied(_) => Code::PermissionDenied,
             MasterError::NotFound(_) | MasterError::StalePut { .. } => Code::ObjectNotFound,
             MasterError::Exists(_) | MasterError::PutInFlight(_) => Code::ObjectAlreadyExists,
             MasterError::NotReady(_) => Code::ReplicaIsNotReady,

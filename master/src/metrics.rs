@@ -158,6 +158,7 @@ fn render_state(out: &mut String, state: &MasterState) {
         "Memory of the eviction order beyond the objects (queues and remembered keys).",
         state.eviction_order_bytes() as u64,
     );
+    render_tenants(out, state);
     for (name, help, v) in [
         (
             "master_eviction_recent_ghost_hits_total",
@@ -173,6 +174,50 @@ fn render_state(out: &mut String, state: &MasterState) {
         let _ = writeln!(
             out,
             "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+        );
+    }
+}
+
+/// Keys, bytes and quota per tenant (the default tenant as "default").
+fn render_tenants(out: &mut String, state: &MasterState) {
+    let usage = state.tenant_usage();
+    let quotas = &state.policy().quotas;
+    let label = |t: &str| if t.is_empty() { "default" } else { t }.to_string();
+    let _ = writeln!(
+        out,
+        "# HELP master_tenant_keys Objects a tenant stores.\n# TYPE master_tenant_keys gauge"
+    );
+    for (t, u) in &usage {
+        let _ = writeln!(
+            out,
+            "master_tenant_keys{{tenant=\"{}\"}} {}",
+            label(t),
+            u.keys
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP master_tenant_bytes Bytes of the values a tenant stores (each object once).\n# TYPE master_tenant_bytes gauge"
+    );
+    for (t, u) in &usage {
+        let _ = writeln!(
+            out,
+            "master_tenant_bytes{{tenant=\"{}\"}} {}",
+            label(t),
+            u.bytes
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP master_tenant_quota_bytes The most bytes a tenant may store.\n# TYPE master_tenant_quota_bytes gauge"
+    );
+    let mut q: Vec<_> = quotas.iter().collect();
+    q.sort();
+    for (t, v) in q {
+        let _ = writeln!(
+            out,
+            "master_tenant_quota_bytes{{tenant=\"{}\"}} {v}",
+            label(t)
         );
     }
 }

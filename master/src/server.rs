@@ -3,7 +3,10 @@
 
 use std::{future::Future, net::SocketAddr, sync::Arc};
 
-use mooncake_common::auth::{admit_tcp, Admission, Keyring, ServerAuth, AUTH_REQUIRED};
+use mooncake_common::{
+    auth::{admit, starts_with_hello, Admission, Keyring, ServerAuth, AUTH_REQUIRED, HELLO_MAGIC},
+    tls::TlsAcceptor,
+};
 use mooncake_proto::master::master_server::MasterServer;
 use tokio::{
     net::{TcpListener, TcpStream},
@@ -16,8 +19,12 @@ use crate::{
     config::MasterConfig,
     core::MasterState,
     ha::Leadership,
-    service::{MasterService, Shared},
-    wire::{grpc::GrpcMaster, in_process::InProcessMaster},
+    service::{Caller, MasterService, Shared},
+    wire::{
+        admitted::{Admitted, Identity, Io, Prefixed, Rpc},
+        grpc::GrpcMaster,
+        in_process::InProcessMaster,
+    },
 };
 
 /// Why a master that lost (or never had) its etcd lease refuses a call.
@@ -94,7 +101,7 @@ impl RunningMaster {
 
         let auth = match &config.auth_token_file {
             Some(path) => Some(
-                ServerAuth::from_file(path)
+                server_auth(path, &config.tenants)
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
             ),
             None => {
@@ -105,6 +112,9 @@ impl RunningMaster {
                 None
             }
         };
+        let tls = config
+            .tls()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let service = Arc::new(MasterService::new(
             shared.clone(),
             auth.as_ref().map(|a| a.seals.clone()),
@@ -115,12 +125,13 @@ impl RunningMaster {
             MasterServer::new(grpc.clone())
                 .max_decoding_message_size(256 << 20)
                 .max_encoding_message_size(256 << 20),
-            move |req: tonic::Request<()>| {
-                if leader.leading() {
-                    Ok(req)
-                } else {
-                    Err(tonic::Status::unavailable(NOT_LEADING))
+            move |mut req: tonic::Request<()>| {
+                if !leader.leading() {
+                    return Err(tonic::Status::unavailable(NOT_LEADING));
                 }
+                let caller = caller_of_grpc(&req)?;
+                req.extensions_mut().insert(caller);
+                Ok(req)
             },
         );
         // gRPC connections that did not authenticate where the master requires it: every call
@@ -132,8 +143,8 @@ impl RunningMaster {
             },
         );
         // One port, two protocols: framed-RPC connections are served here, the rest go to tonic.
-        let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
-        let (refused_tx, refused_rx) = tokio::sync::mpsc::channel::<TcpStream>(64);
+        let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel::<Rpc>(64);
+        let (refused_tx, refused_rx) = tokio::sync::mpsc::channel::<Rpc>(64);
         tasks.push(tokio::spawn(split_connections(
             rpc,
             Routes {
@@ -141,6 +152,7 @@ impl RunningMaster {
                 refused: refused_tx,
                 service: grpc,
                 keyring: auth.map(|a| Arc::new(a.keyring)),
+                tls,
             },
             stopped.clone(),
         )));
@@ -215,9 +227,9 @@ impl RunningMaster {
     }
 
     /// A `MasterApi` that calls this master's service directly (no socket), for clients in
-    /// the same process.
+    /// the same process (of the default tenant, with the cluster's rights).
     pub fn in_process(&self) -> InProcessMaster {
-        InProcessMaster(self.service.clone())
+        InProcessMaster(self.service.clone(), crate::service::Caller::cluster())
     }
 
     /// Runs `f` on the state under its lock (the HA loop raises the grant reservation).
@@ -245,14 +257,31 @@ impl RunningMaster {
     }
 }
 
+/// The cluster's secret, and the tenants whose own token files the master admits.
+fn server_auth(
+    path: &std::path::Path,
+    tenants: &[crate::config::TenantConfig],
+) -> Result<ServerAuth, String> {
+    let mut auth = ServerAuth::from_file(path)?;
+    for t in tenants {
+        if let Some(file) = &t.token_file {
+            let secret = auth.secret().to_vec();
+            auth.keyring.insert_tenant(&secret, &t.name, file)?;
+        }
+    }
+    Ok(auth)
+}
+
 /// Where accepted RPC connections go.
 struct Routes {
     /// Authenticated (or open) gRPC connections.
-    grpc: tokio::sync::mpsc::Sender<TcpStream>,
+    grpc: tokio::sync::mpsc::Sender<Rpc>,
     /// gRPC connections that did not authenticate.
-    refused: tokio::sync::mpsc::Sender<TcpStream>,
+    refused: tokio::sync::mpsc::Sender<Rpc>,
     service: GrpcMaster,
     keyring: Option<Arc<Keyring>>,
+    /// With TLS configured, every connection starts with a TLS handshake.
+    tls: Option<TlsAcceptor>,
 }
 
 /// How long a connection may take to authenticate and to show which protocol it speaks.
@@ -285,32 +314,68 @@ async fn split_connections(listener: TcpListener, routes: Routes, mut stop: watc
 }
 
 async fn route(
-    mut stream: TcpStream,
+    stream: TcpStream,
     routes: &Routes,
     stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let admitted = admit_tcp(&mut stream, routes.keyring.as_deref(), OPENING_TIMEOUT).await?;
-    let allowed = admitted != Admission::Unauthenticated;
-    let mut first = [0u8; 4];
-    // Wait for four bytes (or a clear mismatch) before deciding.
-    let peek = async {
-        loop {
-            let n = stream.peek(&mut first).await?;
-            if n == 0 || n >= 4 || !mooncake_proto::framed::MAGIC.starts_with(&first[..n]) {
-                return Ok::<_, std::io::Error>(n);
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "an unknown peer".to_string(), |a| a.to_string());
+    match &routes.tls {
+        None => serve_rpc(Box::new(stream), peer, routes, stop).await,
+        Some(acceptor) => {
+            let tls = tokio::time::timeout(OPENING_TIMEOUT, acceptor.accept(stream))
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+                .inspect_err(|e| tracing::warn!(%peer, error = %e, "refused a peer's TLS"))?;
+            serve_rpc(Box::new(tls), peer, routes, stop).await
         }
+    }
+}
+
+/// Admits a connection (see `mooncake_common::auth`) and serves it by its first bytes: the
+/// framed RPC here, anything else (HTTP/2) by the gRPC server.
+async fn serve_rpc(
+    stream: Box<dyn Io>,
+    peer: String,
+    routes: &Routes,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let mut stream = Prefixed::new(stream);
+    let opening = async {
+        let first = stream
+            .look(HELLO_MAGIC.len(), |b| starts_with_hello(b).is_some())
+            .await?;
+        let hello = starts_with_hello(first) == Some(true);
+        let admitted = admit(
+            &mut stream,
+            hello,
+            routes.keyring.as_deref(),
+            &peer,
+            OPENING_TIMEOUT,
+        )
+        .await?;
+        let magic = &mooncake_proto::framed::MAGIC;
+        let first = stream.look(4, |b| !magic.starts_with(b)).await?;
+        if first.is_empty() {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        }
+        Ok::<_, std::io::Error>((admitted, crate::wire::framed::is_framed(first)))
     };
-    let n = tokio::time::timeout(OPENING_TIMEOUT, peek)
+    let (admitted, framed) = tokio::time::timeout(OPENING_TIMEOUT, opening)
         .await
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
-    let framed = crate::wire::framed::is_framed(&first[..n]);
+    let allowed = admitted != Admission::Unauthenticated;
+    let identity = match admitted {
+        Admission::Authenticated(id) => Some(id),
+        _ => None,
+    };
     match (framed, allowed) {
         (true, true) => {
             crate::wire::framed::serve(
                 stream,
                 routes.service.clone(),
+                identity,
                 std::time::Duration::from_secs(30),
                 stop,
             )
@@ -318,20 +383,43 @@ async fn route(
         }
         (true, false) => crate::wire::framed::refuse(stream, OPENING_TIMEOUT).await,
         (false, true) => {
-            let _ = routes.grpc.send(stream).await;
+            let identity = Identity(identity.map(Into::into));
+            let stream: Box<dyn Io> = Box::new(stream);
+            let _ = routes.grpc.send(Admitted { stream, identity }).await;
             Ok(())
         }
         (false, false) => {
-            let _ = routes.refused.send(stream).await;
+            let identity = Identity(None);
+            let stream: Box<dyn Io> = Box::new(stream);
+            let _ = routes.refused.send(Admitted { stream, identity }).await;
             Ok(())
         }
     }
 }
 
+/// The caller of a gRPC request: the identity its connection proved, acting as the tenant the
+/// request's metadata names (if any).
+fn caller_of_grpc(req: &tonic::Request<()>) -> Result<Caller, tonic::Status> {
+    let identity = req
+        .extensions()
+        .get::<Identity>()
+        .ok_or_else(|| tonic::Status::internal("the connection carries no identity"))?;
+    let declared = match req.metadata().get(mooncake_common::tenant::GRPC_HEADER) {
+        Some(v) => Some(v.to_str().map_err(|_| {
+            tonic::Status::invalid_argument("the tenant metadata is not a valid name")
+        })?),
+        None => None,
+    };
+    Caller::resolve(identity.0.as_deref(), declared).map_err(|e| match e.code() {
+        mooncake_common::Code::PermissionDenied => tonic::Status::permission_denied(e.to_string()),
+        _ => tonic::Status::invalid_argument(e.to_string()),
+    })
+}
+
 /// A channel of accepted connections as the stream tonic serves.
 fn incoming(
-    rx: tokio::sync::mpsc::Receiver<TcpStream>,
-) -> impl futures::Stream<Item = std::io::Result<TcpStream>> {
+    rx: tokio::sync::mpsc::Receiver<Rpc>,
+) -> impl futures::Stream<Item = std::io::Result<Rpc>> {
     futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|s| (Ok::<_, std::io::Error>(s), rx))
     })

@@ -58,6 +58,11 @@ pub struct OwnerConfig {
     /// that do not prove it, and the owner proves it to the master and to other owners. Unset:
     /// open, as the master must then be too.
     pub auth_token_file: Option<PathBuf>,
+    /// TLS to the master (whose RPC port runs TLS): the CA its certificate chains to (PEM).
+    pub tls_ca: Option<PathBuf>,
+    /// This owner's client certificate (PEM), for a master that checks clients; with `tls_key`.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Default for OwnerConfig {
@@ -83,6 +88,9 @@ impl Default for OwnerConfig {
             ssd_concurrency: 32,
             ssd_read_budget: ByteSize::mib(256),
             auth_token_file: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -103,6 +111,15 @@ impl OwnerConfig {
             self.auth_token_file = Some(PathBuf::from(file.trim()));
         }
         self
+    }
+
+    /// TLS to the master, if configured.
+    pub fn master_tls(&self) -> Result<Option<mooncake_common::tls::TlsClient>, String> {
+        mooncake_common::tls::TlsClient::from_files(
+            self.tls_ca.as_deref(),
+            self.tls_cert.as_deref(),
+            self.tls_key.as_deref(),
+        )
     }
 
     pub fn validate(&self) -> Result<(), String> {

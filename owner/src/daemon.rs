@@ -97,7 +97,7 @@ impl RunningOwner {
         let gate = auth.as_ref().map(|a| {
             Arc::new(Gate {
                 seals: Seals::new(a.seals.clone(), segment.clone()),
-                keyring: a.keyring.clone(),
+                keyring: a.keyring.clone().with_derived_tenants(a.secret()),
             })
         });
         let (stop, stopped) = watch::channel(false);
@@ -145,6 +145,7 @@ impl RunningOwner {
             ssd.clone(),
             catalog.clone(),
             auth.as_ref(),
+            config.master_tls().map_err(OwnerError::Config)?,
         )?;
         if let Err(e) = link.mount_until(config.mount_timeout).await {
             let _ = stop.send(true);

@@ -45,7 +45,7 @@ impl Seals {
     ) -> Result<(), Denied> {
         let scope = Scope {
             access,
-            tenant: "",
+            tenant: mooncake_common::tenant::tenant_of(key.as_str()),
             key: key.as_str(),
             segment: self.segment.as_str(),
             offset,

@@ -126,6 +126,9 @@ pub struct SetupArgs {
     pub global_segment_size: u64,
     pub protocol: String,
     pub master_server_addr: String,
+    /// The tenant whose namespace the keys live in; "default" or unset leaves the client's
+    /// config (`MOONCAKE_TENANT_ID`, or the tenant of a tenant's token) to decide.
+    pub tenant_id: Option<String>,
 }
 
 const NAMES: [&str; 7] = [
@@ -138,12 +141,14 @@ const NAMES: [&str; 7] = [
     "master_server_addr",
 ];
 
+/// The keyword naming the client's tenant (see `mooncake_common::tenant`).
+const TENANT_ID: &str = "tenant_id";
+
 /// Mooncake keyword arguments after the seven that are accepted and have no effect here.
-const IGNORED: [&str; 6] = [
+const IGNORED: [&str; 5] = [
     "engine",
     "enable_ssd_offload",
     "ssd_offload_path",
-    "tenant_id",
     "enable_client_http_server",
     "client_http_port",
 ];
@@ -156,10 +161,11 @@ impl SetupArgs {
             }
         }
         let mut values: Vec<Option<Bound<'_, PyAny>>> = vec![None; NAMES.len()];
-        if args.len() > NAMES.len() + IGNORED.len() {
+        let mut tenant_id = None;
+        if args.len() > NAMES.len() + IGNORED.len() + 1 {
             return Err(PyTypeError::new_err(format!(
                 "setup() takes at most {} positional arguments ({} given)",
-                NAMES.len() + IGNORED.len(),
+                NAMES.len() + IGNORED.len() + 1,
                 args.len()
             )));
         }
@@ -176,6 +182,7 @@ impl SetupArgs {
                         )))
                     }
                     Some(i) => values[i] = Some(v),
+                    None if name == TENANT_ID => tenant_id = Some(v.str()?.extract()?),
                     None if IGNORED.contains(&name.as_str()) => {}
                     None => {
                         return Err(PyTypeError::new_err(format!(
@@ -195,6 +202,7 @@ impl SetupArgs {
             global_segment_size: int_arg(&get(2)?, NAMES[2])?,
             protocol: get(4)?.extract()?,
             master_server_addr: get(6)?.extract()?,
+            tenant_id,
         })
     }
 
@@ -204,6 +212,7 @@ impl SetupArgs {
             let name: String = k.extract()?;
             let known = NAMES.contains(&name.as_str())
                 || IGNORED.contains(&name.as_str())
+                || name == TENANT_ID
                 || name == "ipc_socket_path";
             if !known {
                 return Err(PyValueError::new_err(format!(
@@ -230,6 +239,10 @@ impl SetupArgs {
             global_segment_size: size("global_segment_size", 16 << 20)?,
             protocol: text("protocol", Some("tcp"))?,
             master_server_addr: text("master_server_addr", Some("127.0.0.1:50051"))?,
+            tenant_id: d
+                .get_item(TENANT_ID)?
+                .map(|v| v.str()?.extract())
+                .transpose()?,
         })
     }
 }

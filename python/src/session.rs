@@ -91,13 +91,21 @@ impl Session {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(threads);
         let rt = runtime(threads, "mooncake-io")?;
-        let config = ClientConfig {
+        let mut config = ClientConfig {
             connect_timeout: Duration::from_secs(2),
             rpc_timeout: Duration::from_secs(5),
             // The runtime exists only for this client's calls.
             dedicated_runtime: true,
             ..ClientConfig::new(args.master_server_addr.trim()).with_env(env)?
         };
+        if let Some(t) = args
+            .tenant_id
+            .as_deref()
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && *t != "default")
+        {
+            config.tenant_id = Some(t.to_string());
+        }
         // Connect first: an unreachable master fails here within the connect deadline.
         let client = rt.block_on(Client::connect(config.clone()))?;
         let (host, port) = split_host(&args.local_hostname)?;

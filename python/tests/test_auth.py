@@ -62,3 +62,32 @@ def test_setup_without_or_with_another_token_is_refused(guarded, monkeypatch):
     monkeypatch.setenv("MOONCAKE_AUTH_TOKEN_FILE", "/nonexistent/token")
     s, rc = setup(rpc)
     assert rc == -600, "an unreadable token file is a configuration error"
+
+
+def test_tenant_ids_are_namespaces(tmp_path):
+    """setup(tenant_id=...) names the key namespace, on an open master as on a guarded one:
+    the same key in two tenants is two objects, and one tenant's remove_all leaves the other's."""
+    m, rpc = start_master([])
+    o, _ = start_owner(rpc, size="64MiB")
+    stores = []
+    try:
+        for tenant in ("team-a", "team-b", "default"):
+            s = MooncakeDistributedStore()
+            rc = s.setup("127.0.0.1", "http://unused/metadata", 0, 16 << 20, "tcp", "", rpc,
+                         tenant_id=tenant)
+            assert rc == 0, tenant
+            stores.append(s)
+        a, b, d = stores
+        assert a.put("k", b"of team a") == 0
+        assert b.put("k", b"of team b") == 0
+        assert a.get("k") == b"of team a"
+        assert b.get("k") == b"of team b"
+        assert d.is_exist("k") == 0
+        assert b.remove_all(True) == 1
+        assert a.get("k") == b"of team a"
+        assert b.is_exist("k") == 0
+    finally:
+        for s in stores:
+            s.close()
+        o.stop()
+        m.stop()

@@ -28,8 +28,18 @@ fn api(c: &Cluster, kind: Kind) -> Arc<dyn MasterApi> {
     let addr = c.master_addr();
     let (rpc, connect) = (Duration::from_secs(3), Duration::from_secs(2));
     match kind {
-        Kind::Framed => Arc::new(FramedMaster::new(&addr, rpc, connect, Duration::ZERO, None)),
-        Kind::Grpc => Arc::new(GrpcMaster::new(&addr, rpc, connect, None).unwrap()),
+        Kind::Framed => Arc::new(FramedMaster::new(
+            &addr,
+            rpc,
+            connect,
+            Duration::ZERO,
+            None,
+            Default::default(),
+            None,
+        )),
+        Kind::Grpc => {
+            Arc::new(GrpcMaster::new(&addr, rpc, connect, None, &Default::default(), None).unwrap())
+        }
         Kind::InProcess => Arc::new(c.master.in_process()),
     }
 }
@@ -407,8 +417,16 @@ async fn the_wire_apis_fail_within_their_deadline_when_the_master_is_gone() {
     };
     let (rpc, connect) = (Duration::from_millis(500), Duration::from_millis(300));
     let apis: [Arc<dyn MasterApi>; 2] = [
-        Arc::new(FramedMaster::new(&addr, rpc, connect, Duration::ZERO, None)),
-        Arc::new(GrpcMaster::new(&addr, rpc, connect, None).unwrap()),
+        Arc::new(FramedMaster::new(
+            &addr,
+            rpc,
+            connect,
+            Duration::ZERO,
+            None,
+            Default::default(),
+            None,
+        )),
+        Arc::new(GrpcMaster::new(&addr, rpc, connect, None, &Default::default(), None).unwrap()),
     ];
     for m in apis {
         let started = std::time::Instant::now();

@@ -50,6 +50,8 @@ fn start(master_args: &[&str]) -> Sealed {
         Duration::from_secs(3),
         Duration::ZERO,
         Some(credential.clone()),
+        Default::default(),
+        None,
     );
     let tcp = TcpTransport::new(TcpConfig {
         connect_timeout: Duration::from_secs(3),

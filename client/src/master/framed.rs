@@ -7,6 +7,8 @@ use std::{io, time::Duration};
 use mooncake_common::{
     auth::{prove, Credential},
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    tenant::Tenant,
+    tls::{ClientStream, TlsClient},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use mooncake_proto::{
@@ -17,7 +19,6 @@ use parking_lot::Mutex;
 use prost::Message;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
     sync::Semaphore,
 };
 
@@ -42,6 +43,8 @@ impl FramedMaster {
         connect_timeout: Duration,
         spin: Duration,
         credential: Option<Credential>,
+        tenant: Tenant,
+        tls: Option<TlsClient>,
     ) -> Self {
         FramedMaster {
             pool: FramedPool {
@@ -49,6 +52,8 @@ impl FramedMaster {
                 connect_timeout,
                 spin,
                 credential,
+                tenant,
+                tls,
                 idle: Mutex::new(Vec::new()),
                 permits: Semaphore::new(8),
             },
@@ -266,12 +271,16 @@ struct FramedPool {
     spin: Duration,
     /// Proved on every new connection.
     credential: Option<Credential>,
+    /// Named on every new connection (unless it is the default tenant).
+    tenant: Tenant,
+    /// TLS on every connection, where the master runs it.
+    tls: Option<TlsClient>,
     idle: Mutex<Vec<FramedConn>>,
     permits: Semaphore,
 }
 
 struct FramedConn {
-    stream: TcpStream,
+    stream: ClientStream,
     next_id: u64,
 }
 
@@ -305,11 +314,15 @@ impl FramedPool {
         conn.stream.write_all(&frame).await.map_err(rpc_err)?;
         let mut h = [0u8; rpc_wire::HEADER_LEN];
         // The answer is usually microseconds away: poll for it before parking the thread.
-        let early = match crate::spin::read_now(&conn.stream, &mut h, self.spin) {
-            Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
-            Ok(Some(n)) => n,
-            Ok(None) => 0,
-            Err(e) => return Err(rpc_err(e)),
+        // (Not through TLS: its bytes must go through the session.)
+        let early = match conn.stream.plain() {
+            Some(tcp) => match crate::spin::read_now(tcp, &mut h, self.spin) {
+                Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
+                Ok(Some(n)) => n,
+                Ok(None) => 0,
+                Err(e) => return Err(rpc_err(e)),
+            },
+            None => 0,
         };
         conn.stream
             .read_exact(&mut h[early..])
@@ -335,6 +348,14 @@ impl FramedPool {
                 format!("master {}: {text}", self.addr),
             ));
         }
+        if status == rpc_wire::STATUS_DENIED {
+            self.idle.lock().push(conn);
+            let text = String::from_utf8_lossy(&out);
+            return Err(ApiError::new(
+                Code::PermissionDenied,
+                format!("master {}: {text}", self.addr),
+            ));
+        }
         if status != rpc_wire::STATUS_OK {
             self.idle.lock().push(conn);
             let text = String::from_utf8_lossy(&out);
@@ -356,20 +377,16 @@ impl FramedPool {
     async fn connect(&self) -> Result<FramedConn, ApiError> {
         let fail =
             |e: io::Error| ApiError::rpc(format!("cannot connect to master {}: {e}", self.addr));
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
+        let mut stream = ClientStream::connect(&self.addr, self.tls.as_ref(), self.connect_timeout)
             .await
-            .map_err(|_| {
-                ApiError::new(
-                    Code::RpcTimeout,
-                    format!(
-                        "cannot connect to master {} within {:?}",
-                        self.addr, self.connect_timeout
-                    ),
-                )
-            })?
-            .map_err(fail)?;
-        stream.set_nodelay(true).map_err(fail)?;
-        let mut stream = stream;
+            .map_err(|e| {
+                let code = if e.kind() == io::ErrorKind::TimedOut {
+                    Code::RpcTimeout
+                } else {
+                    Code::RpcFail
+                };
+                ApiError::new(code, format!("cannot connect to master {}: {e}", self.addr))
+            })?;
         prove(&mut stream, self.credential.as_ref(), self.connect_timeout)
             .await
             .map_err(|e| ApiError::new(e.code(), format!("master {}: {e}", self.addr)))?;
@@ -378,6 +395,46 @@ impl FramedPool {
         stream.read_exact(&mut hello).await.map_err(fail)?;
         rpc_wire::check_hello(&hello)
             .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
-        Ok(FramedConn { stream, next_id: 1 })
+        let mut conn = FramedConn { stream, next_id: 1 };
+        if !self.tenant.is_default() {
+            self.use_tenant(&mut conn).await?;
+        }
+        Ok(conn)
+    }
+
+    /// Asks the master to take this connection's calls as the client's tenant's.
+    async fn use_tenant(&self, conn: &mut FramedConn) -> Result<(), ApiError> {
+        let fail =
+            |e: io::Error| ApiError::rpc(format!("master {} connection failed: {e}", self.addr));
+        let name = self.tenant.name().as_bytes();
+        let mut frame = rpc_wire::encode_header(name.len(), Method::UseTenant as u32, 0).to_vec();
+        frame.extend_from_slice(name);
+        conn.stream.write_all(&frame).await.map_err(fail)?;
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        conn.stream.read_exact(&mut h).await.map_err(fail)?;
+        let (len, status, _) = rpc_wire::decode_header(&h)
+            .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
+        let out = mooncake_common::body::read_new_body(&mut conn.stream, len)
+            .await
+            .map_err(fail)?;
+        let text = String::from_utf8_lossy(&out);
+        match status as i32 {
+            rpc_wire::STATUS_OK => Ok(()),
+            rpc_wire::STATUS_DENIED => Err(ApiError::new(
+                Code::PermissionDenied,
+                format!("master {}: {text}", self.addr),
+            )),
+            rpc_wire::STATUS_UNAUTHENTICATED => Err(ApiError::new(
+                Code::Unauthenticated,
+                format!("master {}: {text}", self.addr),
+            )),
+            _ => Err(ApiError::new(
+                Code::InvalidParams,
+                format!(
+                    "master {} refused tenant {}: {text}",
+                    self.addr, self.tenant
+                ),
+            )),
+        }
     }
 }

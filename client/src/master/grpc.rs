@@ -7,6 +7,7 @@ use std::{future::Future, time::Duration};
 use mooncake_common::{
     auth::{grpc_channel, Credential},
     master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    tenant::Tenant,
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use mooncake_proto::master::{self as pb, master_client::MasterClient};
@@ -22,9 +23,25 @@ use super::{
     check_len, exists_codes, expect_len, unit_codes, within,
 };
 
+/// Names the client's tenant on every request (nothing for the default tenant).
+#[derive(Clone)]
+pub struct TenantHeader(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for TenantHeader {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut()
+                .insert(mooncake_common::tenant::GRPC_HEADER, v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Client = MasterClient<tonic::service::interceptor::InterceptedService<Channel, TenantHeader>>;
+
 /// A `MasterApi` speaking gRPC.
 pub struct GrpcMaster {
-    client: MasterClient<Channel>,
+    client: Client,
     timeout: Duration,
 }
 
@@ -36,25 +53,32 @@ impl GrpcMaster {
         timeout: Duration,
         connect_timeout: Duration,
         credential: Option<Credential>,
+        tenant: &Tenant,
+        tls: Option<mooncake_common::tls::TlsClient>,
     ) -> Option<Self> {
+        let header = TenantHeader(if tenant.is_default() {
+            None
+        } else {
+            Some(tenant.name().parse().ok()?)
+        });
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .ok()?
             .connect_timeout(connect_timeout)
             .timeout(timeout)
             .tcp_nodelay(true);
         Some(GrpcMaster {
-            client: MasterClient::new(grpc_channel(endpoint, addr, credential))
-                .max_decoding_message_size(256 << 20)
-                .max_encoding_message_size(256 << 20),
+            client: MasterClient::with_interceptor(
+                grpc_channel(endpoint, addr, credential, tls),
+                header,
+            )
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20),
             timeout,
         })
     }
 
     /// One call under the RPC deadline, tonic's status turned into the call's error.
-    async fn unary<Resp, Fut>(
-        &self,
-        call: impl FnOnce(MasterClient<Channel>) -> Fut,
-    ) -> Result<Resp, ApiError>
+    async fn unary<Resp, Fut>(&self, call: impl FnOnce(Client) -> Fut) -> Result<Resp, ApiError>
     where
         Fut: Future<Output = Result<Response<Resp>, Status>>,
     {
@@ -77,6 +101,7 @@ fn status_error(s: &Status, timeout: Duration) -> ApiError {
         ),
         tonic::Code::InvalidArgument => ApiError::new(Code::InvalidParams, s.message()),
         tonic::Code::Unauthenticated => ApiError::new(Code::Unauthenticated, s.message()),
+        tonic::Code::PermissionDenied => ApiError::new(Code::PermissionDenied, s.message()),
         // The connection's proof failed (the connector reports it as an I/O error).
         _ if refused_proof(s) => ApiError::new(Code::Unauthenticated, format!("{s}")),
         // A master that is not (or no longer) the elected leader.

@@ -60,6 +60,8 @@ fn wire_adapter(config: &ClientConfig, addr: &str) -> Result<Arc<dyn MasterApi>,
         return Err(bad());
     }
     let credential = config.credential()?;
+    let tenant = config.tenant()?;
+    let tls = config.master_tls()?;
     Ok(match config.master_protocol {
         MasterProtocol::Framed => Arc::new(FramedMaster::new(
             addr,
@@ -67,10 +69,19 @@ fn wire_adapter(config: &ClientConfig, addr: &str) -> Result<Arc<dyn MasterApi>,
             config.connect_timeout,
             config.master_spin,
             credential,
+            tenant,
+            tls,
         )),
         MasterProtocol::Grpc => Arc::new(
-            GrpcMaster::new(addr, config.rpc_timeout, config.connect_timeout, credential)
-                .ok_or_else(bad)?,
+            GrpcMaster::new(
+                addr,
+                config.rpc_timeout,
+                config.connect_timeout,
+                credential,
+                &tenant,
+                tls,
+            )
+            .ok_or_else(bad)?,
         ),
     })
 }

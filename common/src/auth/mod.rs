@@ -86,6 +86,7 @@ pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
 pub struct ServerAuth {
     pub keyring: Keyring,
     pub seals: SealKey,
+    secret: std::sync::Arc<Vec<u8>>,
 }
 
 impl ServerAuth {
@@ -93,7 +94,13 @@ impl ServerAuth {
         ServerAuth {
             keyring: Keyring::cluster(secret),
             seals: SealKey::from_secret(secret),
+            secret: std::sync::Arc::new(secret.to_vec()),
         }
+    }
+
+    /// The cluster's secret (to derive tenants' tokens from).
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
     }
 
     /// From the cluster's secret file (see `read_secret`).
@@ -132,15 +139,55 @@ impl Credential {
         Credential::new(CLUSTER, &read_secret(path)?)
     }
 
+    /// The credential a token file holds: a tenant's (see `tenant_token`) proves that tenant's
+    /// identity, any other secret the cluster's.
+    pub fn from_file(path: &Path) -> Result<Credential, String> {
+        let secret = read_secret(path)?;
+        match tenant_of_token(&secret) {
+            Some(name) => Credential::new(name, &secret),
+            None => Credential::new(CLUSTER, &secret),
+        }
+    }
+
+    /// The tenant this credential is bound to (None: the cluster's, which may act as any).
+    pub fn tenant(&self) -> Option<&str> {
+        (self.identity != CLUSTER).then_some(self.identity.as_str())
+    }
+
     pub fn identity(&self) -> &str {
         &self.identity
     }
+}
+
+/// The token of tenant `name` in the cluster whose secret is `cluster_secret`: what the tenant's
+/// token file holds. Holders of the cluster's secret (the master, owners) derive it, so owners
+/// admit a tenant's workers without a list; the master admits only the tenants its config names.
+pub fn tenant_token(cluster_secret: &[u8], name: &str) -> String {
+    let mut material = Vec::with_capacity(cluster_secret.len() + 1 + name.len());
+    material.extend_from_slice(cluster_secret);
+    material.push(0);
+    material.extend_from_slice(name.as_bytes());
+    let k = blake3::derive_key("mooncake-rs 2026-11 tenant token", &material);
+    let hex: String = k.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{TENANT_TOKEN_PREFIX}{name}/{hex}")
+}
+
+const TENANT_TOKEN_PREFIX: &str = "tenant/";
+
+/// The tenant named by a token of `tenant_token`'s form (not checked against any secret).
+fn tenant_of_token(secret: &[u8]) -> Option<&str> {
+    let s = std::str::from_utf8(secret).ok()?;
+    let (name, _) = s.strip_prefix(TENANT_TOKEN_PREFIX)?.split_once('/')?;
+    (!name.is_empty() && name != CLUSTER).then_some(name)
 }
 
 /// The identities a server accepts, with their keys.
 #[derive(Clone, Debug, Default)]
 pub struct Keyring {
     keys: HashMap<String, Key>,
+    /// With the cluster's secret here, every tenant's identity is accepted with the key of its
+    /// derived token (see `tenant_token`).
+    tenants_of: Option<std::sync::Arc<Vec<u8>>>,
 }
 
 impl Keyring {
@@ -155,6 +202,31 @@ impl Keyring {
     /// A keyring accepting only the cluster's secret, read from its file.
     pub fn cluster_from_file(path: &Path) -> Result<Keyring, String> {
         Ok(Keyring::cluster(&read_secret(path)?))
+    }
+
+    /// Also accepts every tenant proving its token derived from `cluster_secret` (owners).
+    pub fn with_derived_tenants(mut self, cluster_secret: &[u8]) -> Keyring {
+        self.tenants_of = Some(std::sync::Arc::new(cluster_secret.to_vec()));
+        self
+    }
+
+    /// Accepts tenant `name` proving the token in `token_file`, which must be the one derived
+    /// from `cluster_secret` (the master, for each tenant its config lists with a token file).
+    pub fn insert_tenant(
+        &mut self,
+        cluster_secret: &[u8],
+        name: &str,
+        token_file: &Path,
+    ) -> Result<(), String> {
+        let token = read_secret(token_file)?;
+        if token != tenant_token(cluster_secret, name).as_bytes() {
+            return Err(format!(
+                "the token file {} is not tenant {name:?}'s token of this cluster: make it with \
+                 `mooncake_master --auth_token_file CLUSTER_TOKEN --print_tenant_token {name}`",
+                token_file.display()
+            ));
+        }
+        self.insert(name, &token)
     }
 
     /// Accepts `identity` proving `secret` (replacing an earlier secret of that identity).
@@ -173,8 +245,14 @@ impl Keyring {
         })
     }
 
-    fn key(&self, identity: &str) -> Option<&Key> {
-        self.keys.get(identity)
+    fn key(&self, identity: &str) -> Option<Key> {
+        if let Some(k) = self.keys.get(identity) {
+            return Some(k.clone());
+        }
+        let cluster = self.tenants_of.as_ref()?;
+        let tenant = crate::tenant::Tenant::parse(identity).ok()?;
+        (!tenant.is_default() && identity != CLUSTER)
+            .then(|| Key::for_connections(tenant_token(cluster, identity).as_bytes()))
     }
 }
 
@@ -205,6 +283,22 @@ mod tests {
             .unwrap_err()
             .contains("cannot read"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn tenant_tokens_are_derived_and_bound_to_their_tenant() {
+        let cluster = b"the cluster's secret, 32 bytes!!";
+        let a = tenant_token(cluster, "a");
+        assert!(a.starts_with("tenant/a/") && a.len() == "tenant/a/".len() + 64);
+        assert_ne!(a, tenant_token(cluster, "b"));
+        assert_ne!(a, tenant_token(b"another cluster's secret........", "a"));
+        assert_eq!(tenant_of_token(a.as_bytes()), Some("a"));
+        assert_eq!(tenant_of_token(cluster), None);
+        // Owners accept any tenant's derived token; a cluster keyring alone does not.
+        let owners = Keyring::cluster(cluster).with_derived_tenants(cluster);
+        assert_eq!(owners.key("a"), Some(Key::for_connections(a.as_bytes())));
+        assert_eq!(owners.key("bad name"), None);
+        assert_eq!(Keyring::cluster(cluster).key("a"), None);
     }
 
     #[test]

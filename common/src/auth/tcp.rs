@@ -4,8 +4,13 @@
 
 use std::{io, time::Duration};
 
-use tokio::net::TcpStream;
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::TcpStream,
+};
 use tonic::transport::{Channel, Endpoint};
+
+use crate::tls::{ClientStream, TlsClient};
 
 use super::{admit, authenticate, starts_with_hello, Admission, AuthError, Credential, Keyring};
 
@@ -50,8 +55,8 @@ pub async fn admit_tcp(
 }
 
 /// Proves `credential` on a fresh connection (nothing to do without one), within `timeout`.
-pub async fn prove(
-    stream: &mut TcpStream,
+pub async fn prove<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     credential: Option<&Credential>,
     timeout: Duration,
 ) -> Result<(), AuthError> {
@@ -68,21 +73,33 @@ pub async fn prove(
         })
 }
 
-/// A lazily connecting channel for `endpoint` (made for `addr`); with a credential, each
-/// connection proves it first. The endpoint's connect timeout covers the proof too.
-pub fn grpc_channel(endpoint: Endpoint, addr: &str, credential: Option<Credential>) -> Channel {
-    let Some(credential) = credential else {
+/// A lazily connecting channel for `endpoint` (made for `addr`); each connection runs TLS
+/// where `tls` is given, then proves the credential if there is one. The endpoint's connect
+/// timeout covers all of it.
+pub fn grpc_channel(
+    endpoint: Endpoint,
+    addr: &str,
+    credential: Option<Credential>,
+    tls: Option<TlsClient>,
+) -> Channel {
+    if credential.is_none() && tls.is_none() {
         return endpoint.connect_lazy();
-    };
+    }
     let addr = addr.to_string();
     endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
-        let (addr, credential) = (addr.clone(), credential.clone());
+        let (addr, credential, tls) = (addr.clone(), credential.clone(), tls.clone());
         async move {
-            let mut stream = TcpStream::connect(&addr).await?;
-            stream.set_nodelay(true)?;
-            authenticate(&mut stream, &credential)
-                .await
-                .map_err(AuthError::into_io)?;
+            let tcp = TcpStream::connect(&addr).await?;
+            tcp.set_nodelay(true)?;
+            let mut stream = match &tls {
+                Some(t) => ClientStream::Tls(Box::new(t.connect(&addr, tcp).await?)),
+                None => ClientStream::Plain(tcp),
+            };
+            if let Some(credential) = &credential {
+                authenticate(&mut stream, credential)
+                    .await
+                    .map_err(AuthError::into_io)?;
+            }
             Ok::<_, io::Error>(hyper_util::rt::TokioIo::new(stream))
         }
     }))

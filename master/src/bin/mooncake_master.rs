@@ -85,6 +85,20 @@ struct Args {
     /// A file holding the cluster's secret: every RPC connection must prove it holds it.
     #[arg(long = "auth_token_file", alias = "auth-token-file")]
     auth_token_file: Option<std::path::PathBuf>,
+    /// TLS on the RPC port: the master's certificate chain (PEM); needs --tls_key.
+    #[arg(long = "tls_cert")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls_cert (PEM).
+    #[arg(long = "tls_key")]
+    tls_key: Option<std::path::PathBuf>,
+    /// With TLS, a CA (PEM) every peer's client certificate must chain to.
+    #[arg(long = "tls_ca")]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Print tenant NAME's token (derived from the cluster's secret in --auth_token_file) and
+    /// exit: write it to the file a `[[tenants]]` entry names as its token_file, and hand that
+    /// file to the tenant's workers.
+    #[arg(long = "print_tenant_token", value_name = "NAME")]
+    print_tenant_token: Option<String>,
 }
 
 fn ms(s: &str) -> Result<Duration, String> {
@@ -129,6 +143,15 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
     if args.auth_token_file.is_some() {
         c.auth_token_file = args.auth_token_file;
     }
+    for (field, arg) in [
+        (&mut c.tls_cert, args.tls_cert),
+        (&mut c.tls_key, args.tls_key),
+        (&mut c.tls_ca, args.tls_ca),
+    ] {
+        if arg.is_some() {
+            *field = arg;
+        }
+    }
     if args.eager_offload {
         c.eager_offload = true;
     }
@@ -148,7 +171,26 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = config(Args::parse())?;
+    let args = Args::parse();
+    if let Some(name) = &args.print_tenant_token {
+        let tenant =
+            mooncake_common::tenant::Tenant::parse(name).map_err(|e| anyhow::anyhow!(e))?;
+        anyhow::ensure!(
+            !tenant.is_default(),
+            "the default tenant's workers use the cluster's token itself"
+        );
+        let path = args
+            .auth_token_file
+            .as_deref()
+            .context("--print_tenant_token needs --auth_token_file (the cluster's token)")?;
+        let secret = mooncake_common::auth::read_secret(path).map_err(|e| anyhow::anyhow!(e))?;
+        println!(
+            "{}",
+            mooncake_common::auth::tenant_token(&secret, tenant.name())
+        );
+        return Ok(());
+    }
+    let config = config(args)?;
     if config.enable_ha {
         let ha = config.ha().map_err(|e| anyhow::anyhow!(e))?;
         println!(

@@ -31,7 +31,7 @@ use std::time::Duration;
 use mooncake_common::{ClientId, ObjectKey, SegmentName};
 use rand::{rngs::StdRng, SeedableRng};
 
-use crate::clock::Millis;
+use crate::{clock::Millis, error::MasterError};
 use allocator::{Allocation, OffsetAllocator};
 pub use objects::{LeaseMode, PutGrant};
 pub use order::{EvictionPolicy, OrderStats};
@@ -39,6 +39,7 @@ pub use placement::AllocationStrategy;
 pub use rebuild::{ReportOutcome, Reported};
 pub use replica_tasks::{TaskInfo, TaskRequest};
 pub use segments::{HeartbeatReply, MountReport};
+pub use table::TenantUsage;
 pub use tiers::{CopyFrom, DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
 
 /// A mounted segment's identity for this master's lifetime. A remount gets a new id, so a
@@ -76,6 +77,9 @@ pub struct Policy {
     pub rebuild_grace: Duration,
     /// The longest the rebuild may make unknown keys wait, reports or not.
     pub rebuild_window: Duration,
+    /// Bytes each tenant may store at most (by name; "" is the default tenant). Tenants not
+    /// named here have no quota.
+    pub quotas: std::collections::HashMap<String, u64>,
 }
 
 impl Default for Policy {
@@ -98,6 +102,7 @@ impl Default for Policy {
             promote_after_hits: 2,
             rebuild_grace: Duration::from_secs(2),
             rebuild_window: Duration::from_secs(30),
+            quotas: Default::default(),
         }
     }
 }
@@ -308,6 +313,35 @@ impl MasterState {
 
     pub fn key_count(&self) -> usize {
         self.objects.len()
+    }
+
+    /// Keys and bytes per tenant ("" is the default tenant).
+    pub fn tenant_usage(&self) -> Vec<(String, TenantUsage)> {
+        let mut u: Vec<_> = self
+            .objects
+            .usage()
+            .map(|(t, u)| (t.to_string(), u))
+            .collect();
+        u.sort_by(|a, b| a.0.cmp(&b.0));
+        u
+    }
+
+    /// A put of `size` bytes to `key`, replacing `replaced` bytes of it, fits its tenant's quota.
+    fn check_quota(&self, key: &str, size: u64, replaced: u64) -> Result<(), MasterError> {
+        let tenant = mooncake_common::tenant::tenant_of(key);
+        let Some(&quota) = self.policy.quotas.get(tenant) else {
+            return Ok(());
+        };
+        let used = self.objects.usage_of(tenant).bytes;
+        if used.saturating_sub(replaced).saturating_add(size) > quota {
+            return Err(MasterError::QuotaFull {
+                tenant: if tenant.is_empty() { "default" } else { tenant }.to_string(),
+                quota,
+                used,
+                size,
+            });
+        }
+        Ok(())
     }
 
     /// The eviction order's lists and adaptation.

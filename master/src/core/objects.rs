@@ -324,6 +324,7 @@ impl MasterState {
                 if !config.upsert {
                     return Err(MasterError::Exists(key.clone()));
                 }
+                self.check_quota(key.as_str(), size, old.size)?;
                 if let Some(grant) = self.upsert_in_place(key, size, config, now)? {
                     return Ok(grant);
                 }
@@ -340,6 +341,7 @@ impl MasterState {
             tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
             self.defer_release(old.replicas, release_at);
         }
+        self.check_quota(key.as_str(), size, 0)?;
 
         let mut replicas = self.allocate_replicas(size, config);
         if replicas.is_empty() {
@@ -408,9 +410,9 @@ impl MasterState {
             config.soft_pin,
             now.plus(self.policy.soft_pin_ttl),
         );
+        self.objects.resize(key.as_str(), size);
         let obj = self.objects.get_mut(key).expect("checked above");
         obj.put_id = put_id;
-        obj.size = size;
         obj.phase = Phase::processing(now);
         obj.pin = pin;
         let obj = &self.objects[key];

@@ -20,6 +20,8 @@ use super::{
 
 pub(super) struct ObjectTable {
     table: HashTable<Box<Object>>,
+    /// Keys and bytes per tenant, kept with every insert, removal and resize here.
+    usage: Usage,
     // Keys are ~100-byte strings looked up thousands of times per batch: a fast seeded hasher
     // (foldhash) instead of SipHash, still randomised per process against crafted collisions.
     hasher: foldhash::fast::RandomState,
@@ -43,6 +45,26 @@ impl ObjectTable {
             table: HashTable::new(),
             hasher: foldhash::fast::RandomState::default(),
             order: EvictionOrder::new(policy),
+            usage: Usage::default(),
+        }
+    }
+
+    /// Keys and bytes of tenant `name` ("" for the default tenant).
+    pub fn usage_of(&self, name: &str) -> TenantUsage {
+        self.usage.of(name)
+    }
+
+    /// Keys and bytes of every tenant that has (or had) objects.
+    pub fn usage(&self) -> impl Iterator<Item = (&str, TenantUsage)> {
+        self.usage.all()
+    }
+
+    /// Sets an object's size (an upsert in place), keeping its tenant's usage.
+    pub fn resize(&mut self, key: &str, size: u64) {
+        if let Some(o) = self.get_mut(key) {
+            let old = std::mem::replace(&mut o.size, size);
+            self.usage.change(key, -1, old);
+            self.usage.change(key, 1, size);
         }
     }
 
@@ -76,6 +98,7 @@ impl ObjectTable {
     /// Stores `object` under its key, in the eviction order as a new key (or in the place of
     /// the object it replaces, which it returns).
     pub fn insert(&mut self, mut object: Box<Object>) -> Option<Box<Object>> {
+        self.usage.change(object.key().as_str(), 1, object.size);
         let h32 = self.hash32(object.key().as_str());
         let hasher = &self.hasher;
         let key = object.key().as_str();
@@ -94,6 +117,7 @@ impl ObjectTable {
                 object.set_place(place);
                 let mut old = std::mem::replace(e.get_mut(), object);
                 old.set_place(Place::UNLINKED);
+                self.usage.change(old.key().as_str(), -1, old.size);
                 Some(old)
             }
             Entry::Vacant(e) => {
@@ -113,6 +137,7 @@ impl ObjectTable {
         };
         self.order.forget(obj.place());
         obj.set_place(Place::UNLINKED);
+        self.usage.change(key, -1, obj.size);
         self.maybe_compact();
         Some(obj)
     }
@@ -272,15 +297,64 @@ impl ObjectTable {
 
     pub fn retain(&mut self, mut keep: impl FnMut(&mut Object) -> bool) {
         let order = &mut self.order;
+        let usage = &mut self.usage;
         self.table.retain(|o| {
             let kept = keep(o);
             if !kept {
                 order.forget(o.place());
                 o.set_place(Place::UNLINKED);
+                usage.change(o.key().as_str(), -1, o.size);
             }
             kept
         });
         self.maybe_compact();
+    }
+}
+
+/// How many keys, and how many bytes of values, a tenant stores (each object's size once,
+/// whatever its replicas and tiers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub keys: u64,
+    pub bytes: u64,
+}
+
+/// Usage per tenant; the default tenant's apart, so most objects cost no map lookup.
+#[derive(Default)]
+struct Usage {
+    default: TenantUsage,
+    named: std::collections::HashMap<Box<str>, TenantUsage>,
+}
+
+impl Usage {
+    fn change(&mut self, key: &str, keys: i64, bytes: u64) {
+        let tenant = mooncake_common::tenant::tenant_of(key);
+        let u = if tenant.is_empty() {
+            &mut self.default
+        } else if let Some(u) = self.named.get_mut(tenant) {
+            u
+        } else {
+            self.named.entry(tenant.into()).or_default()
+        };
+        if keys > 0 {
+            u.keys += 1;
+            u.bytes += bytes;
+        } else {
+            u.keys -= 1;
+            u.bytes -= bytes;
+        }
+    }
+
+    fn of(&self, name: &str) -> TenantUsage {
+        if name.is_empty() {
+            self.default
+        } else {
+            self.named.get(name).copied().unwrap_or_default()
+        }
+    }
+
+    fn all(&self) -> impl Iterator<Item = (&str, TenantUsage)> {
+        std::iter::once(("", self.default)).chain(self.named.iter().map(|(k, v)| (&**k, *v)))
     }
 }
 

@@ -710,3 +710,58 @@ fn upkeep_at_its_usual_pace_forgives_nothing() {
         "a silent owner is dropped after its TTL"
     );
 }
+
+#[test]
+fn tenant_quotas_hold_to_the_byte_through_upserts_and_removals() {
+    let policy = Policy {
+        client_ttl: Duration::from_secs(3600),
+        quotas: [("a".to_string(), 1000u64)].into_iter().collect(),
+        ..Policy::default()
+    };
+    let mut s = state_with_policy(&[64 * MIB], policy);
+    let now = Millis(1);
+    let a = |key: &str| k(&format!("\0a\0{key}"));
+    let start = |s: &mut MasterState, key: &ObjectKey, size: u64, upsert: bool| {
+        let config = ReplicateConfig { upsert, ..cfg(1) };
+        s.put_start(key, size, &config, now)
+    };
+    let g = start(&mut s, &a("x"), 600, false).unwrap();
+    s.put_end(a("x").as_str(), g.put_id, now).unwrap();
+    start(&mut s, &a("y"), 400, false).unwrap();
+    let e = start(&mut s, &a("z"), 1, false).unwrap_err();
+    assert_eq!(e.code(), Code::NoAvailableHandle);
+    assert!(e.to_string().contains("quota of 1000 bytes"), "{e}");
+    // Another tenant, and the default one, are not held by a's quota.
+    start(&mut s, &k("\0b\0z"), 5000, false).unwrap();
+    start(&mut s, &k("z"), 5000, false).unwrap();
+    // An upsert counts the bytes it replaces.
+    let g = start(&mut s, &a("x"), 600, true).unwrap();
+    s.put_end(a("x").as_str(), g.put_id, now).unwrap();
+    assert!(start(&mut s, &a("x"), 601, true).is_err());
+    s.remove(&a("x"), true, now).unwrap();
+    let usage = s.tenant_usage();
+    let of = |t: &str| usage.iter().find(|(n, _)| n == t).unwrap().1;
+    assert_eq!(
+        of("a"),
+        TenantUsage {
+            keys: 1,
+            bytes: 400
+        }
+    );
+    assert_eq!(
+        of("b"),
+        TenantUsage {
+            keys: 1,
+            bytes: 5000
+        }
+    );
+    assert_eq!(
+        of(""),
+        TenantUsage {
+            keys: 1,
+            bytes: 5000
+        }
+    );
+    start(&mut s, &a("z"), 600, false).unwrap();
+    s.check_invariants().unwrap();
+}

@@ -4,6 +4,7 @@
 //! gRPC, the framed RPC, in-process) translate to and from it. The lock is a plain mutex never
 //! held across an `.await`: every core call is short and synchronous.
 
+mod caller;
 mod owners;
 
 use std::{sync::Arc, time::Duration};
@@ -15,6 +16,7 @@ use mooncake_common::{
 };
 use parking_lot::Mutex;
 
+pub use caller::Caller;
 pub use owners::{Polled, TaskReport};
 
 use crate::{
@@ -67,14 +69,10 @@ pub struct MasterService {
     seals: Option<SealKey>,
 }
 
+/// A put that found no space (a full quota is not one: room made elsewhere does not help it).
 fn short_of_memory(r: &Result<PutGrant, MasterError>) -> bool {
     r.as_ref()
-        .is_err_and(|e| e.code() == Code::NoAvailableHandle)
-}
-
-fn validated(k: &str) -> Result<&str, MasterError> {
-    ObjectKey::validate(k)?;
-    Ok(k)
+        .is_err_and(|e| matches!(e, MasterError::NoSpace { .. } | MasterError::NoSegments))
 }
 
 impl MasterService {
@@ -105,7 +103,7 @@ impl MasterService {
         for r in replicas {
             let scope = Scope {
                 access,
-                tenant: "",
+                tenant: mooncake_common::tenant::tenant_of(key),
                 key,
                 segment: r.segment.as_str(),
                 offset: r.offset,
@@ -121,6 +119,7 @@ impl MasterService {
     /// for their room.
     pub async fn put_start(
         &self,
+        caller: &Caller,
         items: &[(&str, u64)],
         config: &ReplicateConfig,
     ) -> Vec<Result<PutGrant, MasterError>> {
@@ -147,8 +146,8 @@ impl MasterService {
                         continue;
                     }
                     *slot = Some(
-                        ObjectKey::new(k)
-                            .map_err(MasterError::from)
+                        caller
+                            .object_key(k)
                             .and_then(|k| state.put_start(&k, size, config, now)),
                     );
                 }
@@ -222,18 +221,23 @@ impl MasterService {
     }
 
     /// Ends the puts named by (key, put id), under one lock.
-    pub fn put_end(&self, puts: &[(&str, u64)]) -> Vec<Result<(), MasterError>> {
+    pub fn put_end(&self, caller: &Caller, puts: &[(&str, u64)]) -> Vec<Result<(), MasterError>> {
         let now = self.shared.clock.now();
-        self.per_key(Op::PutEnd, puts, |s, k, id| s.put_end(k, id, now))
+        self.per_key(caller, Op::PutEnd, puts, |s, k, id| s.put_end(k, id, now))
     }
 
     /// Revokes the puts named by (key, put id), under one lock.
-    pub fn put_revoke(&self, puts: &[(&str, u64)]) -> Vec<Result<(), MasterError>> {
-        self.per_key(Op::PutRevoke, puts, |s, k, id| s.put_revoke(k, id))
+    pub fn put_revoke(
+        &self,
+        caller: &Caller,
+        puts: &[(&str, u64)],
+    ) -> Vec<Result<(), MasterError>> {
+        self.per_key(caller, Op::PutRevoke, puts, |s, k, id| s.put_revoke(k, id))
     }
 
     fn per_key(
         &self,
+        caller: &Caller,
         op: Op,
         puts: &[(&str, u64)],
         f: impl Fn(&mut MasterState, &str, u64) -> Result<(), MasterError>,
@@ -242,7 +246,7 @@ impl MasterService {
             let mut state = self.shared.state.lock();
             let results = puts
                 .iter()
-                .map(|&(k, id)| validated(k).and_then(|k| f(&mut state, k, id)))
+                .map(|&(k, id)| caller.key(k).and_then(|k| f(&mut state, k, id)))
                 .collect();
             self.shared.wake_owners(&mut state);
             results
@@ -256,6 +260,7 @@ impl MasterService {
     /// encodes straight from it); returns the lease every hit got.
     pub fn get_replicas(
         &self,
+        caller: &Caller,
         keys: &[&str],
         release: &[&str],
         mut answer: impl FnMut(Result<(u64, Vec<ReplicaLocation>), MasterError>),
@@ -264,11 +269,11 @@ impl MasterService {
         let mut failed = 0;
         let lease_ttl = {
             let mut state = self.shared.state.lock();
-            state.release_leases(release, now);
+            release_own(&mut state, caller, release, now);
             // A read's seal lives as long as the lease the lookup takes.
             let expiry = Self::expiry(state.policy().lease_ttl);
             for k in keys {
-                let mut found = validated(k).and_then(|k| state.get_replicas_str(k, now));
+                let mut found = caller.key(k).and_then(|k| state.get_replicas_str(k, now));
                 failed += usize::from(found.is_err());
                 if let Ok((_, replicas)) = &mut found {
                     for r in replicas.iter_mut() {
@@ -291,18 +296,19 @@ impl MasterService {
     /// under one lock; and the lease they got.
     pub fn exists(
         &self,
+        caller: &Caller,
         keys: &[&str],
         release: &[&str],
     ) -> (Vec<Result<bool, MasterError>>, Duration) {
         let now = self.shared.clock.now();
         let (results, lease_ttl) = {
             let mut state = self.shared.state.lock();
-            state.release_leases(release, now);
+            release_own(&mut state, caller, release, now);
             let rebuilding = state.rebuilding(now);
             let results: Vec<_> = keys
                 .iter()
                 .map(|k| {
-                    validated(k).and_then(|k| match state.exists(k, now) {
+                    caller.key(k).and_then(|k| match state.exists(k, now) {
                         // Not known yet is not "missing" while owners may still report it.
                         false if rebuilding => Err(MasterError::Rebuilding(ObjectKey::new(k)?)),
                         hit => Ok(hit),
@@ -316,15 +322,20 @@ impl MasterService {
     }
 
     /// Removes every key (leased ones only with `force`), under one lock.
-    pub fn remove(&self, keys: &[&str], force: bool) -> Vec<Result<(), MasterError>> {
+    pub fn remove(
+        &self,
+        caller: &Caller,
+        keys: &[&str],
+        force: bool,
+    ) -> Vec<Result<(), MasterError>> {
         let now = self.shared.clock.now();
         let results: Vec<_> = {
             let mut state = self.shared.state.lock();
             let results = keys
                 .iter()
                 .map(|k| {
-                    ObjectKey::new(k)
-                        .map_err(MasterError::from)
+                    caller
+                        .object_key(k)
                         .and_then(|k| state.remove(&k, force, now))
                 })
                 .collect();
@@ -335,9 +346,14 @@ impl MasterService {
         results
     }
 
-    /// Removes every object, or those whose keys `key_regex` matches anywhere (leased ones
-    /// only with `force`); returns how many.
-    pub fn remove_all(&self, force: bool, key_regex: Option<&str>) -> Result<u64, MasterError> {
+    /// Removes every object of the caller's tenant, or those whose keys (as the tenant knows
+    /// them) `key_regex` matches anywhere (leased ones only with `force`); returns how many.
+    pub fn remove_all(
+        &self,
+        caller: &Caller,
+        force: bool,
+        key_regex: Option<&str>,
+    ) -> Result<u64, MasterError> {
         let regex = key_regex
             .map(|p| {
                 fancy_regex::Regex::new(p)
@@ -354,10 +370,22 @@ impl MasterService {
         let now = self.shared.clock.now();
         let removed = {
             let mut state = self.shared.state.lock();
+            let tenant = caller.tenant();
             let removed = match &regex {
                 // A search that gives up (backtracking limit) matches nothing.
-                Some(r) => state.remove_matching(force, |k| r.is_match(k).unwrap_or(false), now),
-                None => state.remove_all(force, now),
+                Some(r) => state.remove_matching(
+                    force,
+                    |k| {
+                        tenant
+                            .unscope(k)
+                            .is_some_and(|k| r.is_match(k).unwrap_or(false))
+                    },
+                    now,
+                ),
+                None if tenant.is_default() && state.tenant_usage().len() <= 1 => {
+                    state.remove_all(force, now)
+                }
+                None => state.remove_matching(force, |k| tenant.owns(k), now),
             };
             self.shared.wake_owners(&mut state);
             removed
@@ -369,18 +397,17 @@ impl MasterService {
     /// Starts a copy or move of `key` (see `core::replica_tasks`); answers the task id.
     pub fn create_replica_task(
         &self,
+        caller: &Caller,
         key: &str,
         request: TaskRequest<'_>,
     ) -> Result<u64, MasterError> {
-        let res = ObjectKey::new(key)
-            .map_err(MasterError::from)
-            .and_then(|key| {
-                let now = self.shared.clock.now();
-                let mut state = self.shared.state.lock();
-                let res = state.create_replica_task(&key, request, now);
-                self.shared.wake_owners(&mut state);
-                res
-            });
+        let res = caller.object_key(key).and_then(|key| {
+            let now = self.shared.clock.now();
+            let mut state = self.shared.state.lock();
+            let res = state.create_replica_task(&key, request, now);
+            self.shared.wake_owners(&mut state);
+            res
+        });
         self.shared
             .metrics
             .record(Op::CreateReplicaTask, 1, res.is_err() as usize);
@@ -407,6 +434,7 @@ impl MasterService {
     /// `MasterState::replica_clear`).
     pub fn replica_clear(
         &self,
+        caller: &Caller,
         keys: &[&str],
         segment: Option<&SegmentName>,
     ) -> Vec<Result<(), MasterError>> {
@@ -414,9 +442,9 @@ impl MasterService {
         let mut parsed = Vec::with_capacity(keys.len());
         let mut bad = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            match ObjectKey::new(k) {
+            match caller.object_key(k) {
                 Ok(k) => parsed.push(k),
-                Err(e) => bad.push((i, MasterError::from(e))),
+                Err(e) => bad.push((i, e)),
             }
         }
         let mut cleared = {
@@ -436,9 +464,9 @@ impl MasterService {
     }
 
     /// A reader is done with `keys` (a key once per hold it took).
-    pub fn release_leases(&self, keys: &[&str]) {
+    pub fn release_leases(&self, caller: &Caller, keys: &[&str]) {
         let now = self.shared.clock.now();
-        self.shared.state.lock().release_leases(keys, now);
+        release_own(&mut self.shared.state.lock(), caller, keys, now);
         self.shared.metrics.record(Op::ReleaseLeases, keys.len(), 0);
     }
 
@@ -452,5 +480,16 @@ impl MasterService {
     fn record<T>(&self, op: Op, results: &[Result<T, MasterError>]) {
         let failed = results.iter().filter(|r| r.is_err()).count();
         self.shared.metrics.record(op, results.len(), failed);
+    }
+}
+
+/// Hands back the holds in `keys` that lie in the caller's tenant (another tenant's are
+/// ignored: no tenant ends another's reads).
+fn release_own(state: &mut MasterState, caller: &Caller, keys: &[&str], now: crate::clock::Millis) {
+    if keys.iter().all(|k| caller.owns(k)) {
+        state.release_leases(keys, now);
+    } else {
+        let own: Vec<&str> = keys.iter().copied().filter(|k| caller.owns(k)).collect();
+        state.release_leases(&own, now);
     }
 }

@@ -12,8 +12,7 @@ use mooncake_proto::{
 };
 use prost::Message;
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter},
-    net::TcpStream,
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter},
     sync::watch,
 };
 use tonic::{Request, Response, Status};
@@ -23,7 +22,7 @@ use super::{
     grpc::{self, GrpcMaster},
     replica_ref, replicate_config,
 };
-use crate::service::MasterService;
+use crate::service::{Caller, MasterService};
 
 /// Whether a connection whose first bytes are `peeked` speaks the framed RPC.
 pub fn is_framed(peeked: &[u8]) -> bool {
@@ -32,14 +31,14 @@ pub fn is_framed(peeked: &[u8]) -> bool {
 
 /// Serves one framed connection until the peer closes it or `stop` turns true. Requests are
 /// answered in order; a frame that started must arrive within `frame_timeout`.
-pub async fn serve(
-    stream: TcpStream,
+pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
+    stream: S,
     svc: GrpcMaster,
+    identity: Option<String>,
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
 ) -> io::Result<()> {
-    let _ = stream.set_nodelay(true);
-    let (r, w) = stream.into_split();
+    let (r, w) = tokio::io::split(stream);
     let mut r = BufReader::with_capacity(64 << 10, r);
     let mut w = BufWriter::with_capacity(64 << 10, w);
     let mut hello = [0u8; rpc_wire::HELLO_LEN];
@@ -47,6 +46,9 @@ pub async fn serve(
     rpc_wire::check_hello(&hello).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     w.write_all(&rpc_wire::hello()).await?;
     w.flush().await?;
+    let identity = identity.as_deref();
+    let mut caller = Caller::resolve(identity, None)
+        .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))?;
     let mut body = Vec::new();
     loop {
         let mut h = [0u8; rpc_wire::HEADER_LEN];
@@ -71,7 +73,17 @@ pub async fn serve(
                 rpc_wire::STATUS_UNAVAILABLE,
                 crate::server::NOT_LEADING.as_bytes().to_vec(),
             ),
-            Some(m) => dispatch(&svc, m, &body).await,
+            Some(Method::UseTenant) => {
+                let declared = String::from_utf8_lossy(&body);
+                match Caller::resolve(identity, Some(&declared)) {
+                    Ok(c) => {
+                        caller = c;
+                        (rpc_wire::STATUS_OK, Vec::new())
+                    }
+                    Err(e) => (status_of(&e), e.to_string().into_bytes()),
+                }
+            }
+            Some(m) => dispatch(&svc, &caller, m, &body).await,
             None => (
                 rpc_wire::STATUS_BAD_REQUEST,
                 format!("unknown method {method}").into_bytes(),
@@ -86,8 +98,11 @@ pub async fn serve(
 
 /// Answers a framed connection that did not authenticate where the master requires it: the
 /// hello, then its first request with `STATUS_UNAUTHENTICATED` and the reason, then closes.
-pub async fn refuse(stream: TcpStream, timeout: Duration) -> io::Result<()> {
-    let (mut r, mut w) = stream.into_split();
+pub async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    timeout: Duration,
+) -> io::Result<()> {
+    let (mut r, mut w) = tokio::io::split(stream);
     let exchange = async {
         let mut hello = [0u8; rpc_wire::HELLO_LEN];
         r.read_exact(&mut hello).await?;
@@ -116,7 +131,15 @@ pub async fn refuse(stream: TcpStream, timeout: Duration) -> io::Result<()> {
         .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
 }
 
-async fn call<Req, Resp, F, Fut>(body: &[u8], f: F) -> (i32, Vec<u8>)
+/// The framed status of a refused call.
+fn status_of(e: &crate::error::MasterError) -> i32 {
+    match e.code() {
+        mooncake_common::Code::PermissionDenied => rpc_wire::STATUS_DENIED,
+        _ => rpc_wire::STATUS_BAD_REQUEST,
+    }
+}
+
+async fn call<Req, Resp, F, Fut>(caller: &Caller, body: &[u8], f: F) -> (i32, Vec<u8>)
 where
     Req: Message + Default,
     Resp: Message,
@@ -127,8 +150,13 @@ where
         Ok(r) => r,
         Err(e) => return bad_request(e),
     };
-    match f(Request::new(req)).await {
+    let mut req = Request::new(req);
+    req.extensions_mut().insert(caller.clone());
+    match f(req).await {
         Ok(resp) => (rpc_wire::STATUS_OK, resp.into_inner().encode_to_vec()),
+        Err(s) if s.code() == tonic::Code::PermissionDenied => {
+            (rpc_wire::STATUS_DENIED, s.message().as_bytes().to_vec())
+        }
         Err(s) if s.code() == tonic::Code::InvalidArgument => (
             rpc_wire::STATUS_BAD_REQUEST,
             s.message().as_bytes().to_vec(),
@@ -165,7 +193,7 @@ fn by_refs(
 
 /// `BatchPutStart`: items borrowed from the frame, the config merged as protobuf merges
 /// repeated occurrences of a message field, the answer encoded straight from the grants.
-async fn put_start(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
+async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<u8>) {
     let mut config: Option<pb::ReplicateConfig> = None;
     let items = keys::decode_keyed(body, fields::put_start_request::ITEMS, |field, bytes| {
         if field == fields::put_start_request::CONFIG {
@@ -181,7 +209,7 @@ async fn put_start(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
         Err(e) => return bad_request(e),
     };
     let results = match replicate_config(config) {
-        Ok(config) => svc.put_start(&items, &config).await,
+        Ok(config) => svc.put_start(caller, &items, &config).await,
         Err(e) => svc.refuse_put_start(items.len(), &e),
     };
     let mut enc = Encoder::with_capacity(results.len() * 48);
@@ -197,13 +225,13 @@ async fn put_start(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
 
 /// `BatchGetReplicas`: keys borrowed from the frame, the answer encoded straight from the
 /// state (no message structs, no `String` per replica).
-fn get_replicas(svc: &MasterService, body: &[u8]) -> (i32, Vec<u8>) {
+fn get_replicas(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<u8>) {
     let (keys, release) = match keys_and_release(body) {
         Ok(k) => k,
         Err(e) => return bad_request(e),
     };
     let mut enc = Encoder::with_capacity(keys.len() * 48);
-    let lease_ttl = svc.get_replicas(&keys, &release, |found| {
+    let lease_ttl = svc.get_replicas(caller, &keys, &release, |found| {
         let code = code(&found);
         match found {
             Ok((size, replicas)) => enc.result(code, size, replicas.iter().map(replica_ref)),
@@ -221,52 +249,64 @@ fn keys_and_release(body: &[u8]) -> Result<(Vec<&str>, Vec<&str>), String> {
     ))
 }
 
-async fn dispatch(grpc: &GrpcMaster, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
+async fn dispatch(grpc: &GrpcMaster, caller: &Caller, m: Method, body: &[u8]) -> (i32, Vec<u8>) {
     let svc = &*grpc.0;
     match m {
         Method::MountSegment => {
-            call::<pb::MountSegmentRequest, _, _, _>(body, |r| grpc.mount_segment(r)).await
+            call::<pb::MountSegmentRequest, _, _, _>(caller, body, |r| grpc.mount_segment(r)).await
         }
         Method::UnmountSegment => {
-            call::<pb::UnmountSegmentRequest, _, _, _>(body, |r| grpc.unmount_segment(r)).await
+            call::<pb::UnmountSegmentRequest, _, _, _>(caller, body, |r| grpc.unmount_segment(r))
+                .await
         }
         Method::Heartbeat => {
-            call::<pb::HeartbeatRequest, _, _, _>(body, |r| grpc.heartbeat(r)).await
+            call::<pb::HeartbeatRequest, _, _, _>(caller, body, |r| grpc.heartbeat(r)).await
         }
-        Method::BatchPutStart => put_start(svc, body).await,
-        Method::BatchPutEnd => by_refs(body, |refs| svc.put_end(refs)),
-        Method::BatchPutRevoke => by_refs(body, |refs| svc.put_revoke(refs)),
-        Method::BatchGetReplicas => get_replicas(svc, body),
+        Method::BatchPutStart => put_start(svc, caller, body).await,
+        Method::BatchPutEnd => by_refs(body, |refs| svc.put_end(caller, refs)),
+        Method::BatchPutRevoke => by_refs(body, |refs| svc.put_revoke(caller, refs)),
+        Method::BatchGetReplicas => get_replicas(svc, caller, body),
         Method::BatchExists => match keys_and_release(body) {
             Ok((keys, release)) => (
                 rpc_wire::STATUS_OK,
-                grpc::exists(svc, &keys, &release).encode_to_vec(),
+                grpc::exists(svc, caller, &keys, &release).encode_to_vec(),
             ),
             Err(e) => bad_request(e),
         },
         Method::BatchRemove => {
-            call::<pb::BatchRemoveRequest, _, _, _>(body, |r| grpc.batch_remove(r)).await
+            call::<pb::BatchRemoveRequest, _, _, _>(caller, body, |r| grpc.batch_remove(r)).await
         }
         Method::RemoveAll => {
-            call::<pb::RemoveAllRequest, _, _, _>(body, |r| grpc.remove_all(r)).await
+            call::<pb::RemoveAllRequest, _, _, _>(caller, body, |r| grpc.remove_all(r)).await
         }
         Method::ListSegments => {
-            call::<pb::ListSegmentsRequest, _, _, _>(body, |r| grpc.list_segments(r)).await
+            call::<pb::ListSegmentsRequest, _, _, _>(caller, body, |r| grpc.list_segments(r)).await
         }
         Method::CreateReplicaTask => {
-            call::<pb::CreateReplicaTaskRequest, _, _, _>(body, |r| grpc.create_replica_task(r))
-                .await
+            call::<pb::CreateReplicaTaskRequest, _, _, _>(caller, body, |r| {
+                grpc.create_replica_task(r)
+            })
+            .await
         }
         Method::QueryTask => {
-            call::<pb::QueryTaskRequest, _, _, _>(body, |r| grpc.query_task(r)).await
+            call::<pb::QueryTaskRequest, _, _, _>(caller, body, |r| grpc.query_task(r)).await
         }
         Method::BatchReleaseLeases => {
-            call::<pb::BatchReleaseLeasesRequest, _, _, _>(body, |r| grpc.batch_release_leases(r))
-                .await
+            call::<pb::BatchReleaseLeasesRequest, _, _, _>(caller, body, |r| {
+                grpc.batch_release_leases(r)
+            })
+            .await
         }
         Method::BatchReplicaClear => {
-            call::<pb::BatchReplicaClearRequest, _, _, _>(body, |r| grpc.batch_replica_clear(r))
-                .await
+            call::<pb::BatchReplicaClearRequest, _, _, _>(caller, body, |r| {
+                grpc.batch_replica_clear(r)
+            })
+            .await
         }
+        // Answered by the connection's loop; never dispatched.
+        Method::UseTenant => (
+            rpc_wire::STATUS_INTERNAL,
+            b"UseTenant reached the dispatcher".to_vec(),
+        ),
     }
 }

@@ -15,8 +15,24 @@ use super::{
 use crate::{
     core::{HeartbeatReply, MountReport, OwnerTask, Reported, TaskKind, TaskRequest},
     error::MasterError,
-    service::{MasterService, TaskReport},
+    service::{Caller, MasterService, TaskReport},
 };
+
+/// The caller a request comes from: the connection's interceptor (or the framed adapter)
+/// puts it in the request's extensions.
+pub fn caller_of<T>(req: &Request<T>) -> Result<Caller, Status> {
+    req.extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::internal("the request carries no caller (a bug in the adapter)"))
+}
+
+/// The caller of an owner's call: it must hold the cluster's secret.
+fn owner_of<T>(req: &Request<T>) -> Result<(), Status> {
+    caller_of(req)?
+        .owner_call()
+        .map_err(|e| Status::permission_denied(e.to_string()))
+}
 
 pub type Reply<T> = Result<Response<T>, Status>;
 
@@ -96,6 +112,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::MountSegmentRequest>,
     ) -> Reply<pb::MountSegmentResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let report = MountReport {
@@ -119,6 +136,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::UnmountSegmentRequest>,
     ) -> Reply<pb::UnmountSegmentResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let (code, message) = code_and_message(&self.0.unmount_segment(owner, &name));
@@ -126,6 +144,7 @@ impl pb::master_server::Master for GrpcMaster {
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Reply<pb::HeartbeatResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let owner = client_id(&r.client_id)?;
         let (reply, freed) = self.0.heartbeat(owner, r.disk.as_ref().map(Into::into));
@@ -148,10 +167,11 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchPutStartRequest>,
     ) -> Reply<pb::BatchPutStartResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let items: Vec<(&str, u64)> = r.items.iter().map(|i| (i.key.as_str(), i.size)).collect();
         let results = match replicate_config(r.config) {
-            Ok(config) => self.0.put_start(&items, &config).await,
+            Ok(config) => self.0.put_start(&caller, &items, &config).await,
             Err(e) => self.0.refuse_put_start(items.len(), &e),
         };
         let results = results
@@ -177,7 +197,10 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchPutEndRequest>,
     ) -> Reply<pb::BatchPutEndResponse> {
-        let codes = by_refs(&req.into_inner().items, |puts| self.0.put_end(puts));
+        let caller = caller_of(&req)?;
+        let codes = by_refs(&req.into_inner().items, |puts| {
+            self.0.put_end(&caller, puts)
+        });
         Ok(Response::new(pb::BatchPutEndResponse { codes }))
     }
 
@@ -185,7 +208,10 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchPutRevokeRequest>,
     ) -> Reply<pb::BatchPutRevokeResponse> {
-        let codes = by_refs(&req.into_inner().items, |puts| self.0.put_revoke(puts));
+        let caller = caller_of(&req)?;
+        let codes = by_refs(&req.into_inner().items, |puts| {
+            self.0.put_revoke(&caller, puts)
+        });
         Ok(Response::new(pb::BatchPutRevokeResponse { codes }))
     }
 
@@ -193,11 +219,12 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchGetReplicasRequest>,
     ) -> Reply<pb::BatchGetReplicasResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
         let mut results = Vec::with_capacity(keys.len());
-        let lease_ttl = self.0.get_replicas(&keys, &release, |found| {
+        let lease_ttl = self.0.get_replicas(&caller, &keys, &release, |found| {
             let code = code(&found);
             let (size, replicas) = found.unwrap_or_default();
             results.push(pb::GetReplicasResult {
@@ -216,26 +243,34 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchExistsRequest>,
     ) -> Reply<pb::BatchExistsResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
-        Ok(Response::new(exists(&self.0, &keys, &release)))
+        Ok(Response::new(exists(&self.0, &caller, &keys, &release)))
     }
 
     async fn batch_remove(
         &self,
         req: Request<pb::BatchRemoveRequest>,
     ) -> Reply<pb::BatchRemoveResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
-        let codes = self.0.remove(&keys, r.force).iter().map(code).collect();
+        let codes = self
+            .0
+            .remove(&caller, &keys, r.force)
+            .iter()
+            .map(code)
+            .collect();
         Ok(Response::new(pb::BatchRemoveResponse { codes }))
     }
 
     async fn remove_all(&self, req: Request<pb::RemoveAllRequest>) -> Reply<pb::RemoveAllResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let regex = Some(r.key_regex.as_str()).filter(|p| !p.is_empty());
-        let res = self.0.remove_all(r.force, regex);
+        let res = self.0.remove_all(&caller, r.force, regex);
         let (code, _) = code_and_message(&res);
         Ok(Response::new(pb::RemoveAllResponse {
             code,
@@ -247,16 +282,20 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::CreateReplicaTaskRequest>,
     ) -> Reply<pb::CreateReplicaTaskResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let res = segment_names(&r.targets).and_then(|targets| {
             if r.source.is_empty() {
-                return self
-                    .0
-                    .create_replica_task(&r.key, TaskRequest::Copy { targets: &targets });
+                return self.0.create_replica_task(
+                    &caller,
+                    &r.key,
+                    TaskRequest::Copy { targets: &targets },
+                );
             }
             let source = segment(&r.source).map_err(|e| MasterError::Invalid(e.0))?;
             match targets.as_slice() {
                 [target] => self.0.create_replica_task(
+                    &caller,
                     &r.key,
                     TaskRequest::Move {
                         source: &source,
@@ -304,6 +343,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchReplicaClearRequest>,
     ) -> Reply<pb::BatchReplicaClearResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let name = match r.segment.as_str() {
@@ -318,7 +358,7 @@ impl pb::master_server::Master for GrpcMaster {
                 }
             },
         };
-        let results = self.0.replica_clear(&keys, name.as_ref());
+        let results = self.0.replica_clear(&caller, &keys, name.as_ref());
         Ok(Response::new(pb::BatchReplicaClearResponse {
             codes: results.iter().map(code).collect(),
         }))
@@ -328,9 +368,10 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::BatchReleaseLeasesRequest>,
     ) -> Reply<pb::BatchReleaseLeasesResponse> {
+        let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
-        self.0.release_leases(&keys);
+        self.0.release_leases(&caller, &keys);
         Ok(Response::new(pb::BatchReleaseLeasesResponse {}))
     }
 
@@ -352,6 +393,7 @@ impl pb::master_server::Master for GrpcMaster {
     }
 
     async fn poll_tasks(&self, req: Request<pb::PollTasksRequest>) -> Reply<pb::PollTasksResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let wait = Duration::from_millis(r.wait_ms);
@@ -370,6 +412,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::ReportTasksRequest>,
     ) -> Reply<pb::ReportTasksResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let reports = r
@@ -399,6 +442,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::DiskDroppedRequest>,
     ) -> Reply<pb::DiskDroppedResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let records: Vec<(&str, u64)> =
@@ -413,6 +457,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::RegisterDiskRequest>,
     ) -> Reply<pb::RegisterDiskResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         let records: Vec<(&str, u64, u64)> = r
@@ -434,6 +479,7 @@ impl pb::master_server::Master for GrpcMaster {
         &self,
         req: Request<pb::ReportCatalogRequest>,
     ) -> Reply<pb::ReportCatalogResponse> {
+        owner_of(&req)?;
         let r = req.into_inner();
         let (owner, name) = (client_id(&r.client_id)?, segment(&r.segment)?);
         // An entry with a malformed key is left out here and counted as refused.
@@ -469,10 +515,11 @@ impl pb::master_server::Master for GrpcMaster {
 /// A batch exists answer: 1 exists, 0 missing, negative an error code.
 pub(super) fn exists(
     svc: &MasterService,
+    caller: &Caller,
     keys: &[&str],
     release: &[&str],
 ) -> pb::BatchExistsResponse {
-    let (results, lease_ttl) = svc.exists(keys, release);
+    let (results, lease_ttl) = svc.exists(caller, keys, release);
     pb::BatchExistsResponse {
         codes: results
             .iter()

@@ -9,11 +9,15 @@ use mooncake_common::{
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig, SegmentName,
 };
 
-use crate::{core::TaskRequest, error::MasterError, service::MasterService};
+use crate::{
+    core::TaskRequest,
+    error::MasterError,
+    service::{Caller, MasterService},
+};
 
-/// A `MasterApi` on the master's service in this process.
+/// A `MasterApi` on the master's service in this process, calling as `.1`.
 #[derive(Clone)]
-pub struct InProcessMaster(pub Arc<MasterService>);
+pub struct InProcessMaster(pub Arc<MasterService>, pub Caller);
 
 fn codes(results: Vec<Result<(), MasterError>>) -> Vec<Result<(), Code>> {
     results
@@ -29,7 +33,7 @@ impl MasterApi for InProcessMaster {
         config: &'a ReplicateConfig,
     ) -> Call<'a, Grants> {
         Box::pin(async move {
-            let results = self.0.put_start(items, config).await;
+            let results = self.0.put_start(&self.1, items, config).await;
             let mut grants = Grants::with_capacity(results.len());
             for r in results {
                 match r {
@@ -45,22 +49,24 @@ impl MasterApi for InProcessMaster {
     }
 
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        Box::pin(async move { Ok(codes(self.0.put_end(puts))) })
+        Box::pin(async move { Ok(codes(self.0.put_end(&self.1, puts))) })
     }
 
     fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        Box::pin(async move { Ok(codes(self.0.put_revoke(puts))) })
+        Box::pin(async move { Ok(codes(self.0.put_revoke(&self.1, puts))) })
     }
 
     fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
         Box::pin(async move {
             let mut objects = mooncake_common::master_api::Runs::with_capacity(keys.len());
-            let lease_ttl = self.0.get_replicas(keys, release, |found| match found {
-                Ok((size, replicas)) => {
-                    objects.push_ok(replicas, |replicas| Found { size, replicas })
-                }
-                Err(e) => objects.push_err(e.code()),
-            });
+            let lease_ttl = self
+                .0
+                .get_replicas(&self.1, keys, release, |found| match found {
+                    Ok((size, replicas)) => {
+                        objects.push_ok(replicas, |replicas| Found { size, replicas })
+                    }
+                    Err(e) => objects.push_err(e.code()),
+                });
             Ok(Lookup { objects, lease_ttl })
         })
     }
@@ -71,7 +77,7 @@ impl MasterApi for InProcessMaster {
         release: &'a [&'a str],
     ) -> Call<'a, Vec<Result<bool, Code>>> {
         Box::pin(async move {
-            let (results, _) = self.0.exists(keys, release);
+            let (results, _) = self.0.exists(&self.1, keys, release);
             Ok(results
                 .into_iter()
                 .map(|r| r.map_err(|e| e.code()))
@@ -80,13 +86,13 @@ impl MasterApi for InProcessMaster {
     }
 
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
-        Box::pin(async move { Ok(codes(self.0.remove(keys, force))) })
+        Box::pin(async move { Ok(codes(self.0.remove(&self.1, keys, force))) })
     }
 
     fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
         Box::pin(async move {
             self.0
-                .remove_all(force, key_regex)
+                .remove_all(&self.1, force, key_regex)
                 .map_err(|e| ApiError::new(e.code(), e.to_string()))
         })
     }
@@ -103,12 +109,16 @@ impl MasterApi for InProcessMaster {
             let res = match spec {
                 ReplicaTaskSpec::Copy { targets } => {
                     let targets = names(targets)?;
-                    self.0
-                        .create_replica_task(key, TaskRequest::Copy { targets: &targets })
+                    self.0.create_replica_task(
+                        &self.1,
+                        key,
+                        TaskRequest::Copy { targets: &targets },
+                    )
                 }
                 ReplicaTaskSpec::Move { source, target } => {
                     let (source, target) = (names(&[source])?, names(&[target])?);
                     self.0.create_replica_task(
+                        &self.1,
                         key,
                         TaskRequest::Move {
                             source: &source[0],
@@ -149,13 +159,13 @@ impl MasterApi for InProcessMaster {
                 .map(SegmentName::parse)
                 .transpose()
                 .map_err(|e| ApiError::new(Code::InvalidParams, e.to_string()))?;
-            Ok(codes(self.0.replica_clear(keys, segment.as_ref())))
+            Ok(codes(self.0.replica_clear(&self.1, keys, segment.as_ref())))
         })
     }
 
     fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
         Box::pin(async move {
-            self.0.release_leases(keys);
+            self.0.release_leases(&self.1, keys);
             Ok(())
         })
     }

@@ -3,6 +3,7 @@
 //! `MasterError` to the wire (a Mooncake code and a text) and of wire values to validated domain
 //! types lives here.
 
+pub mod admitted;
 pub mod framed;
 pub mod grpc;
 pub mod in_process;

@@ -65,6 +65,15 @@ struct Args {
     /// A file holding the cluster's secret (as the master's --auth_token_file).
     #[arg(long = "auth_token_file", alias = "auth-token-file")]
     auth_token_file: Option<PathBuf>,
+    /// TLS to the master: the CA its certificate chains to (PEM).
+    #[arg(long = "tls_ca")]
+    tls_ca: Option<PathBuf>,
+    /// This owner's client certificate (PEM), for a master started with --tls_ca.
+    #[arg(long = "tls_cert")]
+    tls_cert: Option<PathBuf>,
+    /// The key of --tls_cert (PEM).
+    #[arg(long = "tls_key")]
+    tls_key: Option<PathBuf>,
 }
 
 fn config(args: Args) -> Result<OwnerConfig, String> {
@@ -92,6 +101,15 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     }
     if args.auth_token_file.is_some() {
         c.auth_token_file = args.auth_token_file;
+    }
+    for (field, arg) in [
+        (&mut c.tls_ca, args.tls_ca),
+        (&mut c.tls_cert, args.tls_cert),
+        (&mut c.tls_key, args.tls_key),
+    ] {
+        if arg.is_some() {
+            *field = arg;
+        }
     }
     if args.ready_file.is_some() {
         c.ready_file = args.ready_file;

@@ -84,6 +84,7 @@ impl MasterLink {
         ssd: Option<Arc<SsdStore>>,
         catalog: Arc<Catalog>,
         auth: Option<&ServerAuth>,
+        tls: Option<mooncake_common::tls::TlsClient>,
     ) -> Result<Self, LinkError> {
         let credential = auth.map(ServerAuth::credential);
         Ok(MasterLink {
@@ -92,6 +93,7 @@ impl MasterLink {
                 cluster_id,
                 rpc_timeout,
                 credential.clone(),
+                tls,
             )?),
             owner,
             segment,

@@ -12,6 +12,8 @@ use mooncake_proto::master::master_client::MasterClient;
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
+use mooncake_common::tls::TlsClient;
+
 use super::LinkError;
 
 pub(super) struct Target {
@@ -20,6 +22,7 @@ pub(super) struct Target {
     lookup: Option<LeaderLookup>,
     rpc_timeout: Duration,
     credential: Option<Credential>,
+    tls: Option<TlsClient>,
     current: Mutex<Option<(String, MasterClient<Channel>)>>,
 }
 
@@ -29,6 +32,7 @@ impl Target {
         cluster_id: &str,
         rpc_timeout: Duration,
         credential: Option<Credential>,
+        tls: Option<TlsClient>,
     ) -> Result<Self, LinkError> {
         let bad = |_| LinkError::BadAddress(master.to_string());
         let (lookup, current) = match MasterAddress::parse(master).map_err(bad)? {
@@ -36,7 +40,7 @@ impl Target {
                 None,
                 Some((
                     addr.clone(),
-                    channel(&addr, rpc_timeout, credential.clone())?,
+                    channel(&addr, rpc_timeout, credential.clone(), tls.clone())?,
                 )),
             ),
             MasterAddress::Etcd(endpoints) => (
@@ -49,6 +53,7 @@ impl Target {
             lookup,
             rpc_timeout,
             credential,
+            tls,
             current: Mutex::new(current),
         })
     }
@@ -76,7 +81,12 @@ impl Target {
             })?;
         let c = (
             leader.address.clone(),
-            channel(&leader.address, self.rpc_timeout, self.credential.clone())?,
+            channel(
+                &leader.address,
+                self.rpc_timeout,
+                self.credential.clone(),
+                self.tls.clone(),
+            )?,
         );
         tracing::info!(leader = %leader.address, term = leader.term, "following the elected master");
         *self.current.lock() = Some(c.clone());
@@ -98,11 +108,14 @@ fn channel(
     addr: &str,
     rpc_timeout: Duration,
     credential: Option<Credential>,
+    tls: Option<TlsClient>,
 ) -> Result<MasterClient<Channel>, LinkError> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|_| LinkError::BadAddress(addr.to_string()))?
         .connect_timeout(rpc_timeout)
         .timeout(rpc_timeout)
         .tcp_nodelay(true);
-    Ok(MasterClient::new(grpc_channel(endpoint, addr, credential)))
+    Ok(MasterClient::new(grpc_channel(
+        endpoint, addr, credential, tls,
+    )))
 }

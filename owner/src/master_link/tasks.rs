@@ -247,7 +247,7 @@ impl Worker {
         let seal = self.link.seal_read(
             &Scope {
                 access: Access::Read,
-                tenant: "",
+                tenant: mooncake_common::tenant::tenant_of(key.as_str()),
                 key: key.as_str(),
                 segment: source.as_str(),
                 offset,

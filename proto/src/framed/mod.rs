@@ -31,6 +31,9 @@ pub const STATUS_UNAVAILABLE: i32 = 3;
 /// The connection did not authenticate where the master requires it (see
 /// `mooncake_common::auth`); the body says what to configure. The master closes it after this.
 pub const STATUS_UNAUTHENTICATED: i32 = 4;
+/// The connection's credential does not allow the call (`UseTenant` of another tenant, an
+/// owner's call from a tenant's worker).
+pub const STATUS_DENIED: i32 = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -50,6 +53,10 @@ pub enum Method {
     QueryTask = 13,
     BatchReplicaClear = 14,
     BatchReleaseLeases = 15,
+    /// Body: a tenant's name (UTF-8). The connection's later calls act in that tenant (see
+    /// `mooncake_common::tenant`); answered with an empty body, or `STATUS_DENIED` /
+    /// `STATUS_BAD_REQUEST` and why.
+    UseTenant = 16,
 }
 
 impl Method {
@@ -71,6 +78,7 @@ impl Method {
             13 => QueryTask,
             14 => BatchReplicaClear,
             15 => BatchReleaseLeases,
+            16 => UseTenant,
             _ => return None,
         })
     }
