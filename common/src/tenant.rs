@@ -30,6 +30,11 @@ impl Tenant {
         if name.is_empty() || name == "default" {
             return Ok(Tenant::default());
         }
+        if name == crate::auth::CLUSTER {
+            return Err(format!(
+                "tenant {name:?} is reserved (it names the cluster's own credential)"
+            ));
+        }
         if name.len() > MAX_TENANT
             || !name
                 .bytes()
@@ -119,7 +124,14 @@ mod tests {
         assert!(Tenant::parse("").unwrap().is_default());
         assert!(Tenant::parse("default").unwrap().is_default());
         assert_eq!(Tenant::parse("team-a.v2_x").unwrap().name(), "team-a.v2_x");
-        for bad in ["a b", "a/b", "ä", "a\0", &"x".repeat(MAX_TENANT + 1)] {
+        for bad in [
+            "a b",
+            "a/b",
+            "ä",
+            "a\0",
+            "cluster",
+            &"x".repeat(MAX_TENANT + 1),
+        ] {
             assert!(Tenant::parse(bad).is_err(), "{bad:?}");
         }
     }

@@ -342,6 +342,10 @@ impl Usage {
         } else {
             u.keys -= 1;
             u.bytes -= bytes;
+            if u.keys == 0 && !tenant.is_empty() {
+                // A tenant without objects costs nothing (names come and go on open masters).
+                self.named.remove(tenant);
+            }
         }
     }
 

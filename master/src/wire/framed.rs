@@ -12,7 +12,7 @@ use mooncake_proto::{
 };
 use prost::Message;
 use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufStream},
     sync::watch,
 };
 use tonic::{Request, Response, Status};
@@ -38,14 +38,13 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
     frame_timeout: Duration,
     mut stop: watch::Receiver<bool>,
 ) -> io::Result<()> {
-    let (r, w) = tokio::io::split(stream);
-    let mut r = BufReader::with_capacity(64 << 10, r);
-    let mut w = BufWriter::with_capacity(64 << 10, w);
+    // One buffered stream both ways: requests and answers alternate, so no split is needed.
+    let mut s = BufStream::with_capacity(64 << 10, 64 << 10, stream);
     let mut hello = [0u8; rpc_wire::HELLO_LEN];
-    tokio::time::timeout(frame_timeout, r.read_exact(&mut hello)).await??;
+    tokio::time::timeout(frame_timeout, s.read_exact(&mut hello)).await??;
     rpc_wire::check_hello(&hello).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    w.write_all(&rpc_wire::hello()).await?;
-    w.flush().await?;
+    s.write_all(&rpc_wire::hello()).await?;
+    s.flush().await?;
     let identity = identity.as_deref();
     let mut caller = Caller::resolve(identity, None)
         .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()))?;
@@ -53,14 +52,14 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
     loop {
         let mut h = [0u8; rpc_wire::HEADER_LEN];
         tokio::select! {
-            r = r.read_exact(&mut h[..1]) => { if r.is_err() { return Ok(()); } }
+            r = s.read_exact(&mut h[..1]) => { if r.is_err() { return Ok(()); } }
             _ = stop.changed() => return Ok(()),
         }
         let frame = async {
-            r.read_exact(&mut h[1..]).await?;
+            s.read_exact(&mut h[1..]).await?;
             let (len, method, id) = rpc_wire::decode_header(&h)
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            mooncake_common::body::read_body(&mut r, len, &mut body).await?;
+            mooncake_common::body::read_body(&mut s, len, &mut body).await?;
             Ok::<_, io::Error>((method, id))
         };
         let (method, id) = tokio::time::timeout(frame_timeout, frame)
@@ -89,10 +88,10 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
                 format!("unknown method {method}").into_bytes(),
             ),
         };
-        w.write_all(&rpc_wire::encode_header(out.len(), status as u32, id))
+        s.write_all(&rpc_wire::encode_header(out.len(), status as u32, id))
             .await?;
-        w.write_all(&out).await?;
-        w.flush().await?;
+        s.write_all(&out).await?;
+        s.flush().await?;
     }
 }
 
