@@ -58,6 +58,9 @@ pub struct OwnerConfig {
     /// that do not prove it, and the owner proves it to the master and to other owners. Unset:
     /// open, as the master must then be too.
     pub auth_token_file: Option<PathBuf>,
+    /// Hand the same-host path (which maps the whole pool) to workers holding a tenant's token
+    /// too; by default they are refused it and use TCP, where every byte moves under a seal.
+    pub tenants_share_memory: bool,
     /// TLS to the master (whose RPC port runs TLS): the CA its certificate chains to (PEM).
     pub tls_ca: Option<PathBuf>,
     /// This owner's client certificate (PEM), for a master that checks clients; with `tls_key`.
@@ -88,6 +91,7 @@ impl Default for OwnerConfig {
             ssd_concurrency: 32,
             ssd_read_budget: ByteSize::mib(256),
             auth_token_file: None,
+            tenants_share_memory: false,
             tls_ca: None,
             tls_cert: None,
             tls_key: None,

@@ -122,6 +122,7 @@ impl RunningOwner {
                         frame_timeout: config.frame_timeout,
                         path: path.clone(),
                         gate: gate.clone(),
+                        tenants_share_memory: config.tenants_share_memory,
                     });
                     tasks.push(tokio::spawn(server.serve(listener, stopped.clone())));
                     Some(path)

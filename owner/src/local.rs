@@ -21,7 +21,7 @@ use tokio::{
     sync::watch,
 };
 
-use mooncake_common::auth::{admit, starts_with_hello, Access, Admission, HELLO_MAGIC};
+use mooncake_common::auth::{admit, starts_with_hello, Access, Admission, CLUSTER, HELLO_MAGIC};
 
 use crate::{
     catalog::Catalog,
@@ -51,6 +51,10 @@ pub struct LocalServer {
     /// With one, a local client must prove the cluster's secret before it gets the pool's
     /// memfd, and every range it locks must carry the master's seal.
     pub gate: Option<Arc<Gate>>,
+    /// Whether workers that proved a tenant's token (not the cluster's) get the pool's memfd.
+    /// Mapping it exposes every tenant's bytes in the pool, so by default they are refused and
+    /// use TCP, where every byte moves only under the master's seal.
+    pub tenants_share_memory: bool,
 }
 
 impl LocalServer {
@@ -80,7 +84,8 @@ impl LocalServer {
     }
 
     /// Admits a connection (see `mooncake_common::auth`), then serves it, or answers its hello
-    /// with `Code::Unauthenticated` when it did not authenticate where the owner requires it.
+    /// with `Code::Unauthenticated` when it did not authenticate where the owner requires it,
+    /// `Code::PermissionDenied` for a tenant's worker (unless tenants may share memory).
     async fn admitted_session(
         &self,
         mut stream: UnixStream,
@@ -93,7 +98,7 @@ impl LocalServer {
         let hello = tokio::time::timeout(self.frame_timeout, peek_hello(&stream))
             .await
             .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
-        match admit(
+        let refusal = match admit(
             &mut stream,
             hello,
             self.gate.as_ref().map(|g| &g.keyring),
@@ -102,22 +107,26 @@ impl LocalServer {
         )
         .await?
         {
-            Admission::Unauthenticated => {
-                let refuse = async {
-                    let mut h = [0u8; 5];
-                    stream.read_exact(&mut h).await?;
-                    let (len, _) = frame_header(h).map_err(invalid)?;
-                    mooncake_common::body::read_new_body(&mut stream, len).await?;
-                    let mut w = FrameWriter::new(LocalOp::Hello);
-                    w.i32(Code::Unauthenticated.as_i32()).u64(0);
-                    stream.write_all(&w.finish()).await
-                };
-                tokio::time::timeout(self.frame_timeout, refuse)
-                    .await
-                    .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+            Admission::Unauthenticated => Code::Unauthenticated,
+            Admission::Authenticated(id) if id != CLUSTER && !self.tenants_share_memory => {
+                tracing::info!(%peer, tenant = %id, "a tenant's worker is refused the same-host path (it maps the whole pool); it uses TCP");
+                Code::PermissionDenied
             }
-            _ => self.session(stream, stop).await,
-        }
+            _ => return self.session(stream, stop).await,
+        };
+        // Its hello is answered with the refusal, and the connection closed.
+        let refuse = async {
+            let mut h = [0u8; 5];
+            stream.read_exact(&mut h).await?;
+            let (len, _) = frame_header(h).map_err(invalid)?;
+            mooncake_common::body::read_new_body(&mut stream, len).await?;
+            let mut w = FrameWriter::new(LocalOp::Hello);
+            w.i32(refusal.as_i32()).u64(0);
+            stream.write_all(&w.finish()).await
+        };
+        tokio::time::timeout(self.frame_timeout, refuse)
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
     }
 
     /// One client connection. Its locks live in `held` and are released when it ends, however

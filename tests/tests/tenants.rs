@@ -140,6 +140,11 @@ async fn tenants_cannot_see_read_overwrite_or_remove_each_others_keys() {
         put_ok(b.put(&shared, b"value of b", &rc).await);
         assert_eq!(read(&a, &shared).await.unwrap(), b"value of a");
         assert_eq!(read(&b, &shared).await.unwrap(), b"value of b");
+        // A tenant's token gets no same-host mapping of the pool (all tenants' bytes are in
+        // it): its transfers went over TCP. The cluster's token may map it.
+        let (ta, tb) = (a.transfer_stats(), b.transfer_stats());
+        assert!(ta.local_bytes == 0 && ta.tcp_bytes > 0, "{ta:?}");
+        assert!(tb.local_bytes > 0, "{tb:?}");
 
         // b cannot see, read or remove a's key.
         assert!(!b.exists(&only_a).await.unwrap());
