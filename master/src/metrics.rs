@@ -178,47 +178,40 @@ fn render_state(out: &mut String, state: &MasterState) {
     }
 }
 
+/// A gauge's value per tenant name ("" for the default tenant).
+type PerTenant<'a> = Vec<(&'a str, u64)>;
+
 /// Keys, bytes and quota per tenant (the default tenant as "default").
 fn render_tenants(out: &mut String, state: &MasterState) {
     let usage = state.tenant_usage();
-    let quotas = &state.policy().quotas;
-    let label = |t: &str| if t.is_empty() { "default" } else { t }.to_string();
-    let _ = writeln!(
-        out,
-        "# HELP master_tenant_keys Objects a tenant stores.\n# TYPE master_tenant_keys gauge"
-    );
-    for (t, u) in &usage {
-        let _ = writeln!(
-            out,
-            "master_tenant_keys{{tenant=\"{}\"}} {}",
-            label(t),
-            u.keys
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP master_tenant_bytes Bytes of the values a tenant stores (each object once).\n# TYPE master_tenant_bytes gauge"
-    );
-    for (t, u) in &usage {
-        let _ = writeln!(
-            out,
-            "master_tenant_bytes{{tenant=\"{}\"}} {}",
-            label(t),
-            u.bytes
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP master_tenant_quota_bytes The most bytes a tenant may store.\n# TYPE master_tenant_quota_bytes gauge"
-    );
-    let mut q: Vec<_> = quotas.iter().collect();
-    q.sort();
-    for (t, v) in q {
-        let _ = writeln!(
-            out,
-            "master_tenant_quota_bytes{{tenant=\"{}\"}} {v}",
-            label(t)
-        );
+    let mut quotas: Vec<_> = state
+        .policy()
+        .quotas
+        .iter()
+        .map(|(t, q)| (t.as_str(), *q))
+        .collect();
+    quotas.sort();
+    let keys = usage.iter().map(|(t, u)| (t.as_str(), u.keys)).collect();
+    let bytes = usage.iter().map(|(t, u)| (t.as_str(), u.bytes)).collect();
+    let series: [(&str, &str, PerTenant); 3] = [
+        ("master_tenant_keys", "Objects a tenant stores.", keys),
+        (
+            "master_tenant_bytes",
+            "Bytes of the values a tenant stores (each object once).",
+            bytes,
+        ),
+        (
+            "master_tenant_quota_bytes",
+            "The most bytes a tenant may store.",
+            quotas,
+        ),
+    ];
+    for (name, help, values) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (t, v) in values {
+            let label = if t.is_empty() { "default" } else { t };
+            let _ = writeln!(out, "{name}{{tenant=\"{label}\"}} {v}");
+        }
     }
 }
 
