@@ -23,6 +23,7 @@ struct Cluster {
     rpc: String,
     http: String,
     _owner: ChildGuard,
+    segment: String,
 }
 
 fn write_secret(dir: &TempDir, name: &str, text: &str) -> String {
@@ -76,7 +77,7 @@ fn start() -> Cluster {
         "--auth_token_file",
         &cluster_token,
     ]);
-    let (owner, _) = spawn_owner(&rpc, "32MiB", &["--auth_token_file", &cluster_token]);
+    let (owner, segment) = spawn_owner(&rpc, "32MiB", &["--auth_token_file", &cluster_token]);
     Cluster {
         dir,
         cluster_token,
@@ -84,6 +85,7 @@ fn start() -> Cluster {
         rpc,
         http,
         _owner: owner,
+        segment,
     }
 }
 
@@ -161,6 +163,11 @@ async fn tenants_cannot_see_read_overwrite_or_remove_each_others_keys() {
         assert_eq!(b.remove_all(true).await.unwrap(), 1);
         assert_eq!(read(&a, &only_a).await.unwrap(), b"secret of a");
         assert_eq!(read(&a, &shared).await.unwrap(), b"value of a");
+        // a's replica tasks are a's: b does not find them.
+        let task = a.create_copy_task(&only_a, &[&c.segment]).await.unwrap();
+        a.query_task(task).await.unwrap();
+        let e = b.query_task(task).await.unwrap_err();
+        assert_eq!(e.code(), Code::ObjectNotFound, "{e}");
         // b writing a's key makes b's object; a's bytes stay.
         put_ok(b.put(&only_a, b"b's try", &rc).await);
         assert_eq!(read(&a, &only_a).await.unwrap(), b"secret of a");

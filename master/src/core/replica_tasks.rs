@@ -28,6 +28,8 @@ const MAX_FINISHED: usize = 1 << 14;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskInfo {
     pub id: u64,
+    /// The object it copies or moves (stored form: its tenant's prefix included).
+    pub key: ObjectKey,
     pub kind: ReplicaTaskType,
     pub status: ReplicaTaskStatus,
     pub created: Millis,
@@ -310,6 +312,7 @@ impl MasterState {
         };
         Some(TaskInfo {
             id,
+            key: t.key.clone(),
             kind: t.kind,
             status: t.status(),
             created: t.created,

@@ -414,9 +414,15 @@ impl MasterService {
         res
     }
 
-    /// A replica task's state, with its instants on the wall clock (ms since the Unix epoch).
-    pub fn query_task(&self, id: u64) -> Option<(TaskInfo, u64, u64)> {
-        let info = self.shared.state.lock().query_task(id);
+    /// A replica task's state, with its instants on the wall clock (ms since the Unix epoch), if
+    /// it is one of the caller's tenant's (others' are not found).
+    pub fn query_task(&self, caller: &Caller, id: u64) -> Option<(TaskInfo, u64, u64)> {
+        let info = self
+            .shared
+            .state
+            .lock()
+            .query_task(id)
+            .filter(|t| caller.owns(t.key.as_str()));
         self.shared
             .metrics
             .record(Op::QueryTask, 1, info.is_none() as usize);

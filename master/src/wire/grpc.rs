@@ -317,8 +317,9 @@ impl pb::master_server::Master for GrpcMaster {
     }
 
     async fn query_task(&self, req: Request<pb::QueryTaskRequest>) -> Reply<pb::QueryTaskResponse> {
+        let caller = caller_of(&req)?;
         let id = req.into_inner().task_id;
-        let Some((info, created_at_ms, updated_at_ms)) = self.0.query_task(id) else {
+        let Some((info, created_at_ms, updated_at_ms)) = self.0.query_task(&caller, id) else {
             return Ok(Response::new(pb::QueryTaskResponse {
                 code: mooncake_common::Code::ObjectNotFound.as_i32(),
                 message: format!("no task {id} (never made, or finished long ago)"),

@@ -135,7 +135,7 @@ impl MasterApi for InProcessMaster {
         Box::pin(async move {
             let (info, created_at_ms, updated_at_ms) = self
                 .0
-                .query_task(id)
+                .query_task(&self.1, id)
                 .ok_or_else(|| ApiError::new(Code::ObjectNotFound, format!("no task {id}")))?;
             Ok(ReplicaTaskState {
                 id: info.id,
