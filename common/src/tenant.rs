@@ -20,11 +20,6 @@ const MARK: char = '\0';
 pub struct Tenant(Box<str>);
 
 impl Tenant {
-    /// The tenant of every key a client without `tenant_id` stores.
-    pub fn default_tenant() -> Tenant {
-        Tenant::default()
-    }
-
     /// `name` as a tenant ("" and "default" are the default tenant).
     pub fn parse(name: &str) -> Result<Tenant, String> {
         if name.is_empty() || name == "default" {

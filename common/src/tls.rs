@@ -155,15 +155,7 @@ impl ClientStream {
         tls: Option<&TlsClient>,
         timeout: std::time::Duration,
     ) -> io::Result<ClientStream> {
-        let open = async {
-            let tcp = TcpStream::connect(addr).await?;
-            tcp.set_nodelay(true)?;
-            Ok(match tls {
-                Some(t) => ClientStream::Tls(Box::new(t.connect(addr, tcp).await?)),
-                None => ClientStream::Plain(tcp),
-            })
-        };
-        tokio::time::timeout(timeout, open)
+        tokio::time::timeout(timeout, Self::open(addr, tls))
             .await
             .unwrap_or_else(|_| {
                 Err(io::Error::new(
@@ -171,6 +163,16 @@ impl ClientStream {
                     format!("cannot connect to {addr} within {timeout:?}"),
                 ))
             })
+    }
+
+    /// Connects to `addr`, with TLS where `tls` is given (the caller bounds the time).
+    pub async fn open(addr: &str, tls: Option<&TlsClient>) -> io::Result<ClientStream> {
+        let tcp = TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        Ok(match tls {
+            Some(t) => ClientStream::Tls(Box::new(t.connect(addr, tcp).await?)),
+            None => ClientStream::Plain(tcp),
+        })
     }
 
     /// The TCP stream, where no TLS runs over it (its bytes can be read straight off the socket).

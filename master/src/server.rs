@@ -263,9 +263,9 @@ fn server_auth(
     tenants: &[crate::config::TenantConfig],
 ) -> Result<ServerAuth, String> {
     let mut auth = ServerAuth::from_file(path)?;
+    let secret = auth.secret().to_vec();
     for t in tenants {
         if let Some(file) = &t.token_file {
-            let secret = auth.secret().to_vec();
             auth.keyring.insert_tenant(&secret, &t.name, file)?;
         }
     }

@@ -27,21 +27,30 @@ const KINDS: [Kind; 3] = [Kind::Framed, Kind::Grpc, Kind::InProcess];
 fn api(c: &Cluster, kind: Kind) -> Arc<dyn MasterApi> {
     let addr = c.master_addr();
     let (rpc, connect) = (Duration::from_secs(3), Duration::from_secs(2));
+    // Lazy: neither connects before its first call.
+    let [framed, grpc] = wire(&addr, rpc, connect);
     match kind {
-        Kind::Framed => Arc::new(FramedMaster::new(
-            &addr,
+        Kind::Framed => framed,
+        Kind::Grpc => grpc,
+        Kind::InProcess => Arc::new(c.master.in_process()),
+    }
+}
+
+/// The two wire adapters to `addr`, without a credential, in the default tenant: framed, gRPC.
+fn wire(addr: &str, rpc: Duration, connect: Duration) -> [Arc<dyn MasterApi>; 2] {
+    let tenant = Default::default();
+    [
+        Arc::new(FramedMaster::new(
+            addr,
             rpc,
             connect,
             Duration::ZERO,
             None,
-            Default::default(),
+            tenant,
             None,
         )),
-        Kind::Grpc => {
-            Arc::new(GrpcMaster::new(&addr, rpc, connect, None, &Default::default(), None).unwrap())
-        }
-        Kind::InProcess => Arc::new(c.master.in_process()),
-    }
+        Arc::new(GrpcMaster::new(addr, rpc, connect, None, &Default::default(), None).unwrap()),
+    ]
 }
 
 fn codes<T>(results: &[Result<T, Code>]) -> Vec<Code> {
@@ -416,18 +425,7 @@ async fn the_wire_apis_fail_within_their_deadline_when_the_master_is_gone() {
         l.local_addr().unwrap().to_string()
     };
     let (rpc, connect) = (Duration::from_millis(500), Duration::from_millis(300));
-    let apis: [Arc<dyn MasterApi>; 2] = [
-        Arc::new(FramedMaster::new(
-            &addr,
-            rpc,
-            connect,
-            Duration::ZERO,
-            None,
-            Default::default(),
-            None,
-        )),
-        Arc::new(GrpcMaster::new(&addr, rpc, connect, None, &Default::default(), None).unwrap()),
-    ];
+    let apis = wire(&addr, rpc, connect);
     for m in apis {
         let started = std::time::Instant::now();
         let e = m.get_replicas(&["k"], &[]).await.unwrap_err();

@@ -284,6 +284,74 @@ struct FramedConn {
     next_id: u64,
 }
 
+impl FramedConn {
+    /// Sends one request (its `len`-byte body appended by `encode`) and reads the answer:
+    /// its status and body. Polls up to `spin` for the answer before parking (plain TCP only).
+    async fn exchange(
+        &mut self,
+        addr: &str,
+        method: Method,
+        len: usize,
+        encode: impl FnOnce(&mut Vec<u8>),
+        spin: Duration,
+    ) -> Result<(i32, Vec<u8>), ApiError> {
+        let rpc_err = |e: io::Error| ApiError::rpc(format!("master {addr} connection failed: {e}"));
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);
+        frame.extend_from_slice(&rpc_wire::encode_header(len, method as u32, id));
+        encode(&mut frame);
+        debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
+        self.stream.write_all(&frame).await.map_err(rpc_err)?;
+        let mut h = [0u8; rpc_wire::HEADER_LEN];
+        // The answer is usually microseconds away: poll for it before parking the thread.
+        // (Not through TLS: its bytes must go through the session.)
+        let early = match self.stream.plain() {
+            Some(tcp) => match crate::spin::read_now(tcp, &mut h, spin) {
+                Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
+                Ok(Some(n)) => n,
+                Ok(None) => 0,
+                Err(e) => return Err(rpc_err(e)),
+            },
+            None => 0,
+        };
+        self.stream
+            .read_exact(&mut h[early..])
+            .await
+            .map_err(rpc_err)?;
+        let (len, status, got) = rpc_wire::decode_header(&h)
+            .map_err(|e| ApiError::rpc(format!("master {addr}: {e}")))?;
+        if got != id {
+            return Err(ApiError::rpc(format!(
+                "master {addr} answered request {got}, expected {id}"
+            )));
+        }
+        let out = mooncake_common::body::read_new_body(&mut self.stream, len)
+            .await
+            .map_err(rpc_err)?;
+        Ok((status as i32, out))
+    }
+}
+
+/// The error of a framed answer whose status is not OK (`text`: its body).
+fn status_error(addr: &str, status: i32, text: &[u8]) -> ApiError {
+    let text = String::from_utf8_lossy(text);
+    match status {
+        rpc_wire::STATUS_BAD_REQUEST => ApiError::new(Code::InvalidParams, text.into_owned()),
+        rpc_wire::STATUS_UNAUTHENTICATED => {
+            ApiError::new(Code::Unauthenticated, format!("master {addr}: {text}"))
+        }
+        rpc_wire::STATUS_DENIED => {
+            ApiError::new(Code::PermissionDenied, format!("master {addr}: {text}"))
+        }
+        rpc_wire::STATUS_UNAVAILABLE => ApiError::new(
+            Code::UnavailableInCurrentStatus,
+            format!("master {addr}: {text}"),
+        ),
+        _ => ApiError::rpc(format!("master {addr}: {text}")),
+    }
+}
+
 impl FramedPool {
     /// One exchange whose request body (`len` bytes) `encode` appends to the frame buffer;
     /// the answer's bytes undecoded.
@@ -303,75 +371,18 @@ impl FramedPool {
             Some(c) => c,
             None => self.connect().await?,
         };
-        let rpc_err =
-            |e: io::Error| ApiError::rpc(format!("master {} connection failed: {e}", self.addr));
-        let id = conn.next_id;
-        conn.next_id += 1;
-        let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);
-        frame.extend_from_slice(&rpc_wire::encode_header(len, method as u32, id));
-        encode(&mut frame);
-        debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
-        conn.stream.write_all(&frame).await.map_err(rpc_err)?;
-        let mut h = [0u8; rpc_wire::HEADER_LEN];
-        // The answer is usually microseconds away: poll for it before parking the thread.
-        // (Not through TLS: its bytes must go through the session.)
-        let early = match conn.stream.plain() {
-            Some(tcp) => match crate::spin::read_now(tcp, &mut h, self.spin) {
-                Ok(Some(0)) => return Err(rpc_err(io::ErrorKind::UnexpectedEof.into())),
-                Ok(Some(n)) => n,
-                Ok(None) => 0,
-                Err(e) => return Err(rpc_err(e)),
-            },
-            None => 0,
-        };
-        conn.stream
-            .read_exact(&mut h[early..])
-            .await
-            .map_err(rpc_err)?;
-        let (len, status, got) = rpc_wire::decode_header(&h)
-            .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
-        if got != id {
-            return Err(ApiError::rpc(format!(
-                "master {} answered request {got}, expected {id}",
-                self.addr
-            )));
-        }
-        let out = mooncake_common::body::read_new_body(&mut conn.stream, len)
-            .await
-            .map_err(rpc_err)?;
-        let status = status as i32;
-        if status == rpc_wire::STATUS_UNAUTHENTICATED {
-            // The master closes this connection after saying so.
-            let text = String::from_utf8_lossy(&out);
-            return Err(ApiError::new(
-                Code::Unauthenticated,
-                format!("master {}: {text}", self.addr),
-            ));
-        }
-        if status == rpc_wire::STATUS_DENIED {
+        let (status, out) = conn
+            .exchange(&self.addr, method, len, encode, self.spin)
+            .await?;
+        // The master closes a connection it answered UNAUTHENTICATED; any other answer leaves
+        // it usable.
+        if status != rpc_wire::STATUS_UNAUTHENTICATED {
             self.idle.lock().push(conn);
-            let text = String::from_utf8_lossy(&out);
-            return Err(ApiError::new(
-                Code::PermissionDenied,
-                format!("master {}: {text}", self.addr),
-            ));
         }
-        if status != rpc_wire::STATUS_OK {
-            self.idle.lock().push(conn);
-            let text = String::from_utf8_lossy(&out);
-            return Err(if status == rpc_wire::STATUS_BAD_REQUEST {
-                ApiError::new(Code::InvalidParams, text.into_owned())
-            } else if status == rpc_wire::STATUS_UNAVAILABLE {
-                ApiError::new(
-                    Code::UnavailableInCurrentStatus,
-                    format!("master {}: {text}", self.addr),
-                )
-            } else {
-                ApiError::rpc(format!("master {}: {text}", self.addr))
-            });
+        match status {
+            rpc_wire::STATUS_OK => Ok(out),
+            _ => Err(status_error(&self.addr, status, &out)),
         }
-        self.idle.lock().push(conn);
-        Ok(out)
     }
 
     async fn connect(&self) -> Result<FramedConn, ApiError> {
@@ -404,37 +415,19 @@ impl FramedPool {
 
     /// Asks the master to take this connection's calls as the client's tenant's.
     async fn use_tenant(&self, conn: &mut FramedConn) -> Result<(), ApiError> {
-        let fail =
-            |e: io::Error| ApiError::rpc(format!("master {} connection failed: {e}", self.addr));
         let name = self.tenant.name().as_bytes();
-        let mut frame = rpc_wire::encode_header(name.len(), Method::UseTenant as u32, 0).to_vec();
-        frame.extend_from_slice(name);
-        conn.stream.write_all(&frame).await.map_err(fail)?;
-        let mut h = [0u8; rpc_wire::HEADER_LEN];
-        conn.stream.read_exact(&mut h).await.map_err(fail)?;
-        let (len, status, _) = rpc_wire::decode_header(&h)
-            .map_err(|e| ApiError::rpc(format!("master {}: {e}", self.addr)))?;
-        let out = mooncake_common::body::read_new_body(&mut conn.stream, len)
-            .await
-            .map_err(fail)?;
-        let text = String::from_utf8_lossy(&out);
-        match status as i32 {
+        let (status, out) = conn
+            .exchange(
+                &self.addr,
+                Method::UseTenant,
+                name.len(),
+                |b| b.extend_from_slice(name),
+                Duration::ZERO,
+            )
+            .await?;
+        match status {
             rpc_wire::STATUS_OK => Ok(()),
-            rpc_wire::STATUS_DENIED => Err(ApiError::new(
-                Code::PermissionDenied,
-                format!("master {}: {text}", self.addr),
-            )),
-            rpc_wire::STATUS_UNAUTHENTICATED => Err(ApiError::new(
-                Code::Unauthenticated,
-                format!("master {}: {text}", self.addr),
-            )),
-            _ => Err(ApiError::new(
-                Code::InvalidParams,
-                format!(
-                    "master {} refused tenant {}: {text}",
-                    self.addr, self.tenant
-                ),
-            )),
+            _ => Err(status_error(&self.addr, status, &out)),
         }
     }
 }

@@ -89,12 +89,7 @@ pub fn grpc_channel(
     endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
         let (addr, credential, tls) = (addr.clone(), credential.clone(), tls.clone());
         async move {
-            let tcp = TcpStream::connect(&addr).await?;
-            tcp.set_nodelay(true)?;
-            let mut stream = match &tls {
-                Some(t) => ClientStream::Tls(Box::new(t.connect(&addr, tcp).await?)),
-                None => ClientStream::Plain(tcp),
-            };
+            let mut stream = ClientStream::open(&addr, tls.as_ref()).await?;
             if let Some(credential) = &credential {
                 authenticate(&mut stream, credential)
                     .await
