@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
+    time::Instant,
 };
 
 use crate::{memory, regions::Use, EngineError};
@@ -158,8 +159,8 @@ impl SameHost {
         })
     }
 
-    /// Whether `target` is a process on this host (asked once, then remembered).
-    async fn kind(&self, target: &str) -> Kind {
+    /// Whether `target` is a process on this host (asked once, by `deadline`, then remembered).
+    async fn kind(&self, target: &str, deadline: Instant) -> Kind {
         if let Some(k) = self.peers.lock().get(target) {
             return *k;
         }
@@ -173,7 +174,7 @@ impl SameHost {
                 .push(s);
             Ok::<_, std::io::Error>(r)
         };
-        let kind = match tokio::time::timeout(self.timeout, hello).await {
+        let kind = match tokio::time::timeout_at(deadline, hello).await {
             Ok(Ok(Ok(body))) if body.len() >= 8 => {
                 let pid = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
                 let same = body[8..] == *self.identity.as_bytes();
@@ -193,20 +194,22 @@ impl SameHost {
     /// Copies `pairs` (local, remote, length) with `target` if it runs on this host. `uses`
     /// hold the local ranges; they and the control connection (whose closing would let the
     /// target release its ranges) go with the copy, so even a caller that stops waiting leaves
-    /// both held until the copy has ended. Only the exchanges with the target are timed.
+    /// both held until the copy has ended. Only the exchanges with the target are timed: they
+    /// end by `deadline` (a release that misses it closes the connection, which releases too).
     pub async fn transfer(
         &self,
         target: &str,
         read: bool,
         pairs: Vec<(u64, u64, u64)>,
         uses: Vec<Use>,
+        deadline: Instant,
     ) -> Result<Outcome, EngineError> {
-        let Kind::Local(pid) = self.kind(target).await else {
+        let Kind::Local(pid) = self.kind(target, deadline).await else {
             return Ok(Outcome::NotLocal(uses));
         };
-        let deadline = self.timeout;
+        let after = self.timeout;
         let timed = |what: &'static str| {
-            move |_| Self::fail(target, format!("{what} timed out after {deadline:?}"))
+            move |_| Self::fail(target, format!("{what} timed out after {after:?}"))
         };
         let ranges: Vec<u8> = pairs
             .iter()
@@ -217,7 +220,7 @@ impl SameHost {
             let r = Self::call(&mut s, Op::PeerGrant, target, &ranges).await?;
             Ok::<_, std::io::Error>((s, r))
         };
-        let (s, granted) = tokio::time::timeout(deadline, grant)
+        let (s, granted) = tokio::time::timeout_at(deadline, grant)
             .await
             .map_err(timed("the grant"))?
             .map_err(|e| Self::fail(target, e))?;
@@ -253,7 +256,7 @@ impl SameHost {
                 .map_err(|e| Self::fail(target, e))?
         };
         let released =
-            tokio::time::timeout(deadline, Self::call(&mut s, Op::PeerRelease, target, &[]))
+            tokio::time::timeout_at(deadline, Self::call(&mut s, Op::PeerRelease, target, &[]))
                 .await
                 .map_err(timed("the release"));
         if matches!(released, Ok(Ok(Ok(_)))) {

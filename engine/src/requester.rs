@@ -16,6 +16,7 @@ use mooncake_common::{
     transport::{ReadItem, WriteItem},
     ObjectKey, SegmentName, Stamp,
 };
+use tokio::time::Instant;
 
 use crate::{
     directory::Directory,
@@ -93,8 +94,9 @@ impl Requester {
 
     /// The regions `target` registered.
     pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
+        let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
-        let r = self.regions_of_session(&session).await;
+        let r = self.regions_of_session(&session, deadline).await;
         self.forget_on_failure(target, &r);
         r
     }
@@ -114,10 +116,14 @@ impl Requester {
         }
     }
 
-    async fn regions_of_session(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
+    async fn regions_of_session(
+        &self,
+        target: &str,
+        deadline: Instant,
+    ) -> Result<Vec<(u64, u64)>, EngineError> {
         let (segment, key) = peer(target)?;
         self.transport
-            .peer_regions(&segment, &key)
+            .peer_regions(&segment, &key, deadline)
             .await
             .map_err(|source| EngineError::Transfer {
                 target: target.to_string(),
@@ -127,15 +133,20 @@ impl Requester {
 
     /// Moves every request of `batch` between this process and `target`; all or an error (the
     /// first failure). Local buffers must lie in regions this engine registered; the peer
-    /// checks its own side. Ends within the transfer deadline.
+    /// checks its own side. Every exchange with the peer (asking whether it is on this host,
+    /// waiting for a connection, connecting, the transfer) ends by one deadline, the transfer
+    /// timeout from the call's start.
     pub async fn transfer(
         &self,
         target: &str,
         op: TransferOp,
         batch: &[TransferRequest],
     ) -> Result<(), EngineError> {
+        let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
-        let r = self.transfer_to_session(&session, op, batch).await;
+        let r = self
+            .transfer_to_session(&session, op, batch, deadline)
+            .await;
         self.forget_on_failure(target, &r);
         r
     }
@@ -217,6 +228,7 @@ impl Requester {
         target: &str,
         op: TransferOp,
         batch: &[TransferRequest],
+        deadline: Instant,
     ) -> Result<(), EngineError> {
         let (segment, key) = peer(target)?;
         // Hold every local range for the whole call: unregistering waits for it.
@@ -250,7 +262,7 @@ impl Requester {
         {
             let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
             match local
-                .transfer(target, op == TransferOp::Read, pairs, uses)
+                .transfer(target, op == TransferOp::Read, pairs, uses, deadline)
                 .await?
             {
                 Outcome::Done => {
@@ -290,7 +302,9 @@ impl Requester {
                         parts: p,
                     })
                     .collect();
-                self.transport.peer_write_batch(&segment, &items).await
+                self.transport
+                    .peer_write_batch(&segment, &items, deadline)
+                    .await
             }
             TransferOp::Read => {
                 let mut parts: Vec<[&mut [u8]; 1]> = batch
@@ -313,7 +327,9 @@ impl Requester {
                         parts: p,
                     })
                     .collect();
-                self.transport.peer_read_batch(&segment, &mut items).await
+                self.transport
+                    .peer_read_batch(&segment, &mut items, deadline)
+                    .await
             }
         };
         self.counters.tcp.fetch_add(1, Ordering::Relaxed);

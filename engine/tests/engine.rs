@@ -293,8 +293,47 @@ async fn dead_and_silent(same_host: bool) {
         let t = Instant::now();
         let e = a.transfer(&name, op, &req).await.unwrap_err();
         assert!(e.to_string().contains("timed out"), "{e}");
-        // With the same-host path, asking who the peer is takes a deadline first.
-        assert!(t.elapsed() < deadline * 4, "{:?}", t.elapsed());
+        // Asking whether the peer is on this host shares the call's one deadline.
+        assert!(t.elapsed() < deadline * 3, "{:?}", t.elapsed());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_queued_behind_a_silent_peer_end_by_their_own_deadline() {
+    for same_host in [false, true] {
+        queued_behind_silent(same_host).await;
+    }
+}
+
+/// More calls than connections to a peer that never answers: the ones waiting for a connection
+/// fail by their own deadline too, not one deadline after those ahead of them.
+async fn queued_behind_silent(same_host: bool) {
+    let deadline = Duration::from_millis(1500);
+    let a = engine_on(deadline, same_host).await;
+    let src = pattern(256 << 10, 3);
+    a.register(addr(&src), src.len() as u64).unwrap();
+    // 256 KiB each: large enough for the same-host path to be asked first.
+    let req = [TransferRequest {
+        local: addr(&src),
+        remote: 0x10000,
+        len: src.len() as u64,
+    }];
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let name = format!("127.0.0.1:{}", silent.local_addr().unwrap().port());
+    // 8 connections per peer by default: 20 calls queue for them.
+    let calls = (0..20).map(|_| async {
+        let t = Instant::now();
+        let r = a.transfer(&name, TransferOp::Write, &req).await;
+        (r, t.elapsed())
+    });
+    for (r, took) in futures::future::join_all(calls).await {
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("timed out"), "{e}");
+        // Before one deadline per call, the queued calls took two deadlines or more.
+        assert!(
+            took < deadline + Duration::from_millis(700),
+            "same_host {same_host}: {took:?}"
+        );
     }
 }
 

@@ -1,7 +1,9 @@
 //! The TCP data transport: a small pool of connections per owner, one request in flight per
 //! connection, payloads sent from and received into the caller's memory with no staging copy.
-//! Waiting for a free connection is bounded by the other transfers' deadlines; the transfer itself
-//! by the transfer timeout. A connection that saw any error is dropped, never reused.
+//! Every call has one deadline, the transfer timeout from its start: waiting for a free
+//! connection, connecting and the exchange all end by it, so calls queued behind a silent owner
+//! fail together instead of one deadline after another. A connection that saw any error is
+//! dropped, never reused.
 
 use std::{
     collections::HashMap,
@@ -22,6 +24,7 @@ use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
     sync::{OwnedSemaphorePermit, Semaphore},
+    time::Instant,
 };
 
 mod scatter;
@@ -66,12 +69,13 @@ struct Conn {
 /// Size of a connection's receive buffer; reads at least half as large bypass it.
 const RECV_BUF: usize = 64 << 10;
 
-/// A connection taken from an owner's pool, with its slot. Dropped without `give_back`, the
-/// connection is closed and the slot freed.
+/// A connection taken from an owner's pool, with its slot and the deadline of the call that took
+/// it. Dropped without `give_back`, the connection is closed and the slot freed.
 struct Checkout {
     owner: Arc<OwnerConns>,
     conn: Option<Conn>,
     _permit: OwnedSemaphorePermit,
+    deadline: Instant,
 }
 
 impl Checkout {
@@ -103,24 +107,52 @@ impl TcpTransport {
             .clone()
     }
 
+    /// The deadline of a call starting now.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.config.transfer_timeout
+    }
+
+    fn timed_out(&self, target: &SegmentName) -> TransferError {
+        TransferError::Timeout {
+            target: target.clone(),
+            after: self.config.transfer_timeout,
+        }
+    }
+
+    /// Slots for `n` connections to `target` (all in one step, so two batches never hold part
+    /// of what each other waits for), waited for until `deadline`.
+    async fn permits(
+        &self,
+        target: &SegmentName,
+        owner: &OwnerConns,
+        n: usize,
+        deadline: Instant,
+    ) -> Result<OwnedSemaphorePermit, TransferError> {
+        let acquire = owner.permits.clone().acquire_many_owned(n as u32);
+        match tokio::time::timeout_at(deadline, acquire).await {
+            Ok(permit) => Ok(permit.expect("semaphore never closed")),
+            Err(_) => Err(self.timed_out(target)),
+        }
+    }
+
     /// Takes an idle connection to `target`, or opens one, once fewer than the limit are busy.
-    async fn checkout(&self, target: &SegmentName) -> Result<Checkout, TransferError> {
+    async fn checkout(
+        &self,
+        target: &SegmentName,
+        deadline: Instant,
+    ) -> Result<Checkout, TransferError> {
         let owner = self.owner(target);
-        let permit = owner
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
+        let permit = self.permits(target, &owner, 1, deadline).await?;
         let pooled = owner.idle.lock().pop();
         let conn = match pooled {
             Some(c) => c,
-            None => self.connect(target).await?,
+            None => self.connect(target, deadline).await?,
         };
         Ok(Checkout {
             owner,
             conn: Some(conn),
             _permit: permit,
+            deadline,
         })
     }
 
@@ -146,34 +178,31 @@ impl TcpTransport {
         mut checkout: Checkout,
         f: impl AsyncFnOnce(&mut Conn) -> Result<T, TransferError>,
     ) -> (Result<T, TransferError>, Option<Checkout>) {
-        let after = self.config.transfer_timeout;
+        let deadline = checkout.deadline;
         let conn = checkout.conn.as_mut().expect("checked out");
-        match tokio::time::timeout(after, f(conn)).await {
+        match tokio::time::timeout_at(deadline, f(conn)).await {
             Ok(Ok(v)) => (Ok(v), Some(checkout)),
             Ok(Err(e @ TransferError::Remote { .. })) => (Err(e), Some(checkout)),
             Ok(Err(e)) => (Err(e), None),
-            Err(_) => (
-                Err(TransferError::Timeout {
-                    target: target.clone(),
-                    after,
-                }),
-                None,
-            ),
+            Err(_) => (Err(self.timed_out(target)), None),
         }
     }
 
-    async fn connect(&self, target: &SegmentName) -> Result<Conn, TransferError> {
+    /// Opens a connection: within the connect timeout, and by the call's deadline.
+    async fn connect(
+        &self,
+        target: &SegmentName,
+        deadline: Instant,
+    ) -> Result<Conn, TransferError> {
         let err = |source| TransferError::Connect {
             target: target.clone(),
             source,
         };
-        let stream = match tokio::time::timeout(
-            self.config.connect_timeout,
-            TcpStream::connect(target.as_str()),
-        )
-        .await
+        let until = deadline.min(Instant::now() + self.config.connect_timeout);
+        let stream = match tokio::time::timeout_at(until, TcpStream::connect(target.as_str())).await
         {
             Ok(r) => r.map_err(err)?,
+            Err(_) if until == deadline => return Err(self.timed_out(target)),
             Err(_) => {
                 return Err(err(io::Error::new(
                     io::ErrorKind::TimedOut,
@@ -186,7 +215,7 @@ impl TcpTransport {
         prove(
             &mut stream,
             self.config.credential.as_ref(),
-            self.config.connect_timeout,
+            until.saturating_duration_since(Instant::now()),
         )
         .await
         .map_err(|e| TransferError::Remote {
@@ -436,6 +465,7 @@ impl TcpTransport {
         target: &SegmentName,
         items: &mut [ReadItem<'k, 'b>],
         op: Op,
+        deadline: Instant,
     ) -> Vec<Result<(), TransferError>> {
         let (threads, k) = self.split_plan(items.len(), items.iter().map(|i| i.len()).sum());
         let bounds = chunk_bounds(items.len(), k);
@@ -447,13 +477,13 @@ impl TcpTransport {
             rest = tail;
         }
         let results = if threads > 1 {
-            self.on_threads(target, chunks, |checkout, chunk| {
+            self.on_threads(target, chunks, deadline, |checkout, chunk| {
                 self.pipelined_reads(target, checkout, chunk, op)
             })
             .await
         } else {
             join_all(chunks.into_iter().map(|(n, c)| async move {
-                match self.checkout(target).await {
+                match self.checkout(target, deadline).await {
                     Ok(checkout) => keep(self.pipelined_reads(target, checkout, c, op).await),
                     Err(e) => fail_all(n, &e),
                 }
@@ -469,6 +499,7 @@ impl TcpTransport {
         target: &SegmentName,
         items: &[WriteItem<'_>],
         op: Op,
+        deadline: Instant,
     ) -> Vec<Result<(), TransferError>> {
         let (threads, k) = self.split_plan(items.len(), items.iter().map(|i| i.len()).sum());
         let chunks: Vec<(usize, &[WriteItem<'_>])> = chunk_bounds(items.len(), k)
@@ -476,13 +507,13 @@ impl TcpTransport {
             .map(|(a, b)| (b - a, &items[a..b]))
             .collect();
         let results = if threads > 1 {
-            self.on_threads(target, chunks, |checkout, chunk| {
+            self.on_threads(target, chunks, deadline, |checkout, chunk| {
                 self.pipelined_writes(target, checkout, chunk, op)
             })
             .await
         } else {
             join_all(chunks.into_iter().map(|(n, c)| async move {
-                match self.checkout(target).await {
+                match self.checkout(target, deadline).await {
                     Ok(checkout) => keep(self.pipelined_writes(target, checkout, c, op).await),
                     Err(e) => fail_all(n, &e),
                 }
@@ -498,20 +529,26 @@ impl TcpTransport {
 /// (`host:port`), its offset is the target's address, and the target checks every range against
 /// the regions it registered.
 impl TcpTransport {
+    /// Every item is written or has failed by `deadline`.
     pub async fn peer_write_batch(
         &self,
         target: &SegmentName,
         items: &[WriteItem<'_>],
+        deadline: Instant,
     ) -> Vec<Result<(), TransferError>> {
-        self.spread_writes(target, items, Op::PeerWrite).await
+        self.spread_writes(target, items, Op::PeerWrite, deadline)
+            .await
     }
 
+    /// Every item is read or has failed by `deadline`.
     pub async fn peer_read_batch(
         &self,
         target: &SegmentName,
         items: &mut [ReadItem<'_, '_>],
+        deadline: Instant,
     ) -> Vec<Result<(), TransferError>> {
-        self.spread_reads(target, items, Op::PeerRead).await
+        self.spread_reads(target, items, Op::PeerRead, deadline)
+            .await
     }
 
     /// The target's registered regions, (address, length) each.
@@ -519,8 +556,9 @@ impl TcpTransport {
         &self,
         target: &SegmentName,
         name: &ObjectKey,
+        deadline: Instant,
     ) -> Result<Vec<(u64, u64)>, TransferError> {
-        let checkout = self.checkout(target).await?;
+        let checkout = self.checkout(target, deadline).await?;
         self.exchange(target, checkout, async |conn: &mut Conn| {
             let io_err = |source| TransferError::Io {
                 target: target.clone(),
@@ -680,7 +718,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a [WriteItem<'a>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(self.spread_writes(target, items, Op::Write))
+        Box::pin(self.spread_writes(target, items, Op::Write, self.deadline()))
     }
 
     fn read_batch<'a, 'k: 'a, 'b: 'a>(
@@ -688,7 +726,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(self.spread_reads(target, items, Op::Read))
+        Box::pin(self.spread_reads(target, items, Op::Read, self.deadline()))
     }
 
     fn read_disk_batch<'a, 'k: 'a, 'b: 'a>(
@@ -696,7 +734,7 @@ impl DataTransport for TcpTransport {
         target: &'a SegmentName,
         items: &'a mut [ReadItem<'k, 'b>],
     ) -> BoxFuture<'a, Vec<Result<(), TransferError>>> {
-        Box::pin(self.spread_reads(target, items, Op::ReadDisk))
+        Box::pin(self.spread_reads(target, items, Op::ReadDisk, self.deadline()))
     }
 
     fn write<'a>(
@@ -705,7 +743,7 @@ impl DataTransport for TcpTransport {
         item: &'a WriteItem<'a>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let checkout = self.checkout(target).await?;
+            let checkout = self.checkout(target, self.deadline()).await?;
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let id = conn
                     .send(Frame::write(Op::Write, item))
@@ -726,7 +764,7 @@ impl DataTransport for TcpTransport {
         item: &'a mut ReadItem<'k, 'b>,
     ) -> BoxFuture<'a, Result<(), TransferError>> {
         Box::pin(async move {
-            let checkout = self.checkout(target).await?;
+            let checkout = self.checkout(target, self.deadline()).await?;
             let length = item.len();
             self.exchange(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {

@@ -8,7 +8,7 @@
 use std::{future::Future, io, net::TcpStream as StdStream, sync::Arc, thread};
 
 use mooncake_common::{transport::TransferError, SegmentName};
-use tokio::{net::TcpStream, runtime::RuntimeFlavor, sync::OwnedSemaphorePermit};
+use tokio::{net::TcpStream, runtime::RuntimeFlavor, sync::OwnedSemaphorePermit, time::Instant};
 
 use super::{fail_all, Checkout, Conn, OwnerConns, TcpTransport};
 
@@ -27,6 +27,7 @@ struct Detached {
     rbuf: Box<[u8]>,
     rpos: usize,
     rend: usize,
+    deadline: Instant,
 }
 
 impl Checkout {
@@ -40,6 +41,7 @@ impl Checkout {
             rbuf: conn.rbuf,
             rpos: conn.rpos,
             rend: conn.rend,
+            deadline: self.deadline,
         })
     }
 }
@@ -57,6 +59,7 @@ impl Detached {
                 rend: self.rend,
             }),
             _permit: self.permit,
+            deadline: self.deadline,
         })
     }
 }
@@ -81,22 +84,18 @@ impl TcpTransport {
         threads
     }
 
-    /// Takes `n` connections to `target` at once (all permits in one step, so two batches never
-    /// hold part of what each other waits for).
+    /// Takes `n` connections to `target` at once, by `deadline`.
     async fn checkout_many(
         &self,
         target: &SegmentName,
         n: usize,
+        deadline: Instant,
     ) -> Vec<Result<Checkout, TransferError>> {
         let owner = self.owner(target);
-        let mut rest = Some(
-            owner
-                .permits
-                .clone()
-                .acquire_many_owned(n as u32)
-                .await
-                .expect("semaphore never closed"),
-        );
+        let mut rest = match self.permits(target, &owner, n, deadline).await {
+            Ok(p) => Some(p),
+            Err(e) => return (0..n).map(|_| Err(e.duplicate())).collect(),
+        };
         let mut out = Vec::with_capacity(n);
         for i in 0..n {
             let all = rest.as_mut().expect("permits left");
@@ -108,12 +107,13 @@ impl TcpTransport {
             let pooled = owner.idle.lock().pop();
             let conn = match pooled {
                 Some(c) => Ok(c),
-                None => self.connect(target).await,
+                None => self.connect(target, deadline).await,
             };
             out.push(conn.map(|c| Checkout {
                 owner: owner.clone(),
                 conn: Some(c),
                 _permit: permit,
+                deadline,
             }));
         }
         out
@@ -125,6 +125,7 @@ impl TcpTransport {
         &self,
         target: &SegmentName,
         chunks: Vec<(usize, C)>,
+        deadline: Instant,
         work: F,
     ) -> Vec<Results>
     where
@@ -132,7 +133,7 @@ impl TcpTransport {
         F: Fn(Checkout, C) -> Fut + Sync,
         Fut: Future<Output = ChunkResult>,
     {
-        let checkouts = self.checkout_many(target, chunks.len()).await;
+        let checkouts = self.checkout_many(target, chunks.len(), deadline).await;
         let mut jobs = Vec::with_capacity(chunks.len());
         let mut results: Vec<Option<Results>> = Vec::new();
         for ((len, chunk), checkout) in chunks.into_iter().zip(checkouts) {
