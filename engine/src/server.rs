@@ -59,6 +59,9 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
 }
 
 const READ_BUF: usize = 64 << 10;
+/// Payload remainders at least this large are read straight into place, not through the buffer
+/// (one more receive call costs less than copying this much twice).
+const DIRECT_READ: usize = 16 << 10;
 /// Answers shorter than this are copied into the reply buffer (coalesced with others).
 const SMALL_ANSWER: usize = 8 << 10;
 /// The refusal of a same-host grant that touches device memory (the caller then uses TCP).
@@ -91,6 +94,15 @@ struct Connection {
     key: Vec<u8>,
     /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`).
     held: Vec<crate::regions::Use>,
+    /// The last request carried a large payload: the next header is read alone, straight from
+    /// the socket, so that the payload behind it lands in place instead of in the buffer.
+    direct: bool,
+}
+
+/// A request header, and how much of it was read before its frame started.
+struct Head {
+    bytes: [u8; wire::REQUEST_HEADER_LEN],
+    read: usize,
 }
 
 impl Connection {
@@ -103,12 +115,26 @@ impl Connection {
             served,
             key: Vec::with_capacity(64),
             held: Vec::new(),
+            direct: false,
         }
     }
 
     async fn run(mut self, mut stop: watch::Receiver<bool>) -> std::io::Result<()> {
         loop {
-            if self.reader.buffer().is_empty() {
+            let mut head = Head {
+                bytes: [0; wire::REQUEST_HEADER_LEN],
+                read: 0,
+            };
+            if self.reader.buffer().is_empty() && self.direct {
+                // A header already here needs no wait (and answers wait for the next flush).
+                match self.reader.get_ref().try_read(&mut head.bytes) {
+                    Ok(0) => return Ok(()),
+                    Ok(n) => head.read = n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if head.read == 0 && self.reader.buffer().is_empty() {
                 // Nothing more pipelined: the peer waits for what was answered so far.
                 self.writer.flush().await?;
                 // A same-host grant is held until its release or until the connection closes,
@@ -119,13 +145,23 @@ impl Connection {
                     return Ok(());
                 }
                 let idle = self.held.is_empty();
-                tokio::select! {
-                    r = self.reader.fill_buf() => if r?.is_empty() { return Ok(()) },
-                    _ = stop.changed(), if idle && !stopping => return Ok(()),
+                if self.direct {
+                    tokio::select! {
+                        r = self.reader.get_mut().read(&mut head.bytes) => match r? {
+                            0 => return Ok(()),
+                            n => head.read = n,
+                        },
+                        _ = stop.changed(), if idle && !stopping => return Ok(()),
+                    }
+                } else {
+                    tokio::select! {
+                        r = self.reader.fill_buf() => if r?.is_empty() { return Ok(()) },
+                        _ = stop.changed(), if idle && !stopping => return Ok(()),
+                    }
                 }
             }
             let timeout = self.served.frame_timeout;
-            match tokio::time::timeout(timeout, self.frame()).await {
+            match tokio::time::timeout(timeout, self.frame(head)).await {
                 Ok(Ok(true)) => {}
                 Ok(Ok(false)) => {
                     self.writer.flush().await?;
@@ -144,10 +180,15 @@ impl Connection {
 
     /// One request and its answer. Returns false when the connection must close (the stream is
     /// no longer at a frame boundary).
-    async fn frame(&mut self) -> std::io::Result<bool> {
-        let mut hb = [0u8; wire::REQUEST_HEADER_LEN];
-        self.reader.read_exact(&mut hb).await?;
-        let h = match RequestHeader::decode(&hb) {
+    async fn frame(&mut self, mut head: Head) -> std::io::Result<bool> {
+        let hb = &mut head.bytes;
+        if head.read > 0 {
+            // Started straight from the socket (the buffer is empty): go on the same way.
+            self.reader.get_mut().read_exact(&mut hb[head.read..]).await?;
+        } else {
+            self.reader.read_exact(hb).await?;
+        }
+        let h = match RequestHeader::decode(hb) {
             Ok(h) => h,
             Err(e) => {
                 self.refuse(Op::Ping, 0, &e.to_string(), Code::InvalidParams)
@@ -156,7 +197,12 @@ impl Connection {
             }
         };
         self.key.resize(h.key_len as usize, 0);
-        self.reader.read_exact(&mut self.key).await?;
+        if head.read > 0 {
+            self.reader.get_mut().read_exact(&mut self.key).await?;
+        } else {
+            self.reader.read_exact(&mut self.key).await?;
+        }
+        self.direct = h.op == Op::PeerWrite && h.length >= DIRECT_READ as u64;
         let payload_in = matches!(h.op, Op::PeerWrite | Op::Write | Op::PeerGrant);
         if h.op != Op::Ping && self.key != self.served.name.as_bytes() {
             let msg = format!(
@@ -171,15 +217,14 @@ impl Connection {
             Op::PeerWrite => match self.served.regions.lookup(h.offset, h.length) {
                 Ok(usage) => match usage.device().cloned() {
                     None => {
-                        self.reader
-                            .read_exact(usage.bytes_mut(h.offset, h.length))
+                        self.read_payload(usage.bytes_mut(h.offset, h.length))
                             .await?;
                         self.ok(&h, 0).await?;
                     }
                     Some(device) => {
                         // Device memory: through a host staging buffer and the device's copy.
                         let mut staging = staging(&*device, h.length)?;
-                        self.reader.read_exact(staging.bytes_mut()).await?;
+                        self.read_payload(staging.bytes_mut()).await?;
                         let to = h.offset as usize;
                         // The copy holds the range: a copy that outlives this request (its
                         // deadline passed) still keeps the region from being unregistered.
@@ -281,6 +326,24 @@ impl Connection {
     /// A read's answer: its header and `payload`. A large payload goes out in one vectored
     /// write with its header (not the header alone, then the payload: a 24-byte segment per
     /// answer costs both sides a wake-up).
+    /// Fills `dst` with a request's payload: first what is buffered, then a remainder of
+    /// `DIRECT_READ` or more straight from the socket. Through the buffer, the tail of every
+    /// large payload (whatever the last receive left short of a full buffer) was copied twice.
+    async fn read_payload(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
+        let buffered = self.reader.buffer();
+        let n = buffered.len().min(dst.len());
+        dst[..n].copy_from_slice(&buffered[..n]);
+        self.reader.consume(n);
+        let rest = &mut dst[n..];
+        if rest.len() >= DIRECT_READ {
+            // The buffer is empty (it held less than `dst`): nothing is skipped.
+            self.reader.get_mut().read_exact(rest).await?;
+        } else {
+            self.reader.read_exact(rest).await?;
+        }
+        Ok(())
+    }
+
     async fn answer(&mut self, h: &RequestHeader, payload: &[u8]) -> std::io::Result<()> {
         let header = ResponseHeader {
             op: h.op,

@@ -12,8 +12,10 @@ use tokio::{net::TcpStream, runtime::RuntimeFlavor, sync::OwnedSemaphorePermit, 
 
 use super::{fail_all, Checkout, Conn, OwnerConns, TcpTransport};
 
-/// Bytes each thread should have at least for a batch to be worth threads.
-pub(super) const BYTES_PER_THREAD: u64 = 4 << 20;
+/// Bytes each thread should have at least for a batch to be worth threads. Starting a thread
+/// and its runtime costs tens of microseconds a batch: measured on loopback (2 cores), batches of
+/// 8-16 MiB moved 10-40 % faster on one thread than on two with 4 MiB here.
+pub(super) const BYTES_PER_THREAD: u64 = 16 << 20;
 
 type Results = Vec<Result<(), TransferError>>;
 type ChunkResult = (Results, Option<Checkout>);
