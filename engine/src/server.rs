@@ -184,7 +184,10 @@ impl Connection {
         let hb = &mut head.bytes;
         if head.read > 0 {
             // Started straight from the socket (the buffer is empty): go on the same way.
-            self.reader.get_mut().read_exact(&mut hb[head.read..]).await?;
+            self.reader
+                .get_mut()
+                .read_exact(&mut hb[head.read..])
+                .await?;
         } else {
             self.reader.read_exact(hb).await?;
         }
