@@ -23,6 +23,9 @@ pub const RESPONSE_HEADER_LEN: usize = 24;
 pub const MAX_ERROR_MESSAGE: u64 = 1024;
 /// Absolute sanity bound on one payload; owners also check every range against their segment.
 pub const MAX_PAYLOAD: u64 = 1 << 40;
+/// A payload remainder at least this large is received straight into its destination rather than
+/// through a connection's read buffer: one more receive call costs less than copying it twice.
+pub const DIRECT_RECEIVE: usize = 16 << 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

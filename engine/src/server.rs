@@ -59,9 +59,6 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
 }
 
 const READ_BUF: usize = 64 << 10;
-/// Payload remainders at least this large are read straight into place, not through the buffer
-/// (one more receive call costs less than copying this much twice).
-const DIRECT_READ: usize = 16 << 10;
 /// Answers shorter than this are copied into the reply buffer (coalesced with others).
 const SMALL_ANSWER: usize = 8 << 10;
 /// The refusal of a same-host grant that touches device memory (the caller then uses TCP).
@@ -103,6 +100,21 @@ struct Connection {
 struct Head {
     bytes: [u8; wire::REQUEST_HEADER_LEN],
     read: usize,
+}
+
+/// Fills `dst` (part of a request before its payload): `alone`, straight from the socket, reading
+/// nothing past it (the buffer is empty then); otherwise through the buffer.
+async fn read_head(
+    reader: &mut BufReader<OwnedReadHalf>,
+    alone: bool,
+    dst: &mut [u8],
+) -> std::io::Result<()> {
+    if alone {
+        reader.get_mut().read_exact(dst).await?;
+    } else {
+        reader.read_exact(dst).await?;
+    }
+    Ok(())
 }
 
 impl Connection {
@@ -181,17 +193,10 @@ impl Connection {
     /// One request and its answer. Returns false when the connection must close (the stream is
     /// no longer at a frame boundary).
     async fn frame(&mut self, mut head: Head) -> std::io::Result<bool> {
-        let hb = &mut head.bytes;
-        if head.read > 0 {
-            // Started straight from the socket (the buffer is empty): go on the same way.
-            self.reader
-                .get_mut()
-                .read_exact(&mut hb[head.read..])
-                .await?;
-        } else {
-            self.reader.read_exact(hb).await?;
-        }
-        let h = match RequestHeader::decode(hb) {
+        // A frame started straight from the socket (the buffer is empty) goes on the same way.
+        let alone = head.read > 0;
+        read_head(&mut self.reader, alone, &mut head.bytes[head.read..]).await?;
+        let h = match RequestHeader::decode(&head.bytes) {
             Ok(h) => h,
             Err(e) => {
                 self.refuse(Op::Ping, 0, &e.to_string(), Code::InvalidParams)
@@ -200,12 +205,8 @@ impl Connection {
             }
         };
         self.key.resize(h.key_len as usize, 0);
-        if head.read > 0 {
-            self.reader.get_mut().read_exact(&mut self.key).await?;
-        } else {
-            self.reader.read_exact(&mut self.key).await?;
-        }
-        self.direct = h.op == Op::PeerWrite && h.length >= DIRECT_READ as u64;
+        read_head(&mut self.reader, alone, &mut self.key).await?;
+        self.direct = h.op == Op::PeerWrite && h.length >= wire::DIRECT_RECEIVE as u64;
         let payload_in = matches!(h.op, Op::PeerWrite | Op::Write | Op::PeerGrant);
         if h.op != Op::Ping && self.key != self.served.name.as_bytes() {
             let msg = format!(
@@ -330,7 +331,7 @@ impl Connection {
     /// write with its header (not the header alone, then the payload: a 24-byte segment per
     /// answer costs both sides a wake-up).
     /// Fills `dst` with a request's payload: first what is buffered, then a remainder of
-    /// `DIRECT_READ` or more straight from the socket. Through the buffer, the tail of every
+    /// `wire::DIRECT_RECEIVE` or more straight from the socket. Through the buffer, the tail of every
     /// large payload (whatever the last receive left short of a full buffer) was copied twice.
     async fn read_payload(&mut self, dst: &mut [u8]) -> std::io::Result<()> {
         let buffered = self.reader.buffer();
@@ -338,7 +339,7 @@ impl Connection {
         dst[..n].copy_from_slice(&buffered[..n]);
         self.reader.consume(n);
         let rest = &mut dst[n..];
-        if rest.len() >= DIRECT_READ {
+        if rest.len() >= wire::DIRECT_RECEIVE {
             // The buffer is empty (it held less than `dst`): nothing is skipped.
             self.reader.get_mut().read_exact(rest).await?;
         } else {

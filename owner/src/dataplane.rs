@@ -107,10 +107,6 @@ async fn within<T>(
 
 /// Size of a connection's read buffer.
 const READ_BUF: usize = 64 << 10;
-/// Payload remainders at least this large are received straight into the pool, not through the
-/// buffer: through it, the tail of every large payload (what the last receive left short of a
-/// full buffer) was copied twice, and one more receive call costs less than that.
-const DIRECT_READ: usize = 16 << 10;
 
 struct Connection {
     reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
@@ -520,7 +516,7 @@ impl Connection {
                 continue;
             }
             // Nothing buffered: wait for the peer, or for a newer grant of the range.
-            let direct = dst.len() >= DIRECT_READ;
+            let direct = dst.len() >= wire::DIRECT_RECEIVE;
             let wait = async {
                 if direct {
                     // The buffer is empty: reading past it skips nothing.

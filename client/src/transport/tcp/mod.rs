@@ -143,6 +143,17 @@ impl TcpTransport {
     ) -> Result<Checkout, TransferError> {
         let owner = self.owner(target);
         let permit = self.permits(target, &owner, 1, deadline).await?;
+        self.take(target, owner, permit, deadline).await
+    }
+
+    /// Under a slot already held: an idle connection of the pool, or a new one.
+    async fn take(
+        &self,
+        target: &SegmentName,
+        owner: Arc<OwnerConns>,
+        permit: OwnedSemaphorePermit,
+        deadline: Instant,
+    ) -> Result<Checkout, TransferError> {
         let pooled = owner.idle.lock().pop();
         let conn = match pooled {
             Some(c) => c,
