@@ -11,6 +11,7 @@ pub mod auth;
 pub mod body;
 pub mod code;
 pub mod config;
+pub mod data_socket;
 pub mod disk_stats;
 pub mod ids;
 pub mod leader;

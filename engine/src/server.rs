@@ -8,6 +8,7 @@ use std::{io::IoSlice, net::SocketAddr, sync::Arc, time::Duration};
 
 use mooncake_client::device::DeviceMemory;
 use mooncake_common::{
+    data_socket,
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code,
 };
@@ -47,7 +48,9 @@ pub async fn serve(listener: TcpListener, served: Arc<Served>, mut stop: watch::
             },
             _ = stop.changed() => return,
         };
-        let _ = stream.set_nodelay(true);
+        if let Err(e) = data_socket::tune(&stream) {
+            tracing::debug!(%peer, error = %e, "transfer engine: socket options not set");
+        }
         let conn = Connection::new(stream, peer, served.clone());
         let stop = stop.clone();
         tokio::spawn(async move {

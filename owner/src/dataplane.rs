@@ -7,6 +7,7 @@ use std::{io, sync::Arc, time::Duration};
 
 use mooncake_common::{
     auth::{admit_tcp, Access, Admission, AUTH_REQUIRED},
+    data_socket,
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, Stamp,
 };
@@ -155,7 +156,9 @@ impl Connection {
         gate: Option<Arc<Gate>>,
         frame_timeout: Duration,
     ) -> Self {
-        let _ = stream.set_nodelay(true);
+        if let Err(e) = data_socket::tune(&stream) {
+            tracing::debug!(error = %e, "data-plane socket options not set");
+        }
         let (r, w) = stream.into_split();
         Connection {
             reader: BufReader::with_capacity(READ_BUF, r),

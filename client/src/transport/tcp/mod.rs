@@ -15,6 +15,7 @@ use std::{
 use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
     auth::{prove, Credential, Seal},
+    data_socket,
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
     ObjectKey, SegmentName,
@@ -221,7 +222,7 @@ impl TcpTransport {
                 )))
             }
         };
-        stream.set_nodelay(true).map_err(err)?;
+        data_socket::tune(&stream).map_err(err)?;
         let mut stream = stream;
         prove(
             &mut stream,
