@@ -12,6 +12,9 @@
 //! grant is older than one it already saw for the range), the version a read or a disk read must
 //! find. A write's `flags` carry the rest of its `Stamp` (replica count and pins). `seal` is the
 //! master's seal on the grant or lease (see `auth::seal`), all zero in a cluster without a secret.
+//! A transfer engine's `PeerWrite`, `PeerRead` and `PeerGrant` carry the target's incarnation
+//! there instead (the random number it drew at start, learnt from `PeerHello`): a target that
+//! restarted refuses requests meant for its predecessor.
 
 use crate::{auth::Seal, ids::MAX_KEY_LEN, Code};
 
@@ -47,8 +50,8 @@ pub enum Op {
     PeerRead = 6,
     /// Transfer engine: return the target's registered regions, (address u64, length u64) each.
     PeerRegions = 7,
-    /// Transfer engine: who the target is, for the same-host path: its pid (u64) and its host
-    /// identity (boot id and pid namespace), as payload.
+    /// Transfer engine: who the target is, as payload: its pid (u64), its incarnation (u64), and
+    /// its host identity (boot id and pid namespace, for the same-host path).
     PeerHello = 8,
     /// Transfer engine, same-host path: the payload lists (address u64, length u64) ranges the
     /// caller is about to copy with `process_vm_readv`/`writev`; the target checks them against

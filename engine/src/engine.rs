@@ -15,8 +15,9 @@ use tokio::{net::TcpListener, sync::watch};
 use crate::{
     directory::Directory,
     local, memory,
+    peers::{self, Peers},
     regions::Regions,
-    requester::{Counters, Requester},
+    requester::{Counters, Requester, Shared},
     server::{self, Served},
     EngineError,
 };
@@ -104,9 +105,12 @@ pub use crate::requester::EngineStats;
 pub struct TransferEngine {
     name: String,
     port: u16,
+    /// Drawn at start; peers' requests must carry it (see `peers`).
+    incarnation: u64,
     regions: Arc<Regions>,
     requester: Requester,
     counters: Arc<Counters>,
+    peers: Arc<Peers>,
     directory: Option<Arc<Directory>>,
     config: EngineConfig,
     /// Buffers `allocate_managed` handed out: address -> length.
@@ -152,11 +156,13 @@ impl TransferEngine {
         };
         let regions = Arc::new(Regions::default());
         let (stop, stopped) = watch::channel(false);
+        let incarnation = peers::draw_incarnation();
         let served = Arc::new(Served {
             regions: regions.clone(),
             identity: local::host_identity(),
             name: name.clone(),
             frame_timeout: config.transfer_timeout,
+            incarnation,
         });
         tokio::spawn(server::serve(listener, served, stopped));
         let directory = match &config.metadata {
@@ -172,19 +178,25 @@ impl TransferEngine {
             )),
         };
         let counters = Arc::new(Counters::default());
+        let peers = Arc::new(Peers::default());
         let requester = Requester::new(
             regions.clone(),
             &config,
-            counters.clone(),
+            Shared {
+                counters: counters.clone(),
+                peers: peers.clone(),
+            },
             false,
             directory.clone(),
         );
         Ok(TransferEngine {
             name,
             port,
+            incarnation,
             regions,
             requester,
             counters,
+            peers,
             directory,
             config,
             managed: Mutex::new(HashMap::new()),
@@ -199,6 +211,13 @@ impl TransferEngine {
 
     pub fn rpc_port(&self) -> u16 {
         self.port
+    }
+
+    /// The random number this engine drew at start; every read, write and grant a peer sends it
+    /// must carry it, so that a peer that knew an earlier process under the same name is
+    /// refused instead of served at stale addresses.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// Offers `addr..addr + len` to peers' transfers (and to this engine's own as a buffer).
@@ -311,7 +330,10 @@ impl TransferEngine {
         Requester::new(
             self.regions.clone(),
             &self.config,
-            self.counters.clone(),
+            Shared {
+                counters: self.counters.clone(),
+                peers: self.peers.clone(),
+            },
             dedicated_runtime,
             self.directory.clone(),
         )

@@ -19,6 +19,12 @@ pub enum EngineError {
         addr: String,
         source: std::io::Error,
     },
+    #[error(
+        "transfer engine {target} restarted since this engine first reached it: the memory it \
+         registered then is gone, so nothing was moved; look its buffers up again (the next call \
+         reaches the new process)"
+    )]
+    Restarted { target: String },
     #[error("transfer to {target} failed: {source}")]
     Transfer {
         target: String,
@@ -35,7 +41,7 @@ impl EngineError {
             EngineError::Busy { .. } => -4,
             EngineError::Overlapped { .. } => -7,
             EngineError::Bind { .. } => -102,
-            EngineError::Transfer { .. } => -1,
+            EngineError::Transfer { .. } | EngineError::Restarted { .. } => -1,
         }
     }
 }

@@ -18,6 +18,7 @@ mod engine;
 mod error;
 mod local;
 mod memory;
+mod peers;
 mod regions;
 mod requester;
 mod server;

@@ -5,7 +5,10 @@
 //! unregistering waits for the copy as it does for a TCP transfer. If the OS refuses the copy
 //! (no permission to access the other process), the peer counts as remote from then on.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    time::Duration,
+};
 
 use mooncake_common::{
     wire::{self, Op, RequestHeader, ResponseHeader},
@@ -18,7 +21,12 @@ use tokio::{
     time::Instant,
 };
 
-use crate::{memory, regions::Use, EngineError};
+use crate::{
+    memory,
+    peers::{self, Hello},
+    regions::Use,
+    EngineError,
+};
 
 /// (local address, remote address, length) of one copy.
 type Pair = (u64, u64, u64);
@@ -85,7 +93,8 @@ enum Kind {
 pub struct SameHost {
     identity: String,
     timeout: Duration,
-    peers: Mutex<HashMap<String, Kind>>,
+    /// Peers the OS refused copies with: TCP from then on.
+    copy_refused: Mutex<HashSet<String>>,
     /// Idle control connections per peer.
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
 }
@@ -101,7 +110,7 @@ impl SameHost {
         SameHost {
             identity: host_identity(),
             timeout,
-            peers: Mutex::new(HashMap::new()),
+            copy_refused: Mutex::new(HashSet::new()),
             idle: Mutex::new(HashMap::new()),
         }
     }
@@ -122,7 +131,7 @@ impl SameHost {
     /// One request and its answer on `s`; a refusal comes back as `Err(Ok(message))`.
     async fn call(
         s: &mut TcpStream,
-        op: Op,
+        (op, incarnation): (Op, u64),
         target: &str,
         payload: &[u8],
     ) -> std::io::Result<Result<Vec<u8>, (i32, String)>> {
@@ -133,7 +142,7 @@ impl SameHost {
             request_id: 1,
             offset: 0,
             length: payload.len() as u64,
-            grant: 0,
+            grant: incarnation,
             seal: Default::default(),
         };
         let mut frame = h.encode().to_vec();
@@ -159,36 +168,16 @@ impl SameHost {
         })
     }
 
-    /// Whether `target` is a process on this host (asked once, by `deadline`, then remembered).
-    async fn kind(&self, target: &str, deadline: Instant) -> Kind {
-        if let Some(k) = self.peers.lock().get(target) {
-            return *k;
+    /// Whether `target`, met as `hello`, is a process on this host (unless the OS refused
+    /// copies with it before).
+    fn kind(&self, target: &str, hello: &Hello) -> Kind {
+        if self.copy_refused.lock().contains(target) {
+            return Kind::Remote;
         }
-        let hello = async {
-            let mut s = self.connect(target).await?;
-            let r = Self::call(&mut s, Op::PeerHello, target, &[]).await?;
-            self.idle
-                .lock()
-                .entry(target.to_string())
-                .or_default()
-                .push(s);
-            Ok::<_, std::io::Error>(r)
-        };
-        let kind = match tokio::time::timeout_at(deadline, hello).await {
-            Ok(Ok(Ok(body))) if body.len() >= 8 => {
-                let pid = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
-                let same = body[8..] == *self.identity.as_bytes();
-                match i32::try_from(pid) {
-                    Ok(pid) if same => Kind::Local(pid),
-                    _ => Kind::Remote,
-                }
-            }
-            // Unreachable now: decide on a later call (the TCP path reports the failure).
-            Ok(Err(_)) | Err(_) => return Kind::Remote,
+        match i32::try_from(hello.pid) {
+            Ok(pid) if hello.identity == self.identity.as_bytes() => Kind::Local(pid),
             _ => Kind::Remote,
-        };
-        self.peers.lock().insert(target.to_string(), kind);
-        kind
+        }
     }
 
     /// Copies `pairs` (local, remote, length) with `target` if it runs on this host. `uses`
@@ -199,12 +188,13 @@ impl SameHost {
     pub async fn transfer(
         &self,
         target: &str,
+        hello: &Hello,
         read: bool,
         pairs: Vec<(u64, u64, u64)>,
         uses: Vec<Use>,
         deadline: Instant,
     ) -> Result<Outcome, EngineError> {
-        let Kind::Local(pid) = self.kind(target, deadline).await else {
+        let Kind::Local(pid) = self.kind(target, hello) else {
             return Ok(Outcome::NotLocal(uses));
         };
         let after = self.timeout;
@@ -217,7 +207,8 @@ impl SameHost {
             .collect();
         let grant = async {
             let mut s = self.connect(target).await?;
-            let r = Self::call(&mut s, Op::PeerGrant, target, &ranges).await?;
+            let grant = (Op::PeerGrant, hello.incarnation);
+            let r = Self::call(&mut s, grant, target, &ranges).await?;
             Ok::<_, std::io::Error>((s, r))
         };
         let (s, granted) = tokio::time::timeout_at(deadline, grant)
@@ -225,14 +216,10 @@ impl SameHost {
             .map_err(timed("the grant"))?
             .map_err(|e| Self::fail(target, e))?;
         match granted {
-            // The process that granted is the one the copy goes to; another one behind the
-            // same port (the peer restarted) is asked again who it is, and this batch goes over
-            // TCP.
+            // The process that granted is the one the copy goes to (a restarted peer refuses the
+            // grant for its incarnation); any other answer sends this batch over TCP.
             Ok(body) if body.len() == 8 && body[..] == u64::from(pid as u32).to_le_bytes() => {}
-            Ok(_) => {
-                self.peers.lock().remove(target);
-                return Ok(Outcome::NotLocal(uses));
-            }
+            Ok(_) => return Ok(Outcome::NotLocal(uses)),
             // Device memory on the target: over TCP, where the target stages it.
             Err((status, _)) if status == Code::UnavailableInCurrentStatus.as_i32() => {
                 self.idle
@@ -242,9 +229,7 @@ impl SameHost {
                     .push(s);
                 return Ok(Outcome::NotLocal(uses));
             }
-            Err((_, refused)) => {
-                return Err(EngineError::Invalid(format!("{target} refused: {refused}")))
-            }
+            Err((code, refused)) => return Err(peers::refused(target, code, &refused)),
         }
         let total: u64 = pairs.iter().map(|p| p.2).sum();
         let (copied, mut s, uses) = if total < INLINE_COPY {
@@ -255,10 +240,12 @@ impl SameHost {
                 .await
                 .map_err(|e| Self::fail(target, e))?
         };
-        let released =
-            tokio::time::timeout_at(deadline, Self::call(&mut s, Op::PeerRelease, target, &[]))
-                .await
-                .map_err(timed("the release"));
+        let released = tokio::time::timeout_at(
+            deadline,
+            Self::call(&mut s, (Op::PeerRelease, 0), target, &[]),
+        )
+        .await
+        .map_err(timed("the release"));
         if matches!(released, Ok(Ok(Ok(_)))) {
             self.idle
                 .lock()
@@ -270,14 +257,11 @@ impl SameHost {
             Ok(()) => Ok(Outcome::Done),
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 tracing::info!(%target, "the OS refuses same-host copies with this peer; using TCP");
-                self.peers.lock().insert(target.to_string(), Kind::Remote);
+                self.copy_refused.lock().insert(target.to_string());
                 Ok(Outcome::NotLocal(uses))
             }
-            Err(e) => {
-                // The process may have gone (a new one may hold its port): ask again next time.
-                self.peers.lock().remove(target);
-                Err(Self::fail(target, e))
-            }
+            // The process may have gone; a new one behind its name refuses the next call's grant.
+            Err(e) => Err(Self::fail(target, e)),
         }
     }
 }

@@ -13,7 +13,7 @@ use mooncake_client::{
     transport::tcp::{TcpConfig, TcpTransport},
 };
 use mooncake_common::{
-    transport::{ReadItem, WriteItem},
+    transport::{ReadItem, TransferError, WriteItem},
     ObjectKey, SegmentName, Stamp,
 };
 use tokio::time::Instant;
@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use crate::{
     directory::Directory,
     local::{Outcome, SameHost},
+    peers::{self, Hello, Peers},
     regions::{Regions, Use},
     small::{self, Dir, Small},
     EngineConfig, EngineError, TransferOp, TransferRequest,
@@ -53,6 +54,12 @@ impl Counters {
     }
 }
 
+/// What an engine's requesters share: the batches moved, and the peers met.
+pub struct Shared {
+    pub counters: Arc<Counters>,
+    pub peers: Arc<Peers>,
+}
+
 pub struct Requester {
     regions: Arc<Regions>,
     /// With etcd metadata: peers' names to their session names.
@@ -63,13 +70,14 @@ pub struct Requester {
     /// thread waits for them anyway.
     small: Option<Small>,
     counters: Arc<Counters>,
+    peers: Arc<Peers>,
 }
 
 impl Requester {
     pub(crate) fn new(
         regions: Arc<Regions>,
         config: &EngineConfig,
-        counters: Arc<Counters>,
+        shared: Shared,
         dedicated_runtime: bool,
         directory: Option<Arc<Directory>>,
     ) -> Self {
@@ -88,7 +96,8 @@ impl Requester {
                 .same_host
                 .then(|| SameHost::new(config.transfer_timeout)),
             small: dedicated_runtime.then(|| Small::new(config.transfer_timeout)),
-            counters,
+            counters: shared.counters,
+            peers: shared.peers,
         }
     }
 
@@ -145,7 +154,7 @@ impl Requester {
         let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
         let r = self
-            .transfer_to_session(&session, op, batch, deadline)
+            .transfer_to_session(target, &session, op, batch, deadline)
             .await;
         self.forget_on_failure(target, &r);
         r
@@ -223,16 +232,19 @@ impl Requester {
         .map_err(device_err)
     }
 
+    /// `transfer` to the peer the caller names `name`, now at `session`. A peer that refuses the
+    /// call for naming an earlier incarnation is forgotten (see `peers`).
     async fn transfer_to_session(
         &self,
-        target: &str,
+        name: &str,
+        session: &str,
         op: TransferOp,
         batch: &[TransferRequest],
         deadline: Instant,
     ) -> Result<(), EngineError> {
-        let (segment, key) = peer(target)?;
+        peer(session)?;
         // Hold every local range for the whole call: unregistering waits for it.
-        let mut uses: Vec<Use> = batch
+        let uses: Vec<Use> = batch
             .iter()
             .map(|r| self.regions.lookup(r.local, r.len))
             .collect::<Result<_, _>>()?;
@@ -242,6 +254,32 @@ impl Requester {
                 r.local
             )));
         }
+        let hello = self.peers.hello(name, session, deadline).await?;
+        let r = self
+            .move_bytes(session, &hello, op, batch, uses, deadline)
+            .await;
+        match r {
+            Err(EngineError::Restarted { .. }) => {
+                self.peers.forget(name, hello.incarnation);
+                Err(EngineError::Restarted {
+                    target: name.to_string(),
+                })
+            }
+            r => r,
+        }
+    }
+
+    /// Moves `batch` with the peer at `session`, met as `hello`, over the path that suits it.
+    async fn move_bytes(
+        &self,
+        target: &str,
+        hello: &Hello,
+        op: TransferOp,
+        batch: &[TransferRequest],
+        mut uses: Vec<Use>,
+        deadline: Instant,
+    ) -> Result<(), EngineError> {
+        let (segment, key) = peer(target)?;
         let total: u64 = batch.iter().map(|r| r.len).sum();
         // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
         // A device's memory cannot be copied process to process: staged over TCP instead.
@@ -252,7 +290,7 @@ impl Requester {
                     TransferOp::Write => Dir::Write(u.bytes(r.local, r.len)),
                     TransferOp::Read => Dir::Read(u.bytes_mut(r.local, r.len)),
                 };
-                small.transfer(target, r.remote, dir)?;
+                small.transfer(target, hello.incarnation, r.remote, dir)?;
                 self.counters.tcp.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
             }
@@ -262,7 +300,7 @@ impl Requester {
         {
             let pairs = batch.iter().map(|r| (r.local, r.remote, r.len)).collect();
             match local
-                .transfer(target, op == TransferOp::Read, pairs, uses, deadline)
+                .transfer(target, hello, op == TransferOp::Read, pairs, uses, deadline)
                 .await?
             {
                 Outcome::Done => {
@@ -272,8 +310,9 @@ impl Requester {
                 Outcome::NotLocal(back) => uses = back,
             }
         }
+        // Every request names the incarnation the peer was met as.
         let stamp = Stamp {
-            put_id: 0,
+            put_id: hello.incarnation,
             replica_num: 1,
             soft_pin: false,
             hard_pin: false,
@@ -322,7 +361,7 @@ impl Requester {
                     .map(|(r, p)| ReadItem {
                         key: &key,
                         offset: r.remote,
-                        put_id: 0,
+                        put_id: hello.incarnation,
                         seal: Default::default(),
                         parts: p,
                     })
@@ -336,6 +375,9 @@ impl Requester {
         match results.into_iter().find_map(Result::err) {
             None if op == TransferOp::Read => self.stage_in(batch, &uses, stagings).await,
             None => Ok(()),
+            Some(TransferError::Remote { code, message, .. }) if code == peers::RESTARTED => {
+                Err(peers::refused(target, code.as_i32(), &message))
+            }
             Some(source) => Err(EngineError::Transfer {
                 target: target.to_string(),
                 source,

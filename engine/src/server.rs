@@ -21,7 +21,10 @@ use tokio::{
     sync::watch,
 };
 
-use crate::regions::Regions;
+use crate::{
+    peers::{self, Hello},
+    regions::Regions,
+};
 
 /// What a connection needs from its engine.
 pub struct Served {
@@ -32,6 +35,8 @@ pub struct Served {
     pub name: String,
     /// Once a frame has started, the rest of it (and its answer) must move within this.
     pub frame_timeout: Duration,
+    /// Drawn at start; reads, writes and grants must carry it (see `peers`).
+    pub incarnation: u64,
 }
 
 /// Accepts peers until `stop` changes.
@@ -219,6 +224,17 @@ impl Connection {
             );
             return self.refuse_frame(&h, payload_in, &msg).await;
         }
+        let touches_memory = matches!(h.op, Op::PeerRead | Op::PeerWrite | Op::PeerGrant);
+        if touches_memory && h.grant != self.served.incarnation {
+            let msg = format!(
+                "transfer engine {} is incarnation {:#x}, not {:#x}: it restarted since the \
+                 caller met it",
+                self.served.name, self.served.incarnation, h.grant
+            );
+            return self
+                .refuse_frame_with(&h, payload_in, &msg, peers::RESTARTED)
+                .await;
+        }
         match h.op {
             Op::Ping => self.ok(&h, 0).await?,
             Op::PeerWrite => match self.served.regions.lookup(h.offset, h.length) {
@@ -278,11 +294,14 @@ impl Connection {
                 }
             }
             Op::PeerHello => {
-                let pid = u64::from(std::process::id());
-                let id = self.served.identity.clone();
-                self.ok(&h, 8 + id.len() as u64).await?;
-                self.writer.write_all(&pid.to_le_bytes()).await?;
-                self.writer.write_all(id.as_bytes()).await?;
+                let hello = Hello {
+                    pid: u64::from(std::process::id()),
+                    incarnation: self.served.incarnation,
+                    identity: self.served.identity.as_bytes().to_vec(),
+                }
+                .encode();
+                self.ok(&h, hello.len() as u64).await?;
+                self.writer.write_all(&hello).await?;
             }
             Op::PeerGrant => {
                 self.held.clear();
@@ -385,12 +404,24 @@ impl Connection {
         self.writer.write_all(&r.encode()).await
     }
 
-    /// Refuses one request, skipping its payload so the stream stays in step.
+    /// Refuses one request as invalid, skipping its payload so the stream stays in step.
     async fn refuse_frame(
         &mut self,
         h: &RequestHeader,
         payload_in: bool,
         msg: &str,
+    ) -> std::io::Result<bool> {
+        self.refuse_frame_with(h, payload_in, msg, Code::InvalidParams)
+            .await
+    }
+
+    /// `refuse_frame` with the code `code`.
+    async fn refuse_frame_with(
+        &mut self,
+        h: &RequestHeader,
+        payload_in: bool,
+        msg: &str,
+        code: Code,
     ) -> std::io::Result<bool> {
         tracing::warn!(peer = %self.peer, op = ?h.op, addr = format_args!("{:#x}", h.offset),
             len = h.length, "transfer engine refused a request: {msg}");
@@ -403,8 +434,7 @@ impl Connection {
                 left -= n as u64;
             }
         }
-        self.refuse(h.op, h.request_id, msg, Code::InvalidParams)
-            .await?;
+        self.refuse(h.op, h.request_id, msg, code).await?;
         Ok(true)
     }
 

@@ -13,7 +13,7 @@ use std::{
 use mooncake_common::wire::{self, Op, RequestHeader, ResponseHeader};
 use parking_lot::Mutex;
 
-use crate::EngineError;
+use crate::{peers, EngineError};
 
 /// Transfers at most this long take this path.
 pub const MAX: u64 = 64 << 10;
@@ -43,9 +43,20 @@ impl Small {
         EngineError::Invalid(format!("transfer with {target} failed: {e}"))
     }
 
-    /// Moves one range: `Dir::Write` sends its bytes to `remote` of `target`, `Dir::Read` fills
-    /// its buffer from there.
-    pub fn transfer(&self, target: &str, remote: u64, mut dir: Dir<'_>) -> Result<(), EngineError> {
+    /// Moves one range: `Dir::Write` sends its bytes to `remote` of `target` (met as
+    /// `incarnation`), `Dir::Read` fills its buffer from there.
+    pub fn transfer(
+        &self,
+        target: &str,
+        incarnation: u64,
+        remote: u64,
+        mut dir: Dir<'_>,
+    ) -> Result<(), EngineError> {
+        let exchange = Exchange {
+            target,
+            incarnation,
+            remote,
+        };
         let pooled = self.idle.lock().get_mut(target).and_then(Vec::pop);
         let (mut s, reused) = match pooled {
             Some(s) => (s, true),
@@ -55,7 +66,7 @@ impl Small {
             ),
         };
         let deadline = Instant::now() + self.timeout;
-        let mut outcome = self.exchange(&mut s, target, remote, &mut dir, deadline);
+        let mut outcome = exchange.run(&mut s, &mut dir, deadline);
         let closed = |e: &io::Error| {
             matches!(
                 e.kind(),
@@ -69,7 +80,7 @@ impl Small {
             // An idle connection the peer closed meanwhile (it restarted, say): once more on a
             // fresh one, under the same deadline. Both directions are idempotent.
             s = self.connect(target).map_err(|e| Self::fail(target, e))?;
-            outcome = self.exchange(&mut s, target, remote, &mut dir, deadline);
+            outcome = exchange.run(&mut s, &mut dir, deadline);
         }
         match outcome {
             Ok(Ok(())) => {
@@ -81,13 +92,13 @@ impl Small {
                 Ok(())
             }
             // Refused: the stream is at a frame boundary and stays usable.
-            Ok(Err(refused)) => {
+            Ok(Err((code, refused))) => {
                 self.idle
                     .lock()
                     .entry(target.to_string())
                     .or_default()
                     .push(s);
-                Err(EngineError::Invalid(format!("{target} refused: {refused}")))
+                Err(peers::refused(target, code, &refused))
             }
             Err(e) => Err(Self::fail(target, e)),
         }
@@ -102,15 +113,25 @@ impl Small {
         s.set_write_timeout(Some(self.timeout))?;
         Ok(s)
     }
+}
 
-    fn exchange(
+/// One small transfer's request: to whom, met as which incarnation, and where.
+struct Exchange<'a> {
+    target: &'a str,
+    incarnation: u64,
+    remote: u64,
+}
+
+impl Exchange<'_> {
+    /// Sends the request and takes the answer; a refusal comes back as `Ok(Err((code,
+    /// message)))`, the stream still at a frame boundary.
+    fn run(
         &self,
         s: &mut TcpStream,
-        target: &str,
-        remote: u64,
         dir: &mut Dir<'_>,
         deadline: Instant,
-    ) -> io::Result<Result<(), String>> {
+    ) -> io::Result<Result<(), (i32, String)>> {
+        let (target, remote) = (self.target, self.remote);
         let (op, len) = match dir {
             Dir::Write(d) => (Op::PeerWrite, d.len()),
             Dir::Read(d) => (Op::PeerRead, d.len()),
@@ -122,7 +143,7 @@ impl Small {
             request_id: 1,
             offset: remote,
             length: len as u64,
-            grant: 0,
+            grant: self.incarnation,
             seal: Default::default(),
         };
         let mut frame = Vec::with_capacity(wire::REQUEST_HEADER_LEN + target.len() + len);
@@ -139,7 +160,7 @@ impl Small {
         if r.status != 0 {
             let mut msg = vec![0u8; r.length.min(wire::MAX_ERROR_MESSAGE) as usize];
             read_spinning(s, &mut msg, deadline)?;
-            return Ok(Err(String::from_utf8_lossy(&msg).into_owned()));
+            return Ok(Err((r.status, String::from_utf8_lossy(&msg).into_owned())));
         }
         let expect = if op == Op::PeerWrite { 0 } else { len as u64 };
         if r.length != expect || r.op != op {

@@ -630,7 +630,7 @@ async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
         request_id: 1,
         offset: 0,
         length: 16,
-        grant: 0,
+        grant: b.incarnation(),
         seal: Default::default(),
     }
     .encode()
@@ -655,4 +655,104 @@ async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
     // Once the peer is gone, its grant goes with it.
     drop(s);
     b.unregister(addr(&region)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_for_an_earlier_incarnation_are_refused_and_move_nothing() {
+    use mooncake_common::wire::{Op, RequestHeader, ResponseHeader, RESPONSE_HEADER_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let b = engine(Duration::from_secs(2)).await;
+    let region = vec![7u8; 4096];
+    b.register(addr(&region), 4096).unwrap();
+    let mut s = tokio::net::TcpStream::connect(b.session_name())
+        .await
+        .unwrap();
+    let name = b.session_name().as_bytes().to_vec();
+    let earlier = b.incarnation() ^ 0x5a5a;
+    let head = |op, length, grant| {
+        let mut f = RequestHeader {
+            op,
+            key_len: name.len() as u16,
+            flags: 0,
+            request_id: 1,
+            offset: if op == Op::PeerGrant {
+                0
+            } else {
+                addr(&region)
+            },
+            length,
+            grant,
+            seal: Default::default(),
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(&name);
+        f
+    };
+    // Pipelined: a write, a read and a grant naming another incarnation, then a write naming
+    // this one. The refused write's payload is skipped, so the stream stays in step.
+    let mut frames = head(Op::PeerWrite, 4096, earlier);
+    frames.extend_from_slice(&[1u8; 4096]);
+    frames.extend(head(Op::PeerRead, 4096, earlier));
+    frames.extend(head(Op::PeerGrant, 16, earlier));
+    frames.extend_from_slice(&addr(&region).to_le_bytes());
+    frames.extend_from_slice(&4096u64.to_le_bytes());
+    frames.extend(head(Op::PeerWrite, 4096, b.incarnation()));
+    frames.extend_from_slice(&[2u8; 4096]);
+    s.write_all(&frames).await.unwrap();
+    for op in [Op::PeerWrite, Op::PeerRead, Op::PeerGrant] {
+        let mut hb = [0u8; RESPONSE_HEADER_LEN];
+        s.read_exact(&mut hb).await.unwrap();
+        let r = ResponseHeader::decode(&hb).unwrap();
+        assert_eq!(
+            (r.op, r.status),
+            (op, -101),
+            "{op:?} refused as SegmentNotFound"
+        );
+        let mut msg = vec![0u8; r.length as usize];
+        s.read_exact(&mut msg).await.unwrap();
+        let msg = String::from_utf8_lossy(&msg);
+        assert!(msg.contains("restarted"), "{msg}");
+    }
+    let mut hb = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut hb).await.unwrap();
+    assert_eq!(
+        ResponseHeader::decode(&hb).unwrap().status,
+        0,
+        "this incarnation's write"
+    );
+    assert_eq!(b.read_local(addr(&region), 4096).unwrap(), vec![2u8; 4096]);
+    // Nothing is held by the refused grant: the region can go at once.
+    drop(s);
+    b.unregister(addr(&region)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_met_once_is_named_by_its_incarnation_on_every_path() {
+    // Over TCP, the same-host path and a waiting caller's blocking small transfers, the
+    // requests carry the incarnation the peer answered with: they are served.
+    for same_host in [false, true] {
+        let a = engine_on(Duration::from_secs(2), same_host).await;
+        let b = engine_on(Duration::from_secs(2), same_host).await;
+        let src = pattern(1 << 20, 9);
+        let dst = vec![0u8; 1 << 20];
+        a.register(addr(&src), src.len() as u64).unwrap();
+        b.register(addr(&dst), dst.len() as u64).unwrap();
+        let sync = a.requester(true);
+        let target = b.session_name().to_string();
+        for len in [4096u64, 1 << 20] {
+            let one = [TransferRequest {
+                local: addr(&src),
+                remote: addr(&dst),
+                len,
+            }];
+            sync.transfer(&target, TransferOp::Write, &one)
+                .await
+                .unwrap();
+            a.transfer(&target, TransferOp::Write, &one).await.unwrap();
+        }
+        assert_eq!(b.read_local(addr(&dst), 1 << 20).unwrap(), src);
+        assert_ne!(a.incarnation(), b.incarnation());
+    }
 }

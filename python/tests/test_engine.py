@@ -179,8 +179,31 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
     assert c.initialize("127.0.0.1:7002", f"etcd://{etcd}", "tcp", "") == 0
     again, again_p = buf(64 << 10)
     assert c.register_memory(again_p, len(again)) == 0
+    # The first call after the restart names the old process's incarnation: the new one refuses
+    # it and nothing moves (the caller's addresses were the old process's), small or large.
+    big, big_p = buf(1 << 20, seed=5)
+    assert a.register_memory(big_p, len(big)) == 0
+    room, room_p = buf(1 << 20)
+    assert c.register_memory(room_p, len(room)) == 0
+    assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == -1
+    assert again.raw == bytes(len(again))
+    # Met again: served, on the small path and on the batch path.
     assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == 0
     assert again.raw == src.raw
+    assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [room_p], [len(big)]) == 0
+    assert room.raw == big.raw
+    # A batch is refused likewise after a restart, and moves nothing; the calls that failed
+    # while no engine was there do not make the caller forget whom it met.
+    del c
+    assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [room_p], [len(big)]) == -1
+    d = TransferEngine()
+    assert d.initialize("127.0.0.1:7002", f"etcd://{etcd}", "tcp", "") == 0
+    fresh, fresh_p = buf(1 << 20)
+    assert d.register_memory(fresh_p, len(fresh)) == 0
+    assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [fresh_p], [len(big)]) == -1
+    assert fresh.raw == bytes(len(fresh))
+    assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [fresh_p], [len(big)]) == 0
+    assert fresh.raw == big.raw
 
 
 def test_device_memory_is_staged_never_read_as_host_memory(monkeypatch):
