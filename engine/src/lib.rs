@@ -2,7 +2,8 @@
 //! `TransferEngine`: prefill and decode workers register their KV-cache regions and move blocks
 //! between them directly, without the store.
 //!
-//! - A peer is named by its session name, `host:rpc_port`.
+//! - A peer is named by its session name, `host:rpc_port`, and met by incarnation: requests name
+//!   the process first met under that name, and a restarted one refuses them (`peers`).
 //! - Every request is checked on its target against the regions that target registered, and a
 //!   caller's own buffers must lie in regions it registered: no request reads or writes memory
 //!   that its owner did not offer, and unregistering waits for the transfers that use a region.
