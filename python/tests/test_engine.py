@@ -206,6 +206,43 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
     assert fresh.raw == big.raw
 
 
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_restarted_peer_refuses_calls_meant_for_its_predecessor(etcd, monkeypatch, shm):
+    """A new engine under a name the caller met before refuses the first call (its incarnation
+    is not the one met), over TCP and over the same-host path, and nothing moves; the next call
+    meets it afresh."""
+    monkeypatch.setenv("MOONCAKE_SHM", shm)
+    port = 7101 + 10 * int(shm)
+    me, peer = f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize(me, f"etcd://{etcd}", "tcp", "") == 0
+    assert b.initialize(peer, f"etcd://{etcd}", "tcp", "") == 0
+    n = 1 << 20
+    src, src_p = buf(n, seed=6)
+    back, back_p = buf(n)
+    dst, dst_p = buf(n)
+    assert a.register_memory(src_p, n) == 0 and a.register_memory(back_p, n) == 0
+    assert b.register_memory(dst_p, n) == 0
+    assert a.batch_transfer_sync_write(peer, [src_p], [dst_p], [n]) == 0
+    assert dst.raw == src.raw
+    del b
+    # While no process is behind the name, calls fail (and the caller looks the name up again).
+    assert a.batch_transfer_sync_write(peer, [src_p], [dst_p], [n]) == -1
+    c = TransferEngine()
+    assert c.initialize(peer, f"etcd://{etcd}", "tcp", "") == 0
+    fresh, fresh_p = buf(n)
+    assert c.register_memory(fresh_p, n) == 0
+    assert a.batch_transfer_sync_write(peer, [src_p], [fresh_p], [n]) == -1
+    assert fresh.raw == bytes(n), "nothing moved"
+    before = a.get_stats()
+    assert a.batch_transfer_sync_write(peer, [src_p], [fresh_p], [n]) == 0
+    assert a.batch_transfer_sync_read(peer, [back_p], [fresh_p], [n]) == 0
+    assert fresh.raw == src.raw and back.raw == src.raw
+    after = a.get_stats()
+    path = "same_host" if shm == "1" else "tcp"
+    assert after[path] - before[path] == 2, (before, after)
+
+
 def test_device_memory_is_staged_never_read_as_host_memory(monkeypatch):
     """GPU memory follows the store's handling: recognised at registration, moved through host
     staging with the device's own copies (a host-backed device here, whose addresses fault if
