@@ -153,9 +153,22 @@ impl Requester {
     ) -> Result<(), EngineError> {
         let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
-        let r = self
+        let mut r = self
             .transfer_to_session(target, &session, op, batch, deadline)
             .await;
+        if let (Err(_), Some(d)) = (&r, &self.directory) {
+            // The name may have moved (its engine restarted on another port): looked up again,
+            // a new session gets this call once more, by the same deadline. A restarted engine
+            // refuses it all the same, but the caller hears so now, not one failure later.
+            d.forget(target);
+            if let Ok(now) = d.resolve(target).await {
+                if now != session {
+                    r = self
+                        .transfer_to_session(target, &now, op, batch, deadline)
+                        .await;
+                }
+            }
+        }
         self.forget_on_failure(target, &r);
         r
     }
