@@ -10,16 +10,9 @@ use std::{
     time::Duration,
 };
 
-use mooncake_common::{
-    wire::{self, Op, RequestHeader, ResponseHeader},
-    Code,
-};
+use mooncake_common::{wire::Op, Code};
 use parking_lot::Mutex;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-    time::Instant,
-};
+use tokio::{net::TcpStream, time::Instant};
 
 use crate::{
     memory,
@@ -128,46 +121,6 @@ impl SameHost {
         Ok(s)
     }
 
-    /// One request and its answer on `s`; a refusal comes back as `Err(Ok(message))`.
-    async fn call(
-        s: &mut TcpStream,
-        (op, incarnation): (Op, u64),
-        target: &str,
-        payload: &[u8],
-    ) -> std::io::Result<Result<Vec<u8>, (i32, String)>> {
-        let h = RequestHeader {
-            op,
-            key_len: target.len() as u16,
-            flags: 0,
-            request_id: 1,
-            offset: 0,
-            length: payload.len() as u64,
-            grant: incarnation,
-            seal: Default::default(),
-        };
-        let mut frame = h.encode().to_vec();
-        frame.extend_from_slice(target.as_bytes());
-        frame.extend_from_slice(payload);
-        s.write_all(&frame).await?;
-        let mut hb = [0u8; wire::RESPONSE_HEADER_LEN];
-        s.read_exact(&mut hb).await?;
-        let r = ResponseHeader::decode(&hb)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        if r.length > 1 << 20 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "answer too long",
-            ));
-        }
-        let mut body = vec![0u8; r.length as usize];
-        s.read_exact(&mut body).await?;
-        Ok(if r.status == 0 {
-            Ok(body)
-        } else {
-            Err((r.status, String::from_utf8_lossy(&body).into_owned()))
-        })
-    }
-
     /// Whether `target`, met as `hello`, is a process on this host (unless the OS refused
     /// copies with it before).
     fn kind(&self, target: &str, hello: &Hello) -> Kind {
@@ -207,8 +160,7 @@ impl SameHost {
             .collect();
         let grant = async {
             let mut s = self.connect(target).await?;
-            let grant = (Op::PeerGrant, hello.incarnation);
-            let r = Self::call(&mut s, grant, target, &ranges).await?;
+            let r = peers::call(&mut s, Op::PeerGrant, hello.incarnation, target, &ranges).await?;
             Ok::<_, std::io::Error>((s, r))
         };
         let (s, granted) = tokio::time::timeout_at(deadline, grant)
@@ -242,7 +194,7 @@ impl SameHost {
         };
         let released = tokio::time::timeout_at(
             deadline,
-            Self::call(&mut s, (Op::PeerRelease, 0), target, &[]),
+            peers::call(&mut s, Op::PeerRelease, 0, target, &[]),
         )
         .await
         .map_err(timed("the release"));

@@ -130,38 +130,52 @@ impl Peers {
 async fn ask(session: &str) -> io::Result<Hello> {
     let mut s = TcpStream::connect(session).await?;
     s.set_nodelay(true)?;
+    match call(&mut s, Op::PeerHello, 0, session, &[]).await? {
+        Ok(body) => Hello::decode(&body),
+        Err((_, refused)) => Err(io::Error::other(format!("it refused: {refused}"))),
+    }
+}
+
+/// One request to the engine `target` on `s` (`grant`: the incarnation it must carry, where it
+/// must) and its answer's body; a refusal comes back as `Ok(Err((code, message)))`.
+pub async fn call(
+    s: &mut TcpStream,
+    op: Op,
+    grant: u64,
+    target: &str,
+    payload: &[u8],
+) -> io::Result<Result<Vec<u8>, (i32, String)>> {
     let h = RequestHeader {
-        op: Op::PeerHello,
-        key_len: session.len() as u16,
+        op,
+        key_len: target.len() as u16,
         flags: 0,
         request_id: 1,
         offset: 0,
-        length: 0,
-        grant: 0,
+        length: payload.len() as u64,
+        grant,
         seal: Default::default(),
     };
     let mut frame = h.encode().to_vec();
-    frame.extend_from_slice(session.as_bytes());
+    frame.extend_from_slice(target.as_bytes());
+    frame.extend_from_slice(payload);
     s.write_all(&frame).await?;
     let mut hb = [0u8; wire::RESPONSE_HEADER_LEN];
     s.read_exact(&mut hb).await?;
     let r =
         ResponseHeader::decode(&hb).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    if r.length > wire::MAX_ERROR_MESSAGE {
+    if r.length > 1 << 20 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "a hello answer too long",
+            "answer too long",
         ));
     }
     let mut body = vec![0u8; r.length as usize];
     s.read_exact(&mut body).await?;
-    if r.status != 0 {
-        return Err(io::Error::other(format!(
-            "it refused: {}",
-            String::from_utf8_lossy(&body)
-        )));
-    }
-    Hello::decode(&body)
+    Ok(if r.status == 0 {
+        Ok(body)
+    } else {
+        Err((r.status, String::from_utf8_lossy(&body).into_owned()))
+    })
 }
 
 /// The error for a peer's refusal of a request: `Restarted` where it names another incarnation.

@@ -255,7 +255,7 @@ impl Requester {
         batch: &[TransferRequest],
         deadline: Instant,
     ) -> Result<(), EngineError> {
-        peer(session)?;
+        let addressed = peer(session)?;
         // Hold every local range for the whole call: unregistering waits for it.
         let uses: Vec<Use> = batch
             .iter()
@@ -269,7 +269,7 @@ impl Requester {
         }
         let hello = self.peers.hello(name, session, deadline).await?;
         let r = self
-            .move_bytes(session, &hello, op, batch, uses, deadline)
+            .move_bytes(addressed, &hello, op, batch, uses, deadline)
             .await;
         match r {
             Err(EngineError::Restarted { .. }) => {
@@ -282,17 +282,18 @@ impl Requester {
         }
     }
 
-    /// Moves `batch` with the peer at `session`, met as `hello`, over the path that suits it.
+    /// Moves `batch` with the peer at a session (as the transport's target and its requests'
+    /// key), met as `hello`, over the path that suits it.
     async fn move_bytes(
         &self,
-        target: &str,
+        (segment, key): (SegmentName, ObjectKey),
         hello: &Hello,
         op: TransferOp,
         batch: &[TransferRequest],
         mut uses: Vec<Use>,
         deadline: Instant,
     ) -> Result<(), EngineError> {
-        let (segment, key) = peer(target)?;
+        let target = segment.as_str();
         let total: u64 = batch.iter().map(|r| r.len).sum();
         // Below SAME_HOST_MIN bytes the grant's round trip costs more than the socket copies.
         // A device's memory cannot be copied process to process: staged over TCP instead.

@@ -349,9 +349,6 @@ impl Connection {
         Ok(true)
     }
 
-    /// A read's answer: its header and `payload`. A large payload goes out in one vectored
-    /// write with its header (not the header alone, then the payload: a 24-byte segment per
-    /// answer costs both sides a wake-up).
     /// Fills `dst` with a request's payload: first what is buffered, then a remainder of
     /// `wire::DIRECT_RECEIVE` or more straight from the socket. Through the buffer, the tail of every
     /// large payload (whatever the last receive left short of a full buffer) was copied twice.
@@ -370,6 +367,9 @@ impl Connection {
         Ok(())
     }
 
+    /// A read's answer: its header and `payload`. A large payload goes out in one vectored
+    /// write with its header (not the header alone, then the payload: a 24-byte segment per
+    /// answer costs both sides a wake-up).
     async fn answer(&mut self, h: &RequestHeader, payload: &[u8]) -> std::io::Result<()> {
         let header = ResponseHeader {
             op: h.op,
