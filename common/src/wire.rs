@@ -14,7 +14,8 @@
 //! master's seal on the grant or lease (see `auth::seal`), all zero in a cluster without a secret.
 //! A transfer engine's `PeerWrite`, `PeerRead` and `PeerGrant` carry the target's incarnation
 //! there instead (the random number it drew at start, learnt from `PeerHello`): a target that
-//! restarted refuses requests meant for its predecessor.
+//! restarted refuses requests meant for its predecessor (`SegmentNotFound`), and one naming no
+//! incarnation (0: an engine of an older release) with `InvalidParams`.
 
 use crate::{auth::Seal, ids::MAX_KEY_LEN, Code};
 

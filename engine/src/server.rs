@@ -226,14 +226,24 @@ impl Connection {
         }
         let touches_memory = matches!(h.op, Op::PeerRead | Op::PeerWrite | Op::PeerGrant);
         if touches_memory && h.grant != self.served.incarnation {
-            let msg = format!(
-                "transfer engine {} is incarnation {:#x}, not {:#x}: it restarted since the \
-                 caller met it",
-                self.served.name, self.served.incarnation, h.grant
-            );
-            return self
-                .refuse_frame_with(&h, payload_in, &msg, peers::RESTARTED)
-                .await;
+            let (msg, code) = if h.grant == 0 {
+                // Engines from before incarnations send 0: an older release, not a restart.
+                let msg = format!(
+                    "transfer engine {} needs callers to name its incarnation (learnt with \
+                     PeerHello), and the caller named none: its engine is an older release. \
+                     Run the same release on both sides",
+                    self.served.name
+                );
+                (msg, Code::InvalidParams)
+            } else {
+                let msg = format!(
+                    "transfer engine {} is incarnation {:#x}, not {:#x}: it restarted since the \
+                     caller met it",
+                    self.served.name, self.served.incarnation, h.grant
+                );
+                (msg, peers::RESTARTED)
+            };
+            return self.refuse_frame_with(&h, payload_in, &msg, code).await;
         }
         match h.op {
             Op::Ping => self.ok(&h, 0).await?,

@@ -691,29 +691,35 @@ async fn requests_for_an_earlier_incarnation_are_refused_and_move_nothing() {
         f
     };
     // Pipelined: a write, a read and a grant naming another incarnation, then a write naming
-    // this one. The refused write's payload is skipped, so the stream stays in step.
+    // this one. The refused writes' payloads are skipped, so the stream stays in step.
     let mut frames = head(Op::PeerWrite, 4096, earlier);
     frames.extend_from_slice(&[1u8; 4096]);
     frames.extend(head(Op::PeerRead, 4096, earlier));
     frames.extend(head(Op::PeerGrant, 16, earlier));
     frames.extend_from_slice(&addr(&region).to_le_bytes());
     frames.extend_from_slice(&4096u64.to_le_bytes());
+    // A write naming no incarnation, as an engine from before incarnations sends it: refused
+    // as an older release (InvalidParams), not as a restart.
+    frames.extend(head(Op::PeerWrite, 4096, 0));
+    frames.extend_from_slice(&[3u8; 4096]);
     frames.extend(head(Op::PeerWrite, 4096, b.incarnation()));
     frames.extend_from_slice(&[2u8; 4096]);
     s.write_all(&frames).await.unwrap();
-    for op in [Op::PeerWrite, Op::PeerRead, Op::PeerGrant] {
+    let refusals = [
+        (Op::PeerWrite, -101, "restarted"),
+        (Op::PeerRead, -101, "restarted"),
+        (Op::PeerGrant, -101, "restarted"),
+        (Op::PeerWrite, -600, "older release"),
+    ];
+    for (op, code, says) in refusals {
         let mut hb = [0u8; RESPONSE_HEADER_LEN];
         s.read_exact(&mut hb).await.unwrap();
         let r = ResponseHeader::decode(&hb).unwrap();
-        assert_eq!(
-            (r.op, r.status),
-            (op, -101),
-            "{op:?} refused as SegmentNotFound"
-        );
+        assert_eq!((r.op, r.status), (op, code), "{op:?} refused with {code}");
         let mut msg = vec![0u8; r.length as usize];
         s.read_exact(&mut msg).await.unwrap();
         let msg = String::from_utf8_lossy(&msg);
-        assert!(msg.contains("restarted"), "{msg}");
+        assert!(msg.contains(says), "{msg}");
     }
     let mut hb = [0u8; RESPONSE_HEADER_LEN];
     s.read_exact(&mut hb).await.unwrap();
