@@ -6,7 +6,9 @@
 
 A target process (this script with --role target) registers a buffer and waits; initiator
 processes write and read batches into it. Workloads: batch sync write and read of 64 x 128 KiB
-and of 16 x 4 MiB, single 4 KiB write latency, and two initiators at once (16 x 4 MiB writes).
+and of 16 x 4 MiB, single 4 KiB write latency, and two initiators at once (16 x 4 MiB writes);
+with ours, also 16 x 4 MiB into and out of a managed buffer of the target's
+(allocate_managed_buffer), which a same-host peer copies through a mapping.
 Each measurement follows an unreported warm-up. Every byte is checked after each workload: the target region is read back and compared with
 what was written. Prints one JSON line per workload (GiB/s medians over reps, latency p50/p99 in
 microseconds). scripts/engine_compare runs both implementations interleaved.
@@ -56,7 +58,14 @@ def region(e, size, seed=None):
 def target(args):
     e = start(args.impl)
     buf, addr = region(e, REGION)
-    print(json.dumps({"session": f"127.0.0.1:{e.get_rpc_port()}", "addr": addr}), flush=True)
+    info = {"session": f"127.0.0.1:{e.get_rpc_port()}", "addr": addr}
+    if args.impl == "ours":
+        # Also a managed buffer, which ours keeps in a memory file that a same-host peer maps.
+        managed = e.allocate_managed_buffer(REGION)
+        if not managed:
+            sys.exit("allocate_managed_buffer failed")
+        info["managed"] = managed
+    print(json.dumps(info), flush=True)
     sys.stdin.read()  # until the harness closes it
     del buf
 
@@ -110,6 +119,15 @@ def initiator(args):
             wrong = check(e, peer, src_buf, back, remote, count * size)
             out.append({"workload": f"batch {op} {count} x {size >> 10} KiB", "GiB/s": round(gibs, 3),
                         "wrong_bytes": wrong})
+    if args.managed and not args.only_conc:
+        # The target's managed buffer instead of memory it allocated itself.
+        for op in ("write", "read"):
+            dst_local = src if op == "write" else back
+            gibs = run_batches(e, peer, dst_local, args.managed, 16, 4 * MIB, op, args.reps)
+            wrong = check(e, peer, src_buf, back, args.managed, 16 * 4 * MIB)
+            prep = "into" if op == "write" else "from"
+            out.append({"workload": f"batch {op} 16 x 4096 KiB, {prep} the target's managed buffer",
+                        "GiB/s": round(gibs, 3), "wrong_bytes": wrong})
     if not args.only_conc:
         lat = []
         for i in range(args.small_ops + 100):
@@ -140,6 +158,8 @@ def harness(args):
         info = json.loads(tgt.stdout.readline())
         base = me + ["--peer", info["session"], "--addr", str(info["addr"]), "--reps", str(args.reps),
                      "--small-ops", str(args.small_ops)]
+        if "managed" in info:
+            base += ["--managed", str(info["managed"])]
         subprocess.run(base + ["--role", "initiator", "--seed", "1"], check=True)
         both = [subprocess.Popen(base + ["--role", "initiator", "--only-conc", "--seed", str(s)]) for s in (2, 3)]
         for p in both:
@@ -160,6 +180,7 @@ def main():
     ap.add_argument("--role", choices=["harness", "target", "initiator"], default="harness")
     ap.add_argument("--peer")
     ap.add_argument("--addr", type=int)
+    ap.add_argument("--managed", type=int, help="address of the target's managed buffer (ours)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small-ops", type=int, default=2000)

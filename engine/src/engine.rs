@@ -4,6 +4,7 @@
 use std::{
     collections::HashMap,
     net::{IpAddr, SocketAddr},
+    os::fd::AsRawFd,
     sync::Arc,
     time::Duration,
 };
@@ -113,8 +114,8 @@ pub struct TransferEngine {
     peers: Arc<Peers>,
     directory: Option<Arc<Directory>>,
     config: EngineConfig,
-    /// Buffers `allocate_managed` handed out: address -> length.
-    managed: Mutex<HashMap<u64, u64>>,
+    /// Buffers `allocate_managed` handed out, by address.
+    managed: Mutex<HashMap<u64, memory::Managed>>,
     stop: watch::Sender<bool>,
 }
 
@@ -253,26 +254,34 @@ impl TransferEngine {
         self.regions.list()
     }
 
-    /// A zeroed, registered buffer of `len` bytes, freed by `free_managed`.
+    /// A zeroed, registered buffer of `len` bytes, freed by `free_managed`. It lies in a memory
+    /// file where the OS has them, so that same-host peers copy into and out of it with
+    /// `memcpy` through a mapping of their own (see `local`).
     pub fn allocate_managed(&self, len: u64) -> Result<u64, EngineError> {
-        let addr = memory::allocate(len)
+        let m = memory::Managed::allocate(len)
             .ok_or_else(|| EngineError::Invalid(format!("cannot allocate {len} bytes")))?;
-        if let Err(e) = self.regions.register(addr, len, None) {
-            memory::free(addr, len);
+        let addr = m.addr;
+        let registered = match &m.fd {
+            Some(fd) => self.regions.register_file(addr, len, fd.as_raw_fd()),
+            None => self.regions.register(addr, len, None),
+        };
+        if let Err(e) = registered {
+            m.free();
             return Err(e);
         }
-        self.managed.lock().insert(addr, len);
+        self.managed.lock().insert(addr, m);
         Ok(addr)
     }
 
     /// Unregisters and frees a buffer `allocate_managed` returned.
     pub async fn free_managed(&self, addr: u64) -> Result<(), EngineError> {
-        let Some(len) = self.managed.lock().get(&addr).copied() else {
+        if !self.managed.lock().contains_key(&addr) {
             return Err(EngineError::NotRegistered { addr, len: 0 });
-        };
+        }
         self.unregister(addr).await?;
-        self.managed.lock().remove(&addr);
-        memory::free(addr, len);
+        if let Some(m) = self.managed.lock().remove(&addr) {
+            m.free();
+        }
         Ok(())
     }
 
@@ -363,15 +372,17 @@ impl Drop for TransferEngine {
         // Managed buffers go with the engine, unless a request being served still uses one
         // (the server stops between requests): that one is left allocated rather than freed
         // under it.
-        for (addr, len) in self.managed.get_mut().drain() {
+        for (addr, m) in self.managed.get_mut().drain() {
             if self.regions.remove_if_idle(addr) {
-                memory::free(addr, len);
+                m.free();
             } else {
                 tracing::warn!(
                     addr = format_args!("{addr:#x}"),
-                    len,
+                    len = m.len,
                     "a managed buffer was in use as its engine stopped; leaving it allocated"
                 );
+                // Its memory and its file stay: a peer may still be granted them.
+                std::mem::forget(m);
             }
         }
     }

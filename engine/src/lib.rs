@@ -9,7 +9,8 @@
 //!   that its owner did not offer, and unregistering waits for the transfers that use a region.
 //! - The bytes move over the store's TCP transport (its framing, connection pools, pipelining and
 //!   threads), or, with a peer on the same host, in one `process_vm_readv`/`writev` copy that the
-//!   target grants range by range (`local`); every call under a deadline.
+//!   target grants range by range, or a `memcpy` through a mapping of the target's managed buffer
+//!   (`local`); every call under a deadline.
 //!
 //! Raw memory access lives in `memory` alone.
 #![deny(unsafe_code)]

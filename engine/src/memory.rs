@@ -1,12 +1,16 @@
 //! The only place that turns addresses into bytes: ranges inside regions the application
 //! registered (it promised they stay valid until it unregisters them, and unregistering waits
-//! for every `Use` of the region), and buffers this engine allocates for `allocate_managed_buffer`.
+//! for every `Use` of the region), buffers this engine allocates for `allocate_managed_buffer`,
+//! and peers' managed buffers mapped for same-host copies.
 //!
 //! A transfer and the application touching the same bytes at once is the application's race, as
 //! with RDMA: the engine only guarantees it never touches memory outside registered regions.
 #![allow(unsafe_code)]
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::{
+    alloc::{alloc_zeroed, dealloc, Layout},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
 
 use crate::regions::Use;
 
@@ -35,23 +39,182 @@ impl Use {
     }
 }
 
-/// A zeroed, page-aligned buffer of `len` bytes; None when memory is short or `len` is 0.
-pub fn allocate(len: u64) -> Option<u64> {
-    let layout = Layout::from_size_align(usize::try_from(len).ok()?, ALIGN).ok()?;
-    if layout.size() == 0 {
-        return None;
-    }
-    // SAFETY: the layout has a non-zero size.
-    let p = unsafe { alloc_zeroed(layout) };
-    (!p.is_null()).then_some(p as usize as u64)
+/// A managed buffer: zeroed, page-aligned memory, in a memory file (`memfd`) where the OS has
+/// one, so that a peer on this host can map the very pages and copy with plain `memcpy` (see
+/// `Mapping`); in ordinary memory otherwise.
+pub struct Managed {
+    pub addr: u64,
+    pub len: u64,
+    /// The memory file behind the buffer; None for ordinary memory.
+    pub fd: Option<OwnedFd>,
 }
 
-/// Frees a buffer `allocate` returned with the same `len`, once nothing uses it.
-pub fn free(addr: u64, len: u64) {
-    let layout = Layout::from_size_align(len as usize, ALIGN).expect("allocated with it");
-    // SAFETY: `addr` came from `allocate(len)` (the engine's record says so) and its region was
-    // unregistered, so no transfer uses it any more.
-    unsafe { dealloc(addr as usize as *mut u8, layout) }
+impl Managed {
+    /// A buffer of `len` bytes; None when memory is short or `len` is 0.
+    pub fn allocate(len: u64) -> Option<Managed> {
+        let n = usize::try_from(len).ok().filter(|&n| n > 0)?;
+        if let Some(m) = Self::in_memory_file(len, n) {
+            return Some(m);
+        }
+        let layout = Layout::from_size_align(n, ALIGN).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { alloc_zeroed(layout) };
+        (!p.is_null()).then_some(Managed {
+            addr: p as usize as u64,
+            len,
+            fd: None,
+        })
+    }
+
+    fn in_memory_file(len: u64, n: usize) -> Option<Managed> {
+        // SAFETY: a constant, NUL-terminated name; the flags are valid.
+        let raw = unsafe { libc::memfd_create(c"mooncake-managed".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return None;
+        }
+        // SAFETY: `raw` is a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: a valid descriptor and a length that fits in off_t (from a usize).
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), n as libc::off_t) } != 0 {
+            return None;
+        }
+        // SAFETY: a fresh shared mapping of the whole file, placed by the kernel.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        (p != libc::MAP_FAILED).then_some(Managed {
+            addr: p as usize as u64,
+            len,
+            fd: Some(fd),
+        })
+    }
+
+    /// Frees the buffer, once nothing uses it (its region was unregistered). A peer that mapped
+    /// the memory file keeps the pages until it drops its mapping; this process's are gone.
+    pub fn free(self) {
+        match self.fd {
+            // SAFETY: the mapping `in_memory_file` made, with its length; no transfer uses it.
+            Some(_) => unsafe {
+                libc::munmap(self.addr as usize as *mut libc::c_void, self.len as usize);
+            },
+            None => {
+                let layout =
+                    Layout::from_size_align(self.len as usize, ALIGN).expect("allocated with it");
+                // SAFETY: `addr` came from `alloc_zeroed` with this layout, and its region was
+                // unregistered, so no transfer uses it any more.
+                unsafe { dealloc(self.addr as usize as *mut u8, layout) }
+            }
+        }
+    }
+}
+
+/// A peer's memory file (a managed buffer of a process on this host) mapped into this process,
+/// unmapped when dropped. Copies through it are plain `memcpy`s: about twice what
+/// `process_vm_readv` moves, which copies in the kernel page by page.
+pub struct Mapping {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// Maps `len` bytes of the memory file that process `pid` holds as descriptor `fd`. Taking
+    /// a process's descriptor (`pidfd_getfd`) needs the permission `process_vm_readv` needs; the
+    /// caller checks `len` against the file, which must be at least that long.
+    pub fn of_peer_file(pid: i32, fd: i32, len: u64) -> std::io::Result<Mapping> {
+        let n = usize::try_from(len)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| std::io::Error::other(format!("a mapping of {len} bytes")))?;
+        let last = || std::io::Error::last_os_error();
+        // SAFETY: plain system calls on integers; each result is checked.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if pidfd < 0 {
+            return Err(last());
+        }
+        // SAFETY: the descriptor is new and ours.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+        // SAFETY: as above.
+        let theirs = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if theirs < 0 {
+            return Err(last());
+        }
+        // SAFETY: as above.
+        let file = unsafe { OwnedFd::from_raw_fd(theirs as i32) };
+        // SAFETY: `st` is plain data the call fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and a pointer to `st`.
+        if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+            return Err(last());
+        }
+        if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < len {
+            return Err(std::io::Error::other(format!(
+                "descriptor {fd} of process {pid} is not a memory file of {len} bytes"
+            )));
+        }
+        // SAFETY: a new shared mapping of `n` bytes of a file at least that long. Not populated
+        // up front: that would give pages to every byte of a buffer the target has not touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last());
+        }
+        Ok(Mapping {
+            addr: p as usize,
+            len: n,
+        })
+    }
+
+    /// The mapped length.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Copies between this process's registered memory and the mapped file: `pairs` of (local
+    /// address, offset in the file, length); `read` copies the file's bytes into ours.
+    pub fn copy(&self, read: bool, pairs: &[(u64, u64, u64)]) {
+        for &(local, off, n) in pairs {
+            assert!(
+                off.checked_add(n).is_some_and(|end| end <= self.len as u64),
+                "a copy inside the mapping"
+            );
+            let mapped = (self.addr + off as usize) as *mut u8;
+            let local = local as usize as *mut u8;
+            // SAFETY: the local range lies in a region this process registered and holds a
+            // `Use` of (the caller's duty, as for `copy_with_process`); the mapped range lies
+            // inside this mapping (asserted), which the target granted for this copy and holds
+            // until released. The two never overlap: one is the peer's file, the other ours.
+            unsafe {
+                if read {
+                    std::ptr::copy_nonoverlapping(mapped, local, n as usize);
+                } else {
+                    std::ptr::copy_nonoverlapping(local, mapped, n as usize);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `of_peer_file` made; no copy runs through it any more (copies
+        // borrow it).
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
 }
 
 /// Copies between this process and process `pid` with `process_vm_readv` (`read`: theirs into

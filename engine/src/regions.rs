@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -23,10 +23,30 @@ struct Region {
     /// The device whose memory this is (a GPU's): its bytes move only through the device's own
     /// copies and host staging, never as host memory.
     device: Option<Arc<dyn DeviceMemory>>,
+    /// A managed buffer in a memory file, which a peer on this host may map.
+    file: Option<MemoryFile>,
     users: AtomicUsize,
     idle: Notify,
     /// Being unregistered: new uses are refused, the range still counts as taken.
     withdrawing: AtomicBool,
+}
+
+/// The memory file behind a region: the descriptor this process holds it by, and a number no
+/// other region of this process gets (a later buffer may reuse the descriptor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryFile {
+    pub fd: i32,
+    pub id: u64,
+}
+
+/// Where a granted range lies in a memory file: what a peer on this host needs to map it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileRange {
+    pub file: MemoryFile,
+    /// The whole file's length (the region's).
+    pub file_len: u64,
+    /// The range's offset in the file.
+    pub offset: u64,
 }
 
 /// An unregister under way: if it ends without removing the region (it gave up, or its caller
@@ -61,6 +81,15 @@ impl Use {
     pub fn device(&self) -> Option<&Arc<dyn DeviceMemory>> {
         self.region.device.as_ref()
     }
+
+    /// Where the range lies in its region's memory file, if the region is in one.
+    pub fn file_range(&self) -> Option<FileRange> {
+        self.region.file.map(|file| FileRange {
+            file,
+            file_len: self.region.len,
+            offset: self.addr - self.region.addr,
+        })
+    }
 }
 
 impl Clone for Use {
@@ -86,6 +115,11 @@ impl Drop for Use {
 #[derive(Default)]
 pub struct Regions {
     by_addr: RwLock<BTreeMap<u64, Arc<Region>>>,
+    /// Regions in memory files removed so far: a peer that sees it change drops the mappings
+    /// it holds of this process's files that it no longer needs.
+    files_removed: AtomicU64,
+    /// The last `MemoryFile::id` given.
+    last_file_id: AtomicU64,
 }
 
 impl Regions {
@@ -96,6 +130,27 @@ impl Regions {
         addr: u64,
         len: u64,
         device: Option<Arc<dyn DeviceMemory>>,
+    ) -> Result<(), EngineError> {
+        self.insert(addr, len, device, None)
+    }
+
+    /// Registers a managed buffer that lies in the memory file `fd` (the whole file).
+    pub fn register_file(&self, addr: u64, len: u64, fd: i32) -> Result<(), EngineError> {
+        let id = self.last_file_id.fetch_add(1, Ordering::Relaxed) + 1;
+        self.insert(addr, len, None, Some(MemoryFile { fd, id }))
+    }
+
+    /// How many regions in memory files were removed so far.
+    pub fn files_removed(&self) -> u64 {
+        self.files_removed.load(Ordering::Acquire)
+    }
+
+    fn insert(
+        &self,
+        addr: u64,
+        len: u64,
+        device: Option<Arc<dyn DeviceMemory>>,
+        file: Option<MemoryFile>,
     ) -> Result<(), EngineError> {
         let end = addr
             .checked_add(len)
@@ -112,6 +167,7 @@ impl Regions {
                 addr,
                 len,
                 device,
+                file,
                 users: AtomicUsize::new(0),
                 withdrawing: AtomicBool::new(false),
                 idle: Notify::new(),
@@ -178,6 +234,7 @@ impl Regions {
         }
         let mut map = self.by_addr.write();
         if map.get(&addr).is_some_and(|r| Arc::ptr_eq(r, &region)) {
+            self.removed(&region);
             map.remove(&addr);
         }
         let mut guard = guard;
@@ -191,10 +248,17 @@ impl Regions {
         let mut map = self.by_addr.write();
         match map.get(&addr) {
             Some(r) if r.users.load(Ordering::Acquire) == 0 => {
+                self.removed(r);
                 map.remove(&addr);
                 true
             }
             _ => false,
+        }
+    }
+
+    fn removed(&self, region: &Region) {
+        if region.file.is_some() {
+            self.files_removed.fetch_add(1, Ordering::AcqRel);
         }
     }
 

@@ -35,6 +35,8 @@ const SAME_HOST_MIN: u64 = 128 << 10;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
     pub same_host_batches: u64,
+    /// Of the same-host batches, those copied through a mapping of the target's managed buffer.
+    pub mapped_batches: u64,
     pub tcp_batches: u64,
 }
 
@@ -42,6 +44,7 @@ pub struct EngineStats {
 #[derive(Default)]
 pub struct Counters {
     same_host: AtomicU64,
+    mapped: AtomicU64,
     tcp: AtomicU64,
 }
 
@@ -49,6 +52,7 @@ impl Counters {
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             same_host_batches: self.same_host.load(Ordering::Relaxed),
+            mapped_batches: self.mapped.load(Ordering::Relaxed),
             tcp_batches: self.tcp.load(Ordering::Relaxed),
         }
     }
@@ -317,8 +321,11 @@ impl Requester {
                 .transfer(target, hello, op == TransferOp::Read, pairs, uses, deadline)
                 .await?
             {
-                Outcome::Done => {
+                Outcome::Done { mapped } => {
                     self.counters.same_host.fetch_add(1, Ordering::Relaxed);
+                    if mapped {
+                        self.counters.mapped.fetch_add(1, Ordering::Relaxed);
+                    }
                     return Ok(());
                 }
                 Outcome::NotLocal(back) => uses = back,

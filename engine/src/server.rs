@@ -22,8 +22,9 @@ use tokio::{
 };
 
 use crate::{
+    local::Grant,
     peers::{self, Hello},
-    regions::Regions,
+    regions::{Regions, Use},
 };
 
 /// What a connection needs from its engine.
@@ -338,11 +339,18 @@ impl Connection {
                             .await?;
                     }
                     Ok(uses) => {
+                        // Which process granted (the caller copies with exactly this one), and,
+                        // when every range lies in a managed buffer's memory file, where.
+                        let files = uses.iter().map(Use::file_range).collect();
+                        let answer = Grant {
+                            pid: u64::from(std::process::id()),
+                            files,
+                            files_removed: self.served.regions.files_removed(),
+                        }
+                        .encode();
                         self.held = uses;
-                        // Which process granted: the caller copies with exactly this one.
-                        self.ok(&h, 8).await?;
-                        let pid = u64::from(std::process::id());
-                        self.writer.write_all(&pid.to_le_bytes()).await?;
+                        self.ok(&h, answer.len() as u64).await?;
+                        self.writer.write_all(&answer).await?;
                     }
                     Err(e) => return self.refuse_frame(&h, false, &e.to_string()).await,
                 }

@@ -762,3 +762,119 @@ async fn an_engine_met_once_is_named_by_its_incarnation_on_every_path() {
         assert_ne!(a.incarnation(), b.incarnation());
     }
 }
+
+/// The inode of the memory file mapped at `addr` in this process, and how many mappings of it
+/// this process has (from /proc/self/maps).
+fn memory_file_at(addr: u64) -> (u64, usize) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let fields = |l: &str| -> (u64, u64, u64) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (lo, hi) = f[0].split_once('-').unwrap();
+        let r = |h: &str| u64::from_str_radix(h, 16).unwrap();
+        (r(lo), r(hi), f[4].parse().unwrap())
+    };
+    let inode = (maps.lines().map(fields))
+        .find(|&(lo, hi, _)| (lo..hi).contains(&addr))
+        .map(|(_, _, inode)| inode)
+        .unwrap();
+    assert_ne!(inode, 0, "a managed buffer lies in a memory file");
+    let n = maps.lines().filter(|l| fields(l).2 == inode).count();
+    (inode, n)
+}
+
+fn mappings_of(inode: u64) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    (maps.lines())
+        .filter(|l| l.split_whitespace().nth(4) == Some(&inode.to_string()))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_managed_buffer_is_copied_through_a_mapping_and_a_freed_one_is_let_go() {
+    const LEN: usize = 8 << 20;
+    let a = engine_on(Duration::from_secs(10), true).await;
+    let b = engine(Duration::from_secs(10)).await;
+    let (src, back) = (pattern(LEN, 3), vec![0u8; LEN]);
+    a.register(addr(&src), LEN as u64).unwrap();
+    a.register(addr(&back), LEN as u64).unwrap();
+    let blocks = |local: u64, remote: u64, n: usize| -> Vec<TransferRequest> {
+        let block = LEN / n;
+        (0..n)
+            .map(|i| TransferRequest {
+                local: local + (i * block) as u64,
+                // Scattered on the target: block i to slot (i * 5) % n.
+                remote: remote + ((i * 5) % n * block) as u64,
+                len: block as u64,
+            })
+            .collect()
+    };
+    let first = b.allocate_managed(LEN as u64).unwrap();
+    let (inode, n) = memory_file_at(first);
+    assert_eq!(n, 1, "only the target maps its buffer yet");
+    let writes = blocks(addr(&src), first, 16);
+    a.transfer(b.session_name(), TransferOp::Write, &writes)
+        .await
+        .unwrap();
+    for w in &writes {
+        let got = b.read_local(w.remote, w.len).unwrap();
+        assert!(got[..] == src[(w.local - addr(&src)) as usize..][..w.len as usize]);
+    }
+    assert_eq!(mappings_of(inode), 2, "the caller mapped the target's file");
+    let reads: Vec<_> = (writes.iter())
+        .map(|w| TransferRequest {
+            local: w.local - addr(&src) + addr(&back),
+            ..*w
+        })
+        .collect();
+    a.transfer(b.session_name(), TransferOp::Read, &reads)
+        .await
+        .unwrap();
+    assert!(back == src);
+    let stats = a.stats();
+    assert_eq!((stats.same_host_batches, stats.mapped_batches), (2, 2));
+    // Freed, and a new buffer (which may get the freed one's descriptor): bytes go to the new
+    // one, and the next grant lets the old mapping go.
+    b.free_managed(first).await.unwrap();
+    let second = b.allocate_managed(LEN as u64).unwrap();
+    let src2 = pattern(LEN, 99);
+    a.register(addr(&src2), LEN as u64).unwrap();
+    a.transfer(
+        b.session_name(),
+        TransferOp::Write,
+        &blocks(addr(&src2), second, 4),
+    )
+    .await
+    .unwrap();
+    let mut want = vec![0u8; LEN];
+    for w in blocks(0, 0, 4) {
+        want[w.remote as usize..][..w.len as usize]
+            .copy_from_slice(&src2[w.local as usize..][..w.len as usize]);
+    }
+    assert!(b.read_local(second, LEN as u64).unwrap() == want);
+    assert_eq!(mappings_of(inode), 0, "the freed buffer's file is let go");
+    assert_eq!(memory_file_at(second).1, 2);
+    // A batch across a managed buffer and ordinary memory: one process_vm copy instead.
+    let plain = vec![0u8; LEN];
+    b.register(addr(&plain), LEN as u64).unwrap();
+    let mut mixed = blocks(addr(&src), second, 2);
+    mixed[1].remote = addr(&plain);
+    a.transfer(b.session_name(), TransferOp::Write, &mixed)
+        .await
+        .unwrap();
+    assert!(b.read_local(second, (LEN / 2) as u64).unwrap()[..] == src[..LEN / 2]);
+    assert!(plain[..LEN / 2] == src[LEN / 2..]);
+    let stats = a.stats();
+    assert_eq!((stats.same_host_batches, stats.mapped_batches), (4, 3));
+    // Freeing the buffer leaves the caller's mapping until its next grant; stopping the caller
+    // unmaps it.
+    let (inode2, _) = memory_file_at(second);
+    b.free_managed(second).await.unwrap();
+    assert_eq!(mappings_of(inode2), 1);
+    drop(a);
+    assert_eq!(
+        mappings_of(inode2),
+        0,
+        "the stopped caller's mapping is gone"
+    );
+    b.unregister(addr(&plain)).await.unwrap();
+}

@@ -634,14 +634,19 @@ impl NativeEngine {
         }
     }
 
-    /// Batches moved so far by path: {"same_host": n, "tcp": n}.
+    /// Batches moved so far by path: {"same_host": n, "same_host_mapped": n, "tcp": n}
+    /// (the mapped ones, through a peer's managed buffer, are among the same-host ones).
     fn get_stats(&self) -> HashMap<&'static str, u64> {
         let s = self
             .running
             .as_ref()
             .map(|r| r.engine.stats())
             .unwrap_or_default();
-        HashMap::from([("same_host", s.same_host_batches), ("tcp", s.tcp_batches)])
+        HashMap::from([
+            ("same_host", s.same_host_batches),
+            ("same_host_mapped", s.mapped_batches),
+            ("tcp", s.tcp_batches),
+        ])
     }
 
     /// Attaches device-like memory on the host (tests of the GPU path where no GPU exists; its

@@ -40,7 +40,8 @@ def test_the_path_is_the_one_asked_for(pair):
     assert a.register_memory(src_p, n) == 0 and b.register_memory(dst_p, n) == 0
     assert a.transfer_sync_write(session(b), src_p, dst_p, n) == 0
     assert dst.raw == src.raw
-    want = {"tcp": {"same_host": 0, "tcp": 1}, "same-host": {"same_host": 1, "tcp": 0}}[a.path]
+    want = {"tcp": {"same_host": 0, "same_host_mapped": 0, "tcp": 1},
+            "same-host": {"same_host": 1, "same_host_mapped": 0, "tcp": 0}}[a.path]
     assert a.get_stats() == want
 
 
@@ -144,6 +145,61 @@ def test_managed_buffers_first_address_and_probe(plain_pair):
     assert b.free_managed_buffer(m, 1 << 20) == 0
     assert a.get_first_buffer_address(session(b)) == 0
     assert a.get_notifies() == []
+
+
+TARGET = """
+import sys
+from mooncake_rs.engine import TransferEngine
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+n = int(sys.argv[1])
+m = e.allocate_managed_buffer(n)
+assert m and e.write_bytes_to_buffer(m, bytes((i * 7 + 1) % 251 for i in range(n)), n) == 0
+print(f"127.0.0.1:{e.get_rpc_port()} {m}", flush=True)
+sys.stdin.readline()  # the test wrote: check what landed
+want = bytes((i * 13 + 5) % 251 for i in range(n))
+print("ok" if e.read_bytes_from_buffer(m, n) == want else "wrong", flush=True)
+sys.stdin.readline()
+assert e.free_managed_buffer(m, n) == 0
+"""
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_another_processs_managed_buffer_is_copied_through_a_mapping(shm, monkeypatch):
+    """A managed buffer lives in a memory file: a peer on the same host maps it and copies with
+    memcpy (counted as same_host_mapped); with MOONCAKE_SHM=0 the same calls go over TCP."""
+    import subprocess
+    import sys
+
+    n = 4 << 20
+    target = subprocess.Popen([sys.executable, "-c", TARGET, str(n)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        peer, m = target.stdout.readline().split()
+        monkeypatch.setenv("MOONCAKE_SHM", shm)
+        a = TransferEngine()
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        back, back_p = buf(n)
+        src = ctypes.create_string_buffer(bytes((i * 13 + 5) % 251 for i in range(n)), n)
+        src_p = ctypes.addressof(src)
+        assert a.register_memory(back_p, n) == 0 and a.register_memory(src_p, n) == 0
+        half = n // 2
+        assert a.batch_transfer_sync_read(peer, [back_p, back_p + half], [int(m), int(m) + half],
+                                          [half, half]) == 0
+        assert back.raw == bytes((i * 7 + 1) % 251 for i in range(n))
+        assert a.transfer_sync_write(peer, src_p, int(m), n) == 0
+        target.stdin.write("check\n")
+        target.stdin.flush()
+        assert target.stdout.readline().strip() == "ok"
+        mapped = 2 if shm == "1" else 0
+        assert a.get_stats() == {"same_host": mapped, "same_host_mapped": mapped, "tcp": 2 - mapped}
+        target.stdin.write("done\n")
+        target.stdin.close()
+        assert target.wait(timeout=30) == 0
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
 
 
 def test_initialize_refuses_what_it_cannot_do():
@@ -263,5 +319,5 @@ def test_device_memory_is_staged_never_read_as_host_memory(monkeypatch):
     assert a.register_memory(host_p, n) == 0
     assert a.transfer_sync_read(session(b), host_p, db, n) == 0
     assert host.raw == data
-    assert a.get_stats() == {"same_host": 0, "tcp": 2}
+    assert a.get_stats() == {"same_host": 0, "same_host_mapped": 0, "tcp": 2}
     assert b.write_bytes_to_buffer(db, b"kv", 2) == 0 and b.read_bytes_from_buffer(db, 2) == b"kv"
