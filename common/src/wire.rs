@@ -15,7 +15,9 @@
 //! A transfer engine's `PeerWrite`, `PeerRead` and `PeerGrant` carry the target's incarnation
 //! there instead (the random number it drew at start, learnt from `PeerHello`): a target that
 //! restarted refuses requests meant for its predecessor (`SegmentNotFound`), and one naming no
-//! incarnation (0: an engine of an older release) with `InvalidParams`.
+//! incarnation (0: an engine of an older release) with `InvalidParams`. A `PeerGrant` with
+//! `PEER_GRANT_FILES` in its `flags` asks the target to say where each granted range lies in a
+//! memory file (see the engine's `local::Grant`); without it, the answer is the target's pid.
 
 use crate::{auth::Seal, ids::MAX_KEY_LEN, Code};
 
@@ -23,6 +25,8 @@ pub const MAGIC: u16 = 0x4D43; // "MC"
 pub const VERSION: u8 = 3;
 pub const REQUEST_HEADER_LEN: usize = 64;
 pub const RESPONSE_HEADER_LEN: usize = 24;
+/// `PeerGrant` flag: the caller maps memory files, and wants to know where the ranges lie.
+pub const PEER_GRANT_FILES: u16 = 1;
 /// Longest error message an owner sends back; longer ones are truncated by the sender.
 pub const MAX_ERROR_MESSAGE: u64 = 1024;
 /// Absolute sanity bound on one payload; owners also check every range against their segment.

@@ -112,6 +112,7 @@ pub struct TransferEngine {
     requester: Requester,
     counters: Arc<Counters>,
     peers: Arc<Peers>,
+    mappings: Arc<Mutex<local::Mappings>>,
     directory: Option<Arc<Directory>>,
     config: EngineConfig,
     /// Buffers `allocate_managed` handed out, by address.
@@ -180,12 +181,14 @@ impl TransferEngine {
         };
         let counters = Arc::new(Counters::default());
         let peers = Arc::new(Peers::default());
+        let mappings = Arc::default();
         let requester = Requester::new(
             regions.clone(),
             &config,
             Shared {
                 counters: counters.clone(),
                 peers: peers.clone(),
+                mappings: Arc::clone(&mappings),
             },
             false,
             directory.clone(),
@@ -198,6 +201,7 @@ impl TransferEngine {
             requester,
             counters,
             peers,
+            mappings,
             directory,
             config,
             managed: Mutex::new(HashMap::new()),
@@ -266,7 +270,7 @@ impl TransferEngine {
             None => self.regions.register(addr, len, None),
         };
         if let Err(e) = registered {
-            m.free();
+            drop(m);
             return Err(e);
         }
         self.managed.lock().insert(addr, m);
@@ -279,9 +283,8 @@ impl TransferEngine {
             return Err(EngineError::NotRegistered { addr, len: 0 });
         }
         self.unregister(addr).await?;
-        if let Some(m) = self.managed.lock().remove(&addr) {
-            m.free();
-        }
+        let freed = self.managed.lock().remove(&addr);
+        drop(freed);
         Ok(())
     }
 
@@ -342,6 +345,7 @@ impl TransferEngine {
             Shared {
                 counters: self.counters.clone(),
                 peers: self.peers.clone(),
+                mappings: self.mappings.clone(),
             },
             dedicated_runtime,
             self.directory.clone(),
@@ -374,7 +378,7 @@ impl Drop for TransferEngine {
         // under it.
         for (addr, m) in self.managed.get_mut().drain() {
             if self.regions.remove_if_idle(addr) {
-                m.free();
+                drop(m);
             } else {
                 tracing::warn!(
                     addr = format_args!("{addr:#x}"),

@@ -14,17 +14,20 @@
 //! OS on the next grant, not when the caller exits).
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{hash_map::Entry, HashMap, HashSet},
     sync::Arc,
     time::Duration,
 };
 
-use mooncake_common::{wire::Op, Code};
+use mooncake_common::{
+    wire::{self, Op},
+    Code,
+};
 use parking_lot::Mutex;
 use tokio::{net::TcpStream, time::Instant};
 
 use crate::{
-    memory::{self, Mapping},
+    memory::{self, Mapping, Pidfd},
     peers::{self, Hello},
     regions::{FileRange, MemoryFile, Use},
     EngineError,
@@ -33,43 +36,50 @@ use crate::{
 /// (local address, remote address, length) of one copy.
 type Pair = (u64, u64, u64);
 
-/// The most peers' memory files a caller keeps mapped; past it, mappings no grant of the moment
-/// names are dropped.
+/// The most peers' memory files a caller keeps mapped; past it, every other mapping is dropped
+/// (each is made again on its next grant).
 const MAX_MAPPINGS: usize = 64;
+/// The most peers remembered as refusing mappings; past it, they are forgotten (and tried again).
+const MAX_REFUSED: usize = 1024;
 
-/// A target's answer to `PeerGrant`: the process that granted, and, when every range lies in a
-/// memory file, where (in the order the ranges were asked).
+/// A target's answer to `PeerGrant`: the process that granted, and, when the caller asked
+/// (`wire::PEER_GRANT_FILES`; a caller of an older release gets the pid alone), where each
+/// range lies.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Grant {
     pub pid: u64,
-    pub files: Option<Vec<FileRange>>,
+    /// Per range asked, in order, where it lies in a memory file (None: in ordinary memory);
+    /// empty in an answer of the pid alone.
+    pub files: Vec<Option<FileRange>>,
     /// How many of the target's memory-file regions were removed so far.
     pub files_removed: u64,
 }
 
 impl Grant {
-    /// The pid alone (8 bytes, what a target without memory files answers), or the pid, the
-    /// count of files removed, and (file id, descriptor, file length, offset) per range.
-    pub fn encode(&self) -> Vec<u8> {
+    /// The pid alone (8 bytes), or with `files`: the pid, the count of files removed, and
+    /// (file id, 0 for ordinary memory | descriptor | file length | offset) per range.
+    pub fn encode(&self, with_files: bool) -> Vec<u8> {
         let mut out = self.pid.to_le_bytes().to_vec();
-        if let Some(files) = self.files.as_ref().filter(|f| !f.is_empty()) {
+        if with_files {
             out.extend(self.files_removed.to_le_bytes());
-            for f in files {
-                for v in [f.file.id, f.file.fd as u64, f.file_len, f.offset] {
-                    out.extend(v.to_le_bytes());
-                }
+            for f in &self.files {
+                let words = match f {
+                    Some(f) => [f.file.id, f.file.fd as u64, f.file_len, f.offset],
+                    None => [0; 4],
+                };
+                out.extend(words.iter().flat_map(|w| w.to_le_bytes()));
             }
         }
         out
     }
 
-    /// The answer to a grant of `ranges` ranges; None when it is not of that shape.
+    /// The answer to a grant of `ranges` ranges; None when it is not of a known shape.
     pub fn decode(body: &[u8], ranges: usize) -> Option<Grant> {
         let word = |i: usize| u64::from_le_bytes(body[i * 8..i * 8 + 8].try_into().expect("8"));
         if body.len() == 8 {
             return Some(Grant {
                 pid: word(0),
-                files: None,
+                files: Vec::new(),
                 files_removed: 0,
             });
         }
@@ -79,73 +89,143 @@ impl Grant {
         let files = (0..ranges)
             .map(|r| {
                 let at = 2 + 4 * r;
-                Some(FileRange {
+                if word(at) == 0 {
+                    return Some(None);
+                }
+                Some(Some(FileRange {
                     file: MemoryFile {
                         id: word(at),
                         fd: i32::try_from(word(at + 1)).ok()?,
                     },
                     file_len: word(at + 2),
                     offset: word(at + 3),
-                })
+                }))
             })
             .collect::<Option<Vec<_>>>()?;
         Some(Grant {
             pid: word(0),
-            files: Some(files),
+            files,
             files_removed: word(1),
         })
     }
+
+    /// The one memory file every range lies in, if there is one.
+    fn single_file(&self) -> Option<&FileRange> {
+        let first = self.files.first()?.as_ref()?;
+        (self.files.iter())
+            .all(|f| f.as_ref().is_some_and(|f| f.file == first.file))
+            .then_some(first)
+    }
 }
 
-/// Peers' memory files this caller mapped.
+/// The memory files of one peer (one incarnation) this caller mapped.
+struct PeerFiles {
+    pid: i32,
+    /// Tells when the process exits, and takes its descriptors.
+    pidfd: Pidfd,
+    /// The `files_removed` of its last grant.
+    removed_seen: u64,
+    by_id: HashMap<u64, Arc<Mapping>>,
+}
+
+/// Peers' memory files mapped by an engine's callers. A mapping keeps its file's pages alive,
+/// so mappings go as soon as the caller learns they are not needed: the peer freed files (its
+/// `files_removed` moved: those its grant does not name go), the peer's process exited, or
+/// another engine answers from the same process (checked on every grant).
 #[derive(Default)]
-struct Mappings {
-    /// By (the peer's incarnation, its file id).
-    by_file: HashMap<(u64, u64), Arc<Mapping>>,
-    /// Per peer incarnation, the `files_removed` of its last grant.
-    removed_seen: HashMap<u64, u64>,
-    /// Peers whose files could not be mapped (the OS refused): copied with `process_vm` instead.
+pub struct Mappings {
+    /// By the peer's incarnation.
+    by_peer: HashMap<u64, PeerFiles>,
+    /// Peers whose files the OS refuses to hand over: copied with `process_vm` instead.
     refused: HashSet<u64>,
 }
 
 impl Mappings {
-    /// The mapping of the one file that all of `files` lie in, making it if needed; None when
-    /// the ranges span several files or the file cannot be mapped.
+    /// The mapping of the one file all of `grant`'s ranges lie in, made if needed; None when
+    /// they do not lie in one file, or it cannot be mapped. Mappings let go of are moved to
+    /// `evicted`, for the caller to drop (unmap) once the lock is released.
     fn get(
         &mut self,
         incarnation: u64,
         pid: i32,
-        files: &[FileRange],
-        files_removed: u64,
+        grant: &Grant,
+        evicted: &mut Vec<Arc<Mapping>>,
     ) -> Option<Arc<Mapping>> {
-        let first = files.first()?;
-        if self.refused.contains(&incarnation) || files.iter().any(|f| f.file != first.file) {
+        self.by_peer.retain(|&inc, p| {
+            let gone = p.pidfd.exited() || (p.pid == pid && inc != incarnation);
+            if gone {
+                evicted.extend(p.by_id.drain().map(|(_, m)| m));
+            }
+            !gone
+        });
+        if let Some(p) = self.by_peer.get_mut(&incarnation) {
+            if p.removed_seen != grant.files_removed {
+                p.removed_seen = grant.files_removed;
+                let named: HashSet<u64> = grant.files.iter().flatten().map(|f| f.file.id).collect();
+                let freed: Vec<u64> = (p.by_id.keys())
+                    .filter(|id| !named.contains(id))
+                    .copied()
+                    .collect();
+                evicted.extend(freed.iter().filter_map(|id| p.by_id.remove(id)));
+            }
+        }
+        if self.refused.len() > MAX_REFUSED {
+            self.refused.clear();
+        }
+        let file = grant.single_file()?;
+        if self.refused.contains(&incarnation) {
             return None;
         }
-        if self.removed_seen.insert(incarnation, files_removed) != Some(files_removed) {
-            // Some of this peer's files were freed since: keep only the one in use now.
-            (self.by_file).retain(|&(inc, id), _| inc != incarnation || id == first.file.id);
-        }
-        let key = (incarnation, first.file.id);
-        if let Some(m) = self.by_file.get(&key) {
+        let id = file.file.id;
+        let cached = (self.by_peer.get(&incarnation)).and_then(|p| p.by_id.get(&id));
+        if let Some(m) = cached {
             return Some(m.clone());
         }
-        match Mapping::of_peer_file(pid, first.file.fd, first.file_len) {
-            Ok(m) => {
-                if self.by_file.len() >= MAX_MAPPINGS {
-                    self.by_file.clear();
-                }
-                let m = Arc::new(m);
-                self.by_file.insert(key, m.clone());
-                Some(m)
-            }
-            Err(e) => {
-                tracing::info!(pid, error = %e, "cannot map a same-host peer's managed buffer; copying with process_vm instead");
-                self.refused.insert(incarnation);
-                None
+        if self.by_peer.values().map(|p| p.by_id.len()).sum::<usize>() >= MAX_MAPPINGS {
+            for p in self.by_peer.values_mut() {
+                evicted.extend(p.by_id.drain().map(|(_, m)| m));
             }
         }
+        let peer = match self.by_peer.entry(incarnation) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => match Pidfd::open(pid) {
+                Ok(pidfd) => v.insert(PeerFiles {
+                    pid,
+                    pidfd,
+                    removed_seen: grant.files_removed,
+                    by_id: HashMap::new(),
+                }),
+                Err(e) => return cannot_map(&mut self.refused, incarnation, pid, e),
+            },
+        };
+        match peer.pidfd.map_file(file.file.fd, file.file_len) {
+            Ok(m) => {
+                let m = Arc::new(m);
+                peer.by_id.insert(id, m.clone());
+                Some(m)
+            }
+            Err(e) => cannot_map(&mut self.refused, incarnation, pid, e),
+        }
     }
+}
+
+/// A mapping that could not be made: the batch is copied with `process_vm`, and so are the peer's
+/// later ones where the OS refuses (rather than lacking memory or descriptors now).
+fn cannot_map(
+    refused: &mut HashSet<u64>,
+    incarnation: u64,
+    pid: i32,
+    e: std::io::Error,
+) -> Option<Arc<Mapping>> {
+    let permanent = matches!(
+        e.raw_os_error(),
+        Some(libc::EPERM | libc::EACCES | libc::ENOSYS)
+    );
+    if permanent {
+        refused.insert(incarnation);
+    }
+    tracing::info!(pid, error = %e, permanent, "cannot map a same-host peer's managed buffer; copying with process_vm instead");
+    None
 }
 
 /// Copies shorter than this run on the calling task; longer ones on a blocking thread.
@@ -246,13 +326,13 @@ pub enum Outcome {
 }
 
 impl SameHost {
-    pub fn new(timeout: Duration) -> Self {
+    pub fn new(timeout: Duration, mappings: Arc<Mutex<Mappings>>) -> Self {
         SameHost {
             identity: host_identity(),
             timeout,
             copy_refused: Mutex::new(HashSet::new()),
             idle: Mutex::new(HashMap::new()),
-            mappings: Arc::default(),
+            mappings,
         }
     }
 
@@ -308,7 +388,8 @@ impl SameHost {
             .collect();
         let grant = async {
             let mut s = self.connect(target).await?;
-            let r = peers::call(&mut s, Op::PeerGrant, hello.incarnation, target, &ranges).await?;
+            let (op, inc) = (Op::PeerGrant, hello.incarnation);
+            let r = peers::call(&mut s, op, wire::PEER_GRANT_FILES, inc, target, &ranges).await?;
             Ok::<_, std::io::Error>((s, r))
         };
         let (s, granted) = tokio::time::timeout_at(deadline, grant)
@@ -339,17 +420,20 @@ impl SameHost {
         // Maps the target's file if need be (a first mapping may take milliseconds: it goes
         // with the copy, on a blocking thread when the copy does), then copies.
         let run = move || {
-            let file = (grant.files.as_ref()).and_then(|f| {
-                let m = mappings
-                    .lock()
-                    .get(incarnation, pid, f, grant.files_removed)?;
-                Some((m, f))
-            });
-            let (via, pairs) = match file {
-                Some((m, files)) => {
+            let mut evicted = Vec::new();
+            let mapping = if grant.files.is_empty() {
+                None
+            } else {
+                mappings.lock().get(incarnation, pid, &grant, &mut evicted)
+            };
+            // Unmapped here, out of the lock (on a blocking thread, but for short copies).
+            drop(evicted);
+            let (via, pairs) = match mapping {
+                Some(m) => {
+                    let files = grant.files.iter().flatten();
                     let inside =
                         |off: u64, n: u64| off.checked_add(n).is_some_and(|e| e <= m.len());
-                    if !(pairs.iter().zip(files)).all(|(p, f)| inside(f.offset, p.2)) {
+                    if !(pairs.iter().zip(files.clone())).all(|(p, f)| inside(f.offset, p.2)) {
                         let e =
                             std::io::Error::other("the target granted a range outside its buffer");
                         return (Err(e), true);
@@ -374,7 +458,7 @@ impl SameHost {
         };
         let released = tokio::time::timeout_at(
             deadline,
-            peers::call(&mut s, Op::PeerRelease, 0, target, &[]),
+            peers::call(&mut s, Op::PeerRelease, 0, 0, target, &[]),
         )
         .await
         .map_err(timed("the release"));
@@ -404,26 +488,37 @@ mod tests {
 
     #[test]
     fn a_grant_answer_round_trips_and_a_misshapen_one_is_refused() {
-        let plain = Grant {
-            pid: 42,
-            files: None,
-            files_removed: 0,
-        };
-        assert_eq!(plain.encode().len(), 8, "what an older caller expects");
-        assert_eq!(Grant::decode(&plain.encode(), 3), Some(plain));
         let range = |id, offset| FileRange {
             file: MemoryFile { fd: 9, id },
             file_len: 1 << 20,
             offset,
         };
-        let filed = Grant {
+        let grant = Grant {
             pid: 7,
-            files: Some(vec![range(1, 0), range(1, 4096)]),
+            files: vec![Some(range(1, 0)), Some(range(1, 4096))],
             files_removed: 5,
         };
-        let body = filed.encode();
+        // To a caller that did not ask (an older release): the pid alone, as it expects.
+        let plain = grant.encode(false);
+        assert_eq!(plain, 7u64.to_le_bytes());
+        let got = Grant::decode(&plain, 2).unwrap();
+        assert_eq!((got.pid, got.files.len()), (7, 0));
+        let body = grant.encode(true);
         assert_eq!(body.len(), 16 + 2 * 32);
-        assert_eq!(Grant::decode(&body, 2), Some(filed));
+        assert_eq!(Grant::decode(&body, 2).as_ref(), Some(&grant));
+        assert_eq!(grant.single_file(), Some(&range(1, 0)));
+        // Ordinary memory among the ranges: no single file.
+        let mixed = Grant {
+            files: vec![Some(range(1, 0)), None],
+            ..grant
+        };
+        assert_eq!(Grant::decode(&mixed.encode(true), 2).as_ref(), Some(&mixed));
+        assert_eq!(mixed.single_file(), None);
+        let two = Grant {
+            files: vec![Some(range(1, 0)), Some(range(2, 0))],
+            ..mixed
+        };
+        assert_eq!(two.single_file(), None);
         // Answers for another number of ranges, or cut short, are not taken for a grant.
         assert_eq!(Grant::decode(&body, 3), None);
         assert_eq!(Grant::decode(&body[..body.len() - 1], 2), None);

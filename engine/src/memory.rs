@@ -41,11 +41,11 @@ impl Use {
 
 /// A managed buffer: zeroed, page-aligned memory, in a memory file (`memfd`) where the OS has
 /// one, so that a peer on this host can map the very pages and copy with plain `memcpy` (see
-/// `Mapping`); in ordinary memory otherwise.
+/// `Mapping`); in ordinary memory otherwise. Freed when dropped, memory and file together.
 pub struct Managed {
     pub addr: u64,
     pub len: u64,
-    /// The memory file behind the buffer; None for ordinary memory.
+    /// The memory file behind the buffer (sealed at its length); None for ordinary memory.
     pub fd: Option<OwnedFd>,
 }
 
@@ -67,15 +67,23 @@ impl Managed {
     }
 
     fn in_memory_file(len: u64, n: usize) -> Option<Managed> {
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         // SAFETY: a constant, NUL-terminated name; the flags are valid.
-        let raw = unsafe { libc::memfd_create(c"mooncake-managed".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(c"mooncake-managed".as_ptr(), flags) };
         if raw < 0 {
             return None;
         }
         // SAFETY: `raw` is a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: a valid descriptor and a length that fits in off_t (from a usize).
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), n as libc::off_t) } != 0 {
+        // Sealed at its length: a peer's mapping can never find its pages cut away (SIGBUS), and
+        // a peer can tell the file from any other (`Pidfd::map_file` checks the seals).
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: a valid descriptor, a length that fits in off_t (from a usize), valid seals.
+        let sized = unsafe {
+            libc::ftruncate(fd.as_raw_fd(), n as libc::off_t) == 0
+                && libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) == 0
+        };
+        if !sized {
             return None;
         }
         // SAFETY: a fresh shared mapping of the whole file, placed by the kernel.
@@ -95,10 +103,13 @@ impl Managed {
             fd: Some(fd),
         })
     }
+}
 
-    /// Frees the buffer, once nothing uses it (its region was unregistered). A peer that mapped
-    /// the memory file keeps the pages until it drops its mapping; this process's are gone.
-    pub fn free(self) {
+impl Drop for Managed {
+    /// Frees the buffer; its owner drops it only once nothing uses it (its region was
+    /// unregistered). A peer that mapped the memory file keeps the pages until it drops its
+    /// mapping; this process's are gone, and the file is closed after them.
+    fn drop(&mut self) {
         match self.fd {
             // SAFETY: the mapping `in_memory_file` made, with its length; no transfer uses it.
             Some(_) => unsafe {
@@ -115,51 +126,67 @@ impl Managed {
     }
 }
 
-/// A peer's memory file (a managed buffer of a process on this host) mapped into this process,
-/// unmapped when dropped. Copies through it are plain `memcpy`s: about twice what
-/// `process_vm_readv` moves, which copies in the kernel page by page.
-pub struct Mapping {
-    addr: usize,
-    len: usize,
+/// A handle on a process of this host (`pidfd_open`): it tells when the process has exited, and
+/// takes descriptors from it.
+pub struct Pidfd {
+    fd: OwnedFd,
 }
 
-impl Mapping {
-    /// Maps `len` bytes of the memory file that process `pid` holds as descriptor `fd`. Taking
-    /// a process's descriptor (`pidfd_getfd`) needs the permission `process_vm_readv` needs; the
-    /// caller checks `len` against the file, which must be at least that long.
-    pub fn of_peer_file(pid: i32, fd: i32, len: u64) -> std::io::Result<Mapping> {
+impl Pidfd {
+    pub fn open(pid: i32) -> std::io::Result<Pidfd> {
+        // SAFETY: a plain system call on integers; the result is checked.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the descriptor is new and ours.
+        Ok(Pidfd {
+            fd: unsafe { OwnedFd::from_raw_fd(raw as i32) },
+        })
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    }
+
+    /// Maps `len` bytes of the process's managed buffer held as descriptor `fd`. Taking a
+    /// process's descriptor (`pidfd_getfd`) needs the permission `process_vm_readv` needs. The
+    /// descriptor must be a memory file sealed against shrinking, at least `len` bytes long:
+    /// anything else (another file, or a number reused) is refused, not mapped.
+    pub fn map_file(&self, fd: i32, len: u64) -> std::io::Result<Mapping> {
         let n = usize::try_from(len)
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| std::io::Error::other(format!("a mapping of {len} bytes")))?;
         let last = || std::io::Error::last_os_error();
-        // SAFETY: plain system calls on integers; each result is checked.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if pidfd < 0 {
-            return Err(last());
-        }
-        // SAFETY: the descriptor is new and ours.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-        // SAFETY: as above.
-        let theirs = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        // SAFETY: a plain system call on integers; the result is checked.
+        let theirs = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.fd.as_raw_fd(), fd, 0) };
         if theirs < 0 {
             return Err(last());
         }
-        // SAFETY: as above.
+        // SAFETY: the descriptor is new and ours.
         let file = unsafe { OwnedFd::from_raw_fd(theirs as i32) };
+        // SAFETY: a valid descriptor; F_GET_SEALS fails on anything but a memory file.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
         // SAFETY: `st` is plain data the call fills.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: a valid descriptor and a pointer to `st`.
-        if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
-            return Err(last());
-        }
-        if (st.st_mode & libc::S_IFMT) != libc::S_IFREG || (st.st_size as u64) < len {
+        let stat = unsafe { libc::fstat(file.as_raw_fd(), &mut st) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 || stat != 0 || (st.st_size as u64) < len {
             return Err(std::io::Error::other(format!(
-                "descriptor {fd} of process {pid} is not a memory file of {len} bytes"
+                "descriptor {fd} of the peer is not a sealed memory file of {len} bytes"
             )));
         }
-        // SAFETY: a new shared mapping of `n` bytes of a file at least that long. Not populated
-        // up front: that would give pages to every byte of a buffer the target has not touched.
+        // SAFETY: a new shared mapping of `n` bytes of a file at least that long, which cannot
+        // shrink. Not populated up front: that would give pages to every byte of a buffer the
+        // target has not touched.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -178,7 +205,17 @@ impl Mapping {
             len: n,
         })
     }
+}
 
+/// A peer's memory file (a managed buffer of a process on this host) mapped into this process,
+/// unmapped when dropped. Copies through it are plain `memcpy`s: about twice what
+/// `process_vm_readv` moves, which copies in the kernel page by page.
+pub struct Mapping {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapping {
     /// The mapped length.
     pub fn len(&self) -> u64 {
         self.len as u64
@@ -197,7 +234,9 @@ impl Mapping {
             // SAFETY: the local range lies in a region this process registered and holds a
             // `Use` of (the caller's duty, as for `copy_with_process`); the mapped range lies
             // inside this mapping (asserted), which the target granted for this copy and holds
-            // until released. The two never overlap: one is the peer's file, the other ours.
+            // until released. The two are different addresses; they reach the same pages only if
+            // the application registered one buffer with two engines of one process, its own
+            // race, as with any copy it runs into a buffer it is using.
             unsafe {
                 if read {
                     std::ptr::copy_nonoverlapping(mapped, local, n as usize);
@@ -211,8 +250,8 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: the mapping `of_peer_file` made; no copy runs through it any more (copies
-        // borrow it).
+        // SAFETY: the mapping `map_file` made; no copy runs through it any more (copies borrow
+        // it).
         unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
     }
 }

@@ -130,17 +130,19 @@ impl Peers {
 async fn ask(session: &str) -> io::Result<Hello> {
     let mut s = TcpStream::connect(session).await?;
     s.set_nodelay(true)?;
-    match call(&mut s, Op::PeerHello, 0, session, &[]).await? {
+    match call(&mut s, Op::PeerHello, 0, 0, session, &[]).await? {
         Ok(body) => Hello::decode(&body),
         Err((_, refused)) => Err(io::Error::other(format!("it refused: {refused}"))),
     }
 }
 
 /// One request to the engine `target` on `s` (`grant`: the incarnation it must carry, where it
-/// must) and its answer's body; a refusal comes back as `Ok(Err((code, message)))`.
+/// must; `flags`: the op's) and its answer's body; a refusal comes back as
+/// `Ok(Err((code, message)))`.
 pub async fn call(
     s: &mut TcpStream,
     op: Op,
+    flags: u16,
     grant: u64,
     target: &str,
     payload: &[u8],
@@ -148,7 +150,7 @@ pub async fn call(
     let h = RequestHeader {
         op,
         key_len: target.len() as u16,
-        flags: 0,
+        flags,
         request_id: 1,
         offset: 0,
         length: payload.len() as u64,

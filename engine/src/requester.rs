@@ -16,11 +16,12 @@ use mooncake_common::{
     transport::{ReadItem, TransferError, WriteItem},
     ObjectKey, SegmentName, Stamp,
 };
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::{
     directory::Directory,
-    local::{Outcome, SameHost},
+    local::{Mappings, Outcome, SameHost},
     peers::{self, Hello, Peers},
     regions::{Regions, Use},
     small::{self, Dir, Small},
@@ -58,10 +59,12 @@ impl Counters {
     }
 }
 
-/// What an engine's requesters share: the batches moved, and the peers met.
+/// What an engine's requesters share: the batches moved, the peers met, and the peers' memory
+/// files mapped.
 pub struct Shared {
     pub counters: Arc<Counters>,
     pub peers: Arc<Peers>,
+    pub mappings: Arc<Mutex<Mappings>>,
 }
 
 pub struct Requester {
@@ -98,7 +101,7 @@ impl Requester {
             }),
             same_host: config
                 .same_host
-                .then(|| SameHost::new(config.transfer_timeout)),
+                .then(|| SameHost::new(config.transfer_timeout, shared.mappings)),
             small: dedicated_runtime.then(|| Small::new(config.transfer_timeout)),
             counters: shared.counters,
             peers: shared.peers,

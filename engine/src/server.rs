@@ -341,13 +341,12 @@ impl Connection {
                     Ok(uses) => {
                         // Which process granted (the caller copies with exactly this one), and,
                         // when every range lies in a managed buffer's memory file, where.
-                        let files = uses.iter().map(Use::file_range).collect();
                         let answer = Grant {
                             pid: u64::from(std::process::id()),
-                            files,
+                            files: uses.iter().map(Use::file_range).collect(),
                             files_removed: self.served.regions.files_removed(),
                         }
-                        .encode();
+                        .encode(h.flags & wire::PEER_GRANT_FILES != 0);
                         self.held = uses;
                         self.ok(&h, answer.len() as u64).await?;
                         self.writer.write_all(&answer).await?;

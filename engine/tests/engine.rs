@@ -878,3 +878,93 @@ async fn a_peers_managed_buffer_is_copied_through_a_mapping_and_a_freed_one_is_l
     );
     b.unregister(addr(&plain)).await.unwrap();
 }
+
+/// A raw `PeerGrant` of one range to `e`, with `flags`: the answer's status and length.
+async fn raw_grant(e: &TransferEngine, flags: u16, addr: u64, len: u64) -> (i32, u64) {
+    use mooncake_common::wire::{Op, RequestHeader, RESPONSE_HEADER_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut s = tokio::net::TcpStream::connect(e.session_name())
+        .await
+        .unwrap();
+    let name = e.session_name().as_bytes();
+    let mut frame = RequestHeader {
+        op: Op::PeerGrant,
+        key_len: name.len() as u16,
+        flags,
+        request_id: 1,
+        offset: 0,
+        length: 16,
+        grant: e.incarnation(),
+        seal: Default::default(),
+    }
+    .encode()
+    .to_vec();
+    frame.extend_from_slice(name);
+    frame.extend_from_slice(&addr.to_le_bytes());
+    frame.extend_from_slice(&len.to_le_bytes());
+    s.write_all(&frame).await.unwrap();
+    let mut answer = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut answer).await.unwrap();
+    (
+        i32::from_le_bytes(answer[4..8].try_into().unwrap()),
+        u64::from_le_bytes(answer[16..24].try_into().unwrap()),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_mappings_go_with_the_engine_that_offered_them() {
+    use mooncake_common::wire::PEER_GRANT_FILES;
+
+    const LEN: usize = 1 << 20;
+    let a = engine_on(Duration::from_secs(10), true).await;
+    let b = engine(Duration::from_secs(10)).await;
+    let src = pattern(LEN, 5);
+    a.register(addr(&src), LEN as u64).unwrap();
+    // 4 x 128 KiB: a batch short enough to be copied on the calling task.
+    let quarter = |local: u64, remote: u64| -> Vec<TransferRequest> {
+        (0..4)
+            .map(|i| TransferRequest {
+                local: local + (i * (128 << 10)) as u64,
+                remote: remote + ((3 - i) * (128 << 10)) as u64,
+                len: 128 << 10,
+            })
+            .collect()
+    };
+    let m = b.allocate_managed(LEN as u64).unwrap();
+    a.transfer(b.session_name(), TransferOp::Write, &quarter(addr(&src), m))
+        .await
+        .unwrap();
+    for i in 0..4usize {
+        let got = b
+            .read_local(m + ((3 - i) * (128 << 10)) as u64, 128 << 10)
+            .unwrap();
+        assert!(got[..] == src[i * (128 << 10)..][..128 << 10], "block {i}");
+    }
+    assert_eq!(a.stats().mapped_batches, 1);
+    let (inode, n) = memory_file_at(m);
+    assert_eq!(n, 2);
+    // The engine stops (its buffers freed); another in the same process answers the caller
+    // next, and the caller lets the stopped one's file go.
+    drop(b);
+    assert_eq!(mappings_of(inode), 1, "the caller's mapping alone");
+    let c = engine(Duration::from_secs(10)).await;
+    let m2 = c.allocate_managed(LEN as u64).unwrap();
+    a.transfer(
+        c.session_name(),
+        TransferOp::Write,
+        &quarter(addr(&src), m2),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mappings_of(inode), 0, "the stopped engine's file is let go");
+    assert_eq!(a.stats().mapped_batches, 2);
+    assert!(c.read_local(m2 + (3 << 17), 128 << 10).unwrap()[..] == src[..128 << 10]);
+    // The grant answer: the pid alone unless the caller asks where the ranges lie (a caller of
+    // an older release expects 8 bytes).
+    assert_eq!(raw_grant(&c, 0, m2, 4096).await, (0, 8));
+    assert_eq!(
+        raw_grant(&c, PEER_GRANT_FILES, m2, 4096).await,
+        (0, 16 + 32)
+    );
+}

@@ -164,18 +164,37 @@ assert e.free_managed_buffer(m, n) == 0
 """
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
-def test_another_processs_managed_buffer_is_copied_through_a_mapping(shm, monkeypatch):
-    """A managed buffer lives in a memory file: a peer on the same host maps it and copies with
-    memcpy (counted as same_host_mapped); with MOONCAKE_SHM=0 the same calls go over TCP."""
+def memory_files(pid="self"):
+    """The inodes of the managed buffers' memory files mapped in a process."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {int(line.split()[4]) for line in f if "memfd:mooncake-managed" in line}
+
+
+def start_target(n):
     import subprocess
     import sys
 
+    p = subprocess.Popen([sys.executable, "-c", TARGET, str(n)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    peer, m = p.stdout.readline().split()
+    return p, peer, int(m)
+
+
+def stop_target(p):
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_another_processs_managed_buffer_is_copied_through_a_mapping(shm, monkeypatch):
+    """A managed buffer lives in a memory file: a peer on the same host maps it and copies with
+    memcpy (counted as same_host_mapped), and lets the mapping go once the target has exited;
+    with MOONCAKE_SHM=0 the same calls go over TCP."""
     n = 4 << 20
-    target = subprocess.Popen([sys.executable, "-c", TARGET, str(n)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    target, peer, m = start_target(n)
+    second = None
     try:
-        peer, m = target.stdout.readline().split()
         monkeypatch.setenv("MOONCAKE_SHM", shm)
         a = TransferEngine()
         assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -184,22 +203,30 @@ def test_another_processs_managed_buffer_is_copied_through_a_mapping(shm, monkey
         src_p = ctypes.addressof(src)
         assert a.register_memory(back_p, n) == 0 and a.register_memory(src_p, n) == 0
         half = n // 2
-        assert a.batch_transfer_sync_read(peer, [back_p, back_p + half], [int(m), int(m) + half],
+        assert a.batch_transfer_sync_read(peer, [back_p, back_p + half], [m, m + half],
                                           [half, half]) == 0
         assert back.raw == bytes((i * 7 + 1) % 251 for i in range(n))
-        assert a.transfer_sync_write(peer, src_p, int(m), n) == 0
+        assert a.transfer_sync_write(peer, src_p, m, n) == 0
         target.stdin.write("check\n")
         target.stdin.flush()
         assert target.stdout.readline().strip() == "ok"
         mapped = 2 if shm == "1" else 0
         assert a.get_stats() == {"same_host": mapped, "same_host_mapped": mapped, "tcp": 2 - mapped}
+        (theirs,) = memory_files(target.pid)
+        assert (theirs in memory_files()) == (shm == "1"), "mapped only on the same-host path"
         target.stdin.write("done\n")
         target.stdin.close()
         assert target.wait(timeout=30) == 0
+        # The target is gone: the caller's next grant (to another process) lets its file go.
+        second, peer2, m2 = start_target(n)
+        ctypes.memset(back_p, 0, n)
+        assert a.transfer_sync_read(peer2, back_p, m2, 256 << 10) == 0
+        assert back.raw[:256 << 10] == bytes((i * 7 + 1) % 251 for i in range(256 << 10))
+        assert theirs not in memory_files()
     finally:
-        if target.poll() is None:
-            target.kill()
-            target.wait()
+        stop_target(target)
+        if second:
+            stop_target(second)
 
 
 def test_initialize_refuses_what_it_cannot_do():
