@@ -32,6 +32,16 @@ fn addr(v: &[u8]) -> u64 {
     v.as_ptr() as u64
 }
 
+/// The same requests with their local side moved from the buffer at `from` to the one at `to`.
+fn moved(requests: &[TransferRequest], from: u64, to: u64) -> Vec<TransferRequest> {
+    (requests.iter())
+        .map(|r| TransferRequest {
+            local: r.local - from + to,
+            ..*r
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_move_both_ways_byte_for_byte() {
     for same_host in [false, true] {
@@ -75,13 +85,7 @@ async fn batches_both_ways(same_host: bool) {
             );
         }
         // And back, by reading from the peer.
-        let reads: Vec<TransferRequest> = writes
-            .iter()
-            .map(|w| TransferRequest {
-                local: w.local - addr(&src) + addr(&back),
-                ..*w
-            })
-            .collect();
+        let reads = moved(&writes, addr(&src), addr(&back));
         a.transfer(b.session_name(), TransferOp::Read, &reads)
             .await
             .unwrap();
@@ -610,42 +614,14 @@ async fn a_waiting_callers_small_transfers_take_blocking_sockets_with_the_same_c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
-    use mooncake_common::wire::{Op, RequestHeader, RESPONSE_HEADER_LEN};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
     let deadline = Duration::from_millis(200);
     let b = engine(deadline).await;
     let region = vec![0u8; 4096];
     b.register(addr(&region), 4096).unwrap();
     // A peer that is granted the range and then neither copies nor releases: its copy could
     // still be running, so the range is never given up under it.
-    let mut s = tokio::net::TcpStream::connect(b.session_name())
-        .await
-        .unwrap();
-    let name = b.session_name().as_bytes();
-    let mut frame = RequestHeader {
-        op: Op::PeerGrant,
-        key_len: name.len() as u16,
-        flags: 0,
-        request_id: 1,
-        offset: 0,
-        length: 16,
-        grant: b.incarnation(),
-        seal: Default::default(),
-    }
-    .encode()
-    .to_vec();
-    frame.extend_from_slice(name);
-    frame.extend_from_slice(&addr(&region).to_le_bytes());
-    frame.extend_from_slice(&4096u64.to_le_bytes());
-    s.write_all(&frame).await.unwrap();
-    let mut answer = [0u8; RESPONSE_HEADER_LEN];
-    s.read_exact(&mut answer).await.unwrap();
-    assert_eq!(
-        i32::from_le_bytes(answer[4..8].try_into().unwrap()),
-        0,
-        "granted"
-    );
+    let (s, status, _) = raw_grant(&b, 0, addr(&region), 4096).await;
+    assert_eq!(status, 0, "granted");
     // Unregistering gives up after twice the deadline: -4, and the region stays registered.
     let t = Instant::now();
     let e = b.unregister(addr(&region)).await.unwrap_err();
@@ -820,12 +796,7 @@ async fn a_peers_managed_buffer_is_copied_through_a_mapping_and_a_freed_one_is_l
         assert!(got[..] == src[(w.local - addr(&src)) as usize..][..w.len as usize]);
     }
     assert_eq!(mappings_of(inode), 2, "the caller mapped the target's file");
-    let reads: Vec<_> = (writes.iter())
-        .map(|w| TransferRequest {
-            local: w.local - addr(&src) + addr(&back),
-            ..*w
-        })
-        .collect();
+    let reads = moved(&writes, addr(&src), addr(&back));
     a.transfer(b.session_name(), TransferOp::Read, &reads)
         .await
         .unwrap();
@@ -879,8 +850,14 @@ async fn a_peers_managed_buffer_is_copied_through_a_mapping_and_a_freed_one_is_l
     b.unregister(addr(&plain)).await.unwrap();
 }
 
-/// A raw `PeerGrant` of one range to `e`, with `flags`: the answer's status and length.
-async fn raw_grant(e: &TransferEngine, flags: u16, addr: u64, len: u64) -> (i32, u64) {
+/// A raw `PeerGrant` of one range to `e`, with `flags`: the connection (which holds the grant
+/// until closed), the answer's status and its length.
+async fn raw_grant(
+    e: &TransferEngine,
+    flags: u16,
+    addr: u64,
+    len: u64,
+) -> (tokio::net::TcpStream, i32, u64) {
     use mooncake_common::wire::{Op, RequestHeader, RESPONSE_HEADER_LEN};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -907,6 +884,7 @@ async fn raw_grant(e: &TransferEngine, flags: u16, addr: u64, len: u64) -> (i32,
     let mut answer = [0u8; RESPONSE_HEADER_LEN];
     s.read_exact(&mut answer).await.unwrap();
     (
+        s,
         i32::from_le_bytes(answer[4..8].try_into().unwrap()),
         u64::from_le_bytes(answer[16..24].try_into().unwrap()),
     )
@@ -962,9 +940,8 @@ async fn a_callers_mappings_go_with_the_engine_that_offered_them() {
     assert!(c.read_local(m2 + (3 << 17), 128 << 10).unwrap()[..] == src[..128 << 10]);
     // The grant answer: the pid alone unless the caller asks where the ranges lie (a caller of
     // an older release expects 8 bytes).
-    assert_eq!(raw_grant(&c, 0, m2, 4096).await, (0, 8));
-    assert_eq!(
-        raw_grant(&c, PEER_GRANT_FILES, m2, 4096).await,
-        (0, 16 + 32)
-    );
+    let (_, status, len) = raw_grant(&c, 0, m2, 4096).await;
+    assert_eq!((status, len), (0, 8));
+    let (_, status, len) = raw_grant(&c, PEER_GRANT_FILES, m2, 4096).await;
+    assert_eq!((status, len), (0, 16 + 32));
 }
