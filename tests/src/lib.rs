@@ -276,6 +276,21 @@ impl ChildGuard {
         self.child.id() as i32
     }
 
+    /// Spawns `cmd` with SIGINT at its default action, as a terminal's Ctrl-C finds a command:
+    /// a test run started in the background (`nohup`, a script's `&`) hands SIGINT down ignored,
+    /// and a shell cannot trap a signal that was ignored when it started.
+    pub fn spawn_interruptible(cmd: &mut Command) -> ChildGuard {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec the hook makes one async-signal-safe call, signal(2).
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                Ok(())
+            });
+        }
+        Self::spawn_cmd(cmd)
+    }
+
     pub fn signal(&self, sig: i32) {
         // SAFETY: plain kill(2) on the pid of a child this guard owns and has not reaped.
         unsafe {

@@ -89,7 +89,7 @@ async fn ctrl_c_stops_the_command_and_the_owner() {
         .unwrap();
     let mut cmd = wrapper(&master.rpc_addr.to_string(), &["sleep", "30"]);
     cmd.stderr(Stdio::null());
-    let mut w = ChildGuard::spawn_cmd(&mut cmd);
+    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
     let mounted = mooncake_tests::eventually(Duration::from_secs(20), async || {
         master.with_state(|s| s.segment_stats().len()) == 1
     })
