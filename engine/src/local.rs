@@ -151,27 +151,7 @@ impl Mappings {
         grant: &Grant,
         evicted: &mut Vec<Arc<Mapping>>,
     ) -> Option<Arc<Mapping>> {
-        self.by_peer.retain(|&inc, p| {
-            let gone = p.pidfd.exited() || (p.pid == pid && inc != incarnation);
-            if gone {
-                evicted.extend(p.by_id.drain().map(|(_, m)| m));
-            }
-            !gone
-        });
-        if let Some(p) = self.by_peer.get_mut(&incarnation) {
-            if p.removed_seen != grant.files_removed {
-                p.removed_seen = grant.files_removed;
-                let named: HashSet<u64> = grant.files.iter().flatten().map(|f| f.file.id).collect();
-                let freed: Vec<u64> = (p.by_id.keys())
-                    .filter(|id| !named.contains(id))
-                    .copied()
-                    .collect();
-                evicted.extend(freed.iter().filter_map(|id| p.by_id.remove(id)));
-            }
-        }
-        if self.refused.len() > MAX_REFUSED {
-            self.refused.clear();
-        }
+        self.let_go(incarnation, pid, grant, evicted);
         let file = grant.single_file()?;
         if self.refused.contains(&incarnation) {
             return None;
@@ -205,6 +185,36 @@ impl Mappings {
                 Some(m)
             }
             Err(e) => cannot_map(&mut self.refused, incarnation, pid, e),
+        }
+    }
+
+    /// Moves to `evicted` the mappings a grant from `incarnation` (process `pid`) shows are no
+    /// longer needed: those of peers whose process exited or that another engine of the same
+    /// process replaced, and this peer's files that it freed since its last grant.
+    fn let_go(
+        &mut self,
+        incarnation: u64,
+        pid: i32,
+        grant: &Grant,
+        evicted: &mut Vec<Arc<Mapping>>,
+    ) {
+        self.by_peer.retain(|&inc, p| {
+            let gone = p.pidfd.exited() || (p.pid == pid && inc != incarnation);
+            if gone {
+                evicted.extend(p.by_id.drain().map(|(_, m)| m));
+            }
+            !gone
+        });
+        if let Some(p) = self.by_peer.get_mut(&incarnation) {
+            if p.removed_seen != grant.files_removed {
+                p.removed_seen = grant.files_removed;
+                let named: HashSet<u64> = grant.files.iter().flatten().map(|f| f.file.id).collect();
+                let freed = p.by_id.extract_if(|id, _| !named.contains(id));
+                evicted.extend(freed.map(|(_, m)| m));
+            }
+        }
+        if self.refused.len() > MAX_REFUSED {
+            self.refused.clear();
         }
     }
 }
@@ -245,10 +255,7 @@ impl Via {
     fn copy(&self, read: bool, pairs: &[Pair]) -> std::io::Result<()> {
         match self {
             Via::Process(pid) => memory::copy_with_process(*pid, read, pairs),
-            Via::File(m) => {
-                m.copy(read, pairs);
-                Ok(())
-            }
+            Via::File(m) => m.copy(read, pairs),
         }
     }
 }
@@ -430,15 +437,7 @@ impl SameHost {
             drop(evicted);
             let (via, pairs) = match mapping {
                 Some(m) => {
-                    let files = grant.files.iter().flatten();
-                    let inside =
-                        |off: u64, n: u64| off.checked_add(n).is_some_and(|e| e <= m.len());
-                    if !(pairs.iter().zip(files.clone())).all(|(p, f)| inside(f.offset, p.2)) {
-                        let e =
-                            std::io::Error::other("the target granted a range outside its buffer");
-                        return (Err(e), true);
-                    }
-                    let at_offsets = (pairs.iter().zip(files))
+                    let at_offsets = (pairs.iter().zip(grant.files.iter().flatten()))
                         .map(|(&(l, _, n), f)| (l, f.offset, n))
                         .collect();
                     (Via::File(m), at_offsets)

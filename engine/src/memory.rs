@@ -86,19 +86,9 @@ impl Managed {
         if !sized {
             return None;
         }
-        // SAFETY: a fresh shared mapping of the whole file, placed by the kernel.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                n,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        (p != libc::MAP_FAILED).then_some(Managed {
-            addr: p as usize as u64,
+        let p = map_shared(&fd, n).ok()?;
+        Some(Managed {
+            addr: p as u64,
             len,
             fd: Some(fd),
         })
@@ -124,6 +114,28 @@ impl Drop for Managed {
             }
         }
     }
+}
+
+/// Maps the first `n` bytes of the file `fd` (at least that long), shared, readable and writable,
+/// where the kernel places it. Not populated up front: that would give pages to every byte of a
+/// buffer nobody has touched yet.
+fn map_shared(fd: &OwnedFd, n: usize) -> std::io::Result<usize> {
+    // SAFETY: a new mapping at an address the kernel picks, of a descriptor we hold; the caller
+    // checked the file is long enough.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            n,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(p as usize)
 }
 
 /// A handle on a process of this host (`pidfd_open`): it tells when the process has exited, and
@@ -184,24 +196,9 @@ impl Pidfd {
                 "descriptor {fd} of the peer is not a sealed memory file of {len} bytes"
             )));
         }
-        // SAFETY: a new shared mapping of `n` bytes of a file at least that long, which cannot
-        // shrink. Not populated up front: that would give pages to every byte of a buffer the
-        // target has not touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                n,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(last());
-        }
+        // The file is at least `n` bytes long and cannot shrink.
         Ok(Mapping {
-            addr: p as usize,
+            addr: map_shared(&file, n)?,
             len: n,
         })
     }
@@ -216,24 +213,24 @@ pub struct Mapping {
 }
 
 impl Mapping {
-    /// The mapped length.
-    pub fn len(&self) -> u64 {
-        self.len as u64
-    }
-
     /// Copies between this process's registered memory and the mapped file: `pairs` of (local
-    /// address, offset in the file, length); `read` copies the file's bytes into ours.
-    pub fn copy(&self, read: bool, pairs: &[(u64, u64, u64)]) {
+    /// address, offset in the file, length); `read` copies the file's bytes into ours. Refused,
+    /// with nothing copied, when a range (as the target answered it) runs past the mapping.
+    pub fn copy(&self, read: bool, pairs: &[(u64, u64, u64)]) -> std::io::Result<()> {
+        let inside = |&(_, off, n): &(u64, u64, u64)| {
+            off.checked_add(n).is_some_and(|end| end <= self.len as u64)
+        };
+        if !pairs.iter().all(inside) {
+            return Err(std::io::Error::other(
+                "the target granted a range outside its buffer",
+            ));
+        }
         for &(local, off, n) in pairs {
-            assert!(
-                off.checked_add(n).is_some_and(|end| end <= self.len as u64),
-                "a copy inside the mapping"
-            );
             let mapped = (self.addr + off as usize) as *mut u8;
             let local = local as usize as *mut u8;
             // SAFETY: the local range lies in a region this process registered and holds a
             // `Use` of (the caller's duty, as for `copy_with_process`); the mapped range lies
-            // inside this mapping (asserted), which the target granted for this copy and holds
+            // inside this mapping (checked above), which the target granted for this copy and holds
             // until released. The two are different addresses; they reach the same pages only if
             // the application registered one buffer with two engines of one process, its own
             // race, as with any copy it runs into a buffer it is using.
@@ -245,6 +242,7 @@ impl Mapping {
                 }
             }
         }
+        Ok(())
     }
 }
 
