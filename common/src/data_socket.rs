@@ -9,6 +9,15 @@
 //!   of 15): reads 4.3 GiB/s with autotuning against 5.0-5.1 with a 1 MiB send buffer;
 //!   256 KiB and 2 MiB did worse than 1 MiB. Between hosts 1 MiB in flight per connection still
 //!   carries 10 GB/s at a 100 us round trip, and a batch spreads over several connections.
+//! - Within one host (a loopback peer, or a peer at this socket's own address), congestion control
+//!   `cubic` (`SAME_HOST_CONGESTION`) whatever the system default is. There is no link to pace
+//!   for on loopback, and a pacing algorithm such as `bbr` (the default on some distributions and
+//!   VMs) still paces: timers and small bursts on the sending core, which on loopback also runs
+//!   the receiver's protocol work. Measured here (2 cores, system default `bbr`, kvbench over
+//!   TCP, 3 interleaved rounds, medians): gets 5-35 % faster with `cubic` on both ends (256 KiB
+//!   x8 2.58 -> 2.94 GiB/s, 4 MiB x32 3.94 -> 5.31), puts the same to 20 % faster. Between hosts
+//!   the system's choice stands. Where `cubic` is not allowed (`tcp_allowed_congestion_control`),
+//!   the connection keeps the default.
 
 use std::io;
 
@@ -19,10 +28,29 @@ use tokio::net::TcpStream;
 /// bookkeeping), so the buffer holds 1 MiB.
 pub const SEND_BUFFER: usize = 512 << 10;
 
+/// Congestion control of connections within one host (see the module docs).
+pub const SAME_HOST_CONGESTION: &[u8] = b"cubic";
+
 /// Sets a freshly connected or accepted data-plane stream's options (see the module docs).
 pub fn tune(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
-    SockRef::from(stream).set_send_buffer_size(SEND_BUFFER)
+    let sock = SockRef::from(stream);
+    sock.set_send_buffer_size(SEND_BUFFER)?;
+    if same_host(stream) {
+        if let Err(e) = sock.set_tcp_congestion(SAME_HOST_CONGESTION) {
+            // Not built or not allowed here: the default serves, only slower.
+            tracing::debug!(error = %e, "same-host data connection keeps the default congestion control");
+        }
+    }
+    Ok(())
+}
+
+/// Whether the peer is this host: a loopback address, or the socket's own address.
+fn same_host(stream: &TcpStream) -> bool {
+    match (stream.local_addr(), stream.peer_addr()) {
+        (Ok(local), Ok(peer)) => peer.ip().is_loopback() || peer.ip() == local.ip(),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -44,6 +72,37 @@ mod tests {
             assert!(
                 (SEND_BUFFER..=2 * SEND_BUFFER).contains(&after),
                 "{before} -> {after}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_loopback_connection_runs_cubic_where_the_kernel_allows_it() {
+        let sysctl = |name: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap_or_default()
+        };
+        let allowed = sysctl("tcp_allowed_congestion_control");
+        let default = sysctl("tcp_congestion_control");
+        let expected = if allowed
+            .split_whitespace()
+            .any(|c| c.as_bytes() == SAME_HOST_CONGESTION)
+        {
+            SAME_HOST_CONGESTION
+        } else {
+            default.trim().as_bytes()
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
+        for s in [&client, &server] {
+            tune(s).unwrap();
+            let now = SockRef::from(s).tcp_congestion().unwrap();
+            let now = now.split(|b| *b == 0).next().unwrap_or_default();
+            assert_eq!(
+                String::from_utf8_lossy(now),
+                String::from_utf8_lossy(expected),
+                "allowed: {allowed:?}, default: {default:?}"
             );
         }
     }
