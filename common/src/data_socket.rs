@@ -46,7 +46,7 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
 }
 
 /// Whether the peer is this host: a loopback address, or the socket's own address.
-fn same_host(stream: &TcpStream) -> bool {
+pub fn same_host(stream: &TcpStream) -> bool {
     match (stream.local_addr(), stream.peer_addr()) {
         (Ok(local), Ok(peer)) => peer.ip().is_loopback() || peer.ip() == local.ip(),
         _ => false,

@@ -367,3 +367,57 @@ async fn every_transport_passes_the_same_suite() {
     }
     c.shutdown().await;
 }
+
+/// A batch of reads from an owner on this host goes over one connection: the caller's one thread
+/// receives it all, and more connections would only spread the owner's sending over threads that
+/// compete with it for the cores. (That a batch of writes of the same size may spread is the
+/// transport's unit test: whether it opens more connections depends on how the runtime polls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_reads_take_one_connection() {
+    const N: usize = 6;
+    const LEN: usize = 1 << 20;
+    let c = Cluster::start(&[SEG]).await;
+    let seg = c.owners[0].segment.clone();
+    let t = TcpTransport::new(tcp_config(1));
+    let keys: Vec<ObjectKey> = (0..N).map(|i| k(&format!("spread/{i}"))).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k.as_str(), LEN)).collect();
+    let mut grants: Vec<u64> = Vec::new();
+    for i in 0..N {
+        grants.push(grant());
+        t.write1(
+            &seg,
+            &keys[i],
+            (i * LEN) as u64,
+            stamp(grants[i]),
+            &[&values[i][..]],
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        t.idle_connections(&seg),
+        1,
+        "one write at a time needs one connection"
+    );
+
+    let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
+    let mut dsts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+    let mut reads: Vec<ReadItem<'_, '_>> = dsts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| ReadItem {
+            key: &keys[i],
+            offset: (i * LEN) as u64,
+            put_id: grants[i],
+            seal: Seal::default(),
+            parts: d,
+        })
+        .collect();
+    let res = t.read_batch(&seg, &mut reads).await;
+    drop(reads);
+    assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    assert!(bufs == values, "read bytes differ");
+    assert_eq!(t.idle_connections(&seg), 1, "a same-host read batch spread");
+    drop(t);
+    c.shutdown().await;
+}
