@@ -199,6 +199,25 @@ async fn conformance(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
     assert!(buf == nv, "{name}: a stale write changed the bytes");
 }
 
+/// Reads of `keys[i]` at `offset(i)`, version `grants[i]`, each into its one buffer.
+fn read_items<'a, 'b>(
+    keys: &'a [ObjectKey],
+    dsts: &'a mut [[&'b mut [u8]; 1]],
+    grants: &[u64],
+    offset: impl Fn(usize) -> u64,
+) -> Vec<ReadItem<'a, 'b>> {
+    dsts.iter_mut()
+        .enumerate()
+        .map(|(i, d)| ReadItem {
+            key: &keys[i],
+            offset: offset(i),
+            put_id: grants[i],
+            seal: Seal::default(),
+            parts: d,
+        })
+        .collect()
+}
+
 /// Batches of several MiB (which the TCP transport spreads over threads), with a refused item
 /// in the middle: every item's bytes and result come back in order, and the connections stay
 /// usable afterwards.
@@ -230,17 +249,13 @@ async fn large_batches(name: &str, t: &dyn DataTransport, seg: &SegmentName) {
         }
         let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
         let mut dsts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
-        let mut reads: Vec<ReadItem<'_, '_>> = dsts
-            .iter_mut()
-            .enumerate()
-            .map(|(i, d)| ReadItem {
-                key: &keys[i],
-                offset: if i == 3 { 0 } else { offset(i) },
-                put_id: grants[i],
-                seal: Seal::default(),
-                parts: d,
-            })
-            .collect();
+        let mut reads = read_items(&keys, &mut dsts, &grants, |i| {
+            if i == 3 {
+                0
+            } else {
+                offset(i)
+            }
+        });
         let res = t.read_batch(seg, &mut reads).await;
         drop(reads);
         for (i, r) in res.iter().enumerate() {
@@ -402,17 +417,7 @@ async fn same_host_reads_take_one_connection() {
 
     let mut bufs: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; LEN]).collect();
     let mut dsts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
-    let mut reads: Vec<ReadItem<'_, '_>> = dsts
-        .iter_mut()
-        .enumerate()
-        .map(|(i, d)| ReadItem {
-            key: &keys[i],
-            offset: (i * LEN) as u64,
-            put_id: grants[i],
-            seal: Seal::default(),
-            parts: d,
-        })
-        .collect();
+    let mut reads = read_items(&keys, &mut dsts, &grants, |i| (i * LEN) as u64);
     let res = t.read_batch(&seg, &mut reads).await;
     drop(reads);
     assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
