@@ -8,6 +8,7 @@ use std::sync::{
     atomic::{AtomicU64, Ordering},
     Arc,
 };
+use std::time::Instant;
 
 use mooncake_common::{
     master_api::SegmentUsage,
@@ -20,6 +21,7 @@ use mooncake_common::{
 use crate::{
     config::ClientConfig,
     error::ClientError,
+    leases::Granted,
     transport::{tcp::TcpConfig, HybridConfig, HybridTransport},
 };
 
@@ -186,17 +188,23 @@ impl Client {
     ) -> Result<Vec<Result<bool, ClientError>>, ClientError> {
         let scoped = self.scoped(keys);
         let keys = &refs(&scoped, keys)[..];
+        let asked = Instant::now();
         let found = self.check(keys).await;
         // The holds of the previous call's checks go back; a get of these hits usually follows.
         self.leases.call_ended();
         let found = found?;
         self.leases.keep(
             keys.iter()
-                .zip(&found)
+                .zip(&found.found)
                 .filter(|(_, r)| matches!(r, Ok(true)))
                 .map(|(k, _)| *k),
+            Granted {
+                asked,
+                ttl: found.lease_ttl,
+            },
         );
         Ok(found
+            .found
             .into_iter()
             .map(|r| r.map_err(|c| ClientError::master(c, "exists")))
             .collect())
@@ -290,10 +298,17 @@ impl Client {
     ) -> Result<Vec<Result<ObjectDesc, ClientError>>, ClientError> {
         let scoped = self.scoped(keys);
         let keys = &refs(&scoped, keys)[..];
+        let asked = Instant::now();
         let lookup = self.lookup(keys).await;
         self.leases.call_ended();
         let lookup = lookup?;
-        self.leases.keep(crate::leases::found(keys, &lookup));
+        self.leases.keep(
+            crate::leases::found(keys, &lookup),
+            Granted {
+                asked,
+                ttl: lookup.lease_ttl,
+            },
+        );
         Ok(lookup
             .results()
             .iter()

@@ -12,7 +12,13 @@ use mooncake_common::{
     Code, ObjectKey, ReplicaLocation, SegmentName, Tier,
 };
 
-use crate::{client::Client, error::ClientError, group::Groups, leases::found, put::fill};
+use crate::{
+    client::Client,
+    error::ClientError,
+    group::Groups,
+    leases::{found, Granted},
+    put::fill,
+};
 
 type GetResult = Result<usize, ClientError>;
 
@@ -105,8 +111,12 @@ impl Client {
             Ok(l) => l,
             Err(e) => return fill(results, valid, &e.into()),
         };
+        let granted = Granted {
+            asked: asked_at,
+            ttl: lookup.lease_ttl,
+        };
         // The lease started no earlier than our request did, so this deadline is conservative.
-        let lease_deadline = asked_at + lookup.lease_ttl;
+        let lease_deadline = granted.deadline();
 
         let mut jobs = self.read_jobs(valid, &lookup, bufs, results);
         self.read_first_replicas(&mut jobs).await;
@@ -131,7 +141,7 @@ impl Client {
             });
         join_all(retries).await;
         // The reads are over: the holds the lookup took go back, and those kept for this call.
-        self.leases.done(found(&names, &lookup));
+        self.leases.done(found(&names, &lookup), granted);
         self.leases.call_ended();
         self.count_served(&jobs);
         for job in jobs {
@@ -287,7 +297,11 @@ impl Client {
                 return keys.iter().map(|_| Err(e.for_each_key())).collect();
             }
         };
-        let lease_deadline = asked_at + lookup.lease_ttl;
+        let granted = Granted {
+            asked: asked_at,
+            ttl: lookup.lease_ttl,
+        };
+        let lease_deadline = granted.deadline();
         // Owned: `names` borrows the keys the jobs below take.
         let leased: Vec<String> = found(&names, &lookup).map(str::to_owned).collect();
         let mut found = lookup.results().iter();
@@ -316,7 +330,7 @@ impl Client {
             Ok(buf)
         });
         let got = join_all(reads).await;
-        self.leases.done(leased);
+        self.leases.done(leased, granted);
         self.leases.call_ended();
         got
     }

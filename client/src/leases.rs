@@ -6,13 +6,26 @@
 //! call of their own); when none comes within a moment, a background task sends them. A
 //! release that fails is only logged, never sent again (a hold handed back twice would take
 //! another reader's): the lease then ends at its TTL, as it would have without.
+//!
+//! The master counts a lease's holds; it does not name them. A release that reaches it after
+//! the lease ran out (and another reader leased the key anew) would end that reader's lease, and
+//! eviction could then take the object while it is being read. So a hold goes back only within
+//! the first half of its TTL, counted from when the lookup that took it was sent (the lease
+//! started no earlier); after that it is dropped and its lease ends at its TTL. An existence
+//! check followed by no call for a while is the usual case.
 
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Arc,
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
 };
 
-use mooncake_common::{master_api::Lookup, ApiError, Code, MasterApi};
+use mooncake_common::{
+    master_api::{Existence, Lookup},
+    ApiError, MasterApi,
+};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
@@ -24,12 +37,40 @@ const BATCH: usize = 4096;
 /// at most, and a client doing back-to-back gets sends one release per several of them.
 const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// The lease a lookup's (or an existence check's) hits got: asked for at `asked`, lasting `ttl`
+/// from the master's answer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Granted {
+    pub asked: Instant,
+    pub ttl: Duration,
+}
+
+impl Granted {
+    /// The earliest the lease can end: it started no earlier than it was asked for.
+    pub fn deadline(self) -> Instant {
+        self.asked + self.ttl
+    }
+
+    /// The last instant a release of one of its holds is sent.
+    fn send_by(self) -> Instant {
+        self.asked + self.ttl / 2
+    }
+}
+
+/// A hold to hand back: its key, and the instant after which it is dropped instead.
+struct Hold {
+    key: String,
+    send_by: Instant,
+}
+
 #[derive(Default)]
 pub(crate) struct Leases {
     /// Holds to hand back: a key once per hold.
-    queue: Mutex<Vec<String>>,
+    queue: Mutex<Vec<Hold>>,
     /// Holds of existence checks and descriptor lookups, queued when the next call ends.
-    held: Mutex<Vec<String>>,
+    held: Mutex<Vec<Hold>>,
+    /// Holds dropped for being too late to hand back.
+    dropped: AtomicU64,
     wake: Notify,
     closed: AtomicBool,
 }
@@ -42,11 +83,15 @@ impl Leases {
         leases
     }
 
-    /// The reads of `keys` are done: their holds go back.
-    pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>) {
+    /// The reads of `keys` are done: their holds (of the lease `granted`) go back.
+    pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>, granted: Granted) {
+        let send_by = granted.send_by();
         let mut q = self.queue.lock();
         let before = q.len();
-        q.extend(keys.into_iter().map(Into::into));
+        q.extend(keys.into_iter().map(|k| Hold {
+            key: k.into(),
+            send_by,
+        }));
         if q.len() > before {
             drop(q);
             self.wake.notify_one();
@@ -62,16 +107,47 @@ impl Leases {
         }
     }
 
-    /// Holds a get of the same keys usually follows: kept until the next call ends.
-    pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
-        self.held.lock().extend(keys.into_iter().map(str::to_owned));
+    /// Holds (of the lease `granted`) a get of the same keys usually follows: kept until the
+    /// next call ends.
+    pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>, granted: Granted) {
+        let send_by = granted.send_by();
+        self.held.lock().extend(keys.into_iter().map(|k| Hold {
+            key: k.to_owned(),
+            send_by,
+        }));
     }
 
-    /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`).
+    /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`);
+    /// those too late to go back are dropped.
     pub fn take(&self) -> Vec<String> {
-        let mut q = self.queue.lock();
-        let n = q.len().min(BATCH);
-        q.drain(..n).collect()
+        let now = Instant::now();
+        let mut late = 0;
+        let keys: Vec<String> = {
+            let mut q = self.queue.lock();
+            let n = q.len().min(BATCH);
+            q.drain(..n)
+                .filter_map(|h| {
+                    let in_time = now < h.send_by;
+                    late += u64::from(!in_time);
+                    in_time.then_some(h.key)
+                })
+                .collect()
+        };
+        if late > 0 {
+            let total = self.dropped.fetch_add(late, Ordering::Relaxed) + late;
+            tracing::debug!(
+                late,
+                total,
+                "read holds past half their lease not handed back; they end at their TTL"
+            );
+        }
+        keys
+    }
+
+    /// Holds dropped so far for being too late to hand back.
+    #[cfg(test)]
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     /// Stops the sender once it has sent what is queued now (and what is held).
@@ -85,6 +161,10 @@ impl Leases {
         loop {
             let batch = self.take();
             if batch.is_empty() {
+                if !self.queue.lock().is_empty() {
+                    // Every hold taken was too late to go back; there are more.
+                    continue;
+                }
                 if self.closed.load(Ordering::Acquire) {
                     return;
                 }
@@ -122,9 +202,35 @@ impl Client {
     }
 
     /// An existence check of `keys` that hands back this client's pending holds with it.
-    pub(crate) async fn check(&self, keys: &[&str]) -> Result<Vec<Result<bool, Code>>, ApiError> {
+    pub(crate) async fn check(&self, keys: &[&str]) -> Result<Existence, ApiError> {
         let release = self.leases.take();
         let release: Vec<&str> = release.iter().map(String::as_str).collect();
         self.master.exists(keys, &release).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked_ago(secs: u64, ttl: Duration) -> Granted {
+        let asked = Instant::now()
+            .checked_sub(Duration::from_secs(secs))
+            .expect("the clock has run that long");
+        Granted { asked, ttl }
+    }
+
+    #[test]
+    fn holds_go_back_only_within_the_first_half_of_their_lease() {
+        let leases = Leases::default();
+        let ttl = Duration::from_secs(10);
+        leases.done(["fresh"], asked_ago(0, ttl));
+        leases.done(["late"], asked_ago(6, ttl));
+        leases.keep(["kept-too-long"], asked_ago(5, ttl));
+        leases.keep(["kept"], asked_ago(4, ttl));
+        leases.call_ended();
+        assert_eq!(leases.take(), ["fresh", "kept"]);
+        assert_eq!(leases.dropped(), 2);
+        assert!(leases.take().is_empty());
     }
 }

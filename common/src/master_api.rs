@@ -54,12 +54,9 @@ pub trait MasterApi: Send + Sync {
     /// `release` are handed back first, in the same call (see `release_leases`).
     fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup>;
 
-    /// Whether each key exists (hits are leased, like a lookup); `release` as in `get_replicas`.
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>>;
+    /// Whether each key exists (hits are leased for `Existence::lease_ttl`, like a lookup's);
+    /// `release` as in `get_replicas`.
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence>;
 
     /// Removes each key; leased ones only with `force`.
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;
@@ -218,6 +215,14 @@ impl<T, E> Runs<T, E> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lookup {
     pub objects: Runs<Found, Code>,
+    /// Every hit is leased for this long from the moment the master answered.
+    pub lease_ttl: Duration,
+}
+
+/// An existence check's answer: per key whether it exists, or why not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Existence {
+    pub found: Vec<Result<bool, Code>>,
     /// Every hit is leased for this long from the moment the master answered.
     pub lease_ttl: Duration,
 }

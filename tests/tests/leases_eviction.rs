@@ -5,7 +5,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_client::{MasterApi, ReplicateConfig};
+use mooncake_client::{Code, MasterApi, ReplicateConfig};
 use mooncake_master::{
     clock::{ManualClock, Millis},
     core::LeaseMode,
@@ -28,7 +28,7 @@ async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() 
     // A reader that has looked it up and not said it is done: held until the TTL (10 s).
     let reader = c.master.in_process();
     assert_eq!(
-        reader.exists(&["leased"], &[]).await.unwrap(),
+        reader.exists(&["leased"], &[]).await.unwrap().found,
         vec![Ok(true)]
     );
 
@@ -193,5 +193,42 @@ async fn an_abandoned_put_is_released_after_the_release_timeout_on_an_injected_c
     c.master.upkeep();
     assert_eq!(allocated(), 0, "space returned after the release timeout");
     assert!(!client.exists("abandoned").await.unwrap());
+    c.shutdown().await;
+}
+
+/// A hold handed back after its lease ran out leaves another reader's lease alone: the first
+/// reader's existence check leases "k" and it then stays idle past the TTL; a second reader
+/// leases "k"; the first reader's next calls hand its old hold back, and the second reader's
+/// lease still stands (a remove without force is refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_handed_back_after_its_lease_ran_out_leaves_another_readers_lease_alone() {
+    let ttl = Duration::from_secs(2);
+    let config = MasterConfig {
+        default_kv_lease_ttl: ttl,
+        ..master_config()
+    };
+    let c = Cluster::start_with(config, &[4 * MIB]).await;
+    let first = c.client().await;
+    let cfg = ReplicateConfig::default();
+    first.put("k", &payload("k", 4096), &cfg).await.unwrap();
+    assert!(first.exists("k").await.unwrap());
+    tokio::time::sleep(ttl + Duration::from_millis(300)).await;
+
+    let second = c.master.in_process();
+    assert_eq!(
+        second.exists(&["k"], &[]).await.unwrap().found,
+        vec![Ok(true)]
+    );
+    // The first reader's next calls end, and its kept hold goes back with them (or with the
+    // background sender, which sends within milliseconds).
+    assert!(!first.exists("other").await.unwrap());
+    assert!(!first.exists("other").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    assert_eq!(
+        second.remove(&["k"], false).await.unwrap(),
+        vec![Err(Code::ObjectHasLease)],
+        "the second reader's lease was ended by the first reader's late release"
+    );
     c.shutdown().await;
 }

@@ -140,11 +140,13 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
 
+        let e = m.exists(&["a", "none", ""], &[]).await.unwrap();
         assert_eq!(
-            m.exists(&["a", "none", ""], &[]).await.unwrap(),
+            e.found,
             [Ok(true), Ok(false), Err(Code::InvalidParams)],
             "{kind:?}"
         );
+        assert_eq!(e.lease_ttl, l.lease_ttl, "{kind:?}");
 
         // A revoked put leaves the key absent and its space free.
         let gc = m.put_start(&[("c", 64)], &cfg).await.unwrap();
@@ -226,7 +228,7 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             .results
             .is_empty());
         assert!(m.get_replicas(&[], &[]).await.unwrap().results().is_empty());
-        assert!(m.exists(&[], &[]).await.unwrap().is_empty());
+        assert!(m.exists(&[], &[]).await.unwrap().found.is_empty());
         assert!(m.put_end(&[]).await.unwrap().is_empty());
         assert!(m.remove(&[], true).await.unwrap().is_empty());
         c.shutdown().await;

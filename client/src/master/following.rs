@@ -14,7 +14,7 @@ use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
     leader::{Leader, LeaderLookup},
-    master_api::{Call, Grants, Lookup, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, SegmentUsage},
     ApiError, Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use parking_lot::Mutex;
@@ -182,11 +182,7 @@ impl MasterApi for Following {
             .get_replicas(keys, first_try(&first, release)))
     }
 
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
         let first = std::sync::atomic::AtomicBool::new(true);
         on_leader!(self, Retry::Always, |m| m
             .exists(keys, first_try(&first, release)))

@@ -6,7 +6,7 @@ use std::{io, time::Duration};
 
 use mooncake_common::{
     auth::{prove, Credential},
-    master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, MasterApi, SegmentUsage},
     tenant::Tenant,
     tls::{ClientStream, TlsClient},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
@@ -159,11 +159,7 @@ impl MasterApi for FramedMaster {
         })
     }
 
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
         Box::pin(async move {
             let body = self
                 .raw(
@@ -178,7 +174,11 @@ impl MasterApi for FramedMaster {
                 .await?;
             let resp =
                 pb::BatchExistsResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
-            Ok(exists_codes(expect_len("exists", resp.codes, keys.len())?))
+            let found = exists_codes(expect_len("exists", resp.codes, keys.len())?);
+            Ok(Existence {
+                found,
+                lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+            })
         })
     }
 

@@ -6,7 +6,7 @@ use std::{future::Future, time::Duration};
 
 use mooncake_common::{
     auth::{grpc_channel, Credential},
-    master_api::{Call, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, MasterApi, SegmentUsage},
     tenant::Tenant,
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
@@ -204,11 +204,7 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
         Box::pin(async move {
             let req = pb::BatchExistsRequest {
                 keys: owned(keys),
@@ -217,7 +213,11 @@ impl MasterApi for GrpcMaster {
             let resp = self
                 .unary(|mut c| async move { c.batch_exists(req).await })
                 .await?;
-            Ok(exists_codes(expect_len("exists", resp.codes, keys.len())?))
+            let found = exists_codes(expect_len("exists", resp.codes, keys.len())?);
+            Ok(Existence {
+                found,
+                lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+            })
         })
     }
 

@@ -9,7 +9,7 @@
 use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
-    master_api::{Call, Grants, Lookup, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, SegmentUsage},
     Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use tokio::time::Instant;
@@ -86,15 +86,11 @@ impl MasterApi for Patient {
         )
     }
 
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
         let first = std::sync::atomic::AtomicBool::new(true);
         self.until_definite(
             move || self.inner.exists(keys, first_try(&first, release)),
-            |r: &Vec<Result<bool, Code>>| r.iter().any(|r| r.as_ref().is_err_and(not_yet)),
+            |e: &Existence| e.found.iter().any(|r| r.as_ref().is_err_and(not_yet)),
         )
     }
 

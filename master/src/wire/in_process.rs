@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use mooncake_common::{
-    master_api::{Call, Found, Grant, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{Call, Existence, Found, Grant, Grants, Lookup, MasterApi, SegmentUsage},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig, SegmentName,
 };
 
@@ -71,17 +71,14 @@ impl MasterApi for InProcessMaster {
         })
     }
 
-    fn exists<'a>(
-        &'a self,
-        keys: &'a [&'a str],
-        release: &'a [&'a str],
-    ) -> Call<'a, Vec<Result<bool, Code>>> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
         Box::pin(async move {
-            let (results, _) = self.0.exists(&self.1, keys, release);
-            Ok(results
+            let (results, lease_ttl) = self.0.exists(&self.1, keys, release);
+            let found = results
                 .into_iter()
                 .map(|r| r.map_err(|e| e.code()))
-                .collect())
+                .collect();
+            Ok(Existence { found, lease_ttl })
         })
     }
 
