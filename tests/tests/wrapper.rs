@@ -1,6 +1,6 @@
 //! `scripts/mooncake_owner`: starts the owner, exports MOONCAKE_PREFERRED_SEGMENT to the command
-//! (unless already set), stops the owner when the command ends or on Ctrl-C, and returns the
-//! command's exit code.
+//! (unless already set), stops the owner when the command ends, on Ctrl-C, or when the wrapper
+//! is killed outright, and returns the command's exit code.
 
 use std::{
     path::PathBuf,
@@ -113,6 +113,57 @@ async fn ctrl_c_stops_the_command_and_the_owner() {
         0,
         "owner still mounted"
     );
+    master.shutdown().await;
+}
+
+/// A wrapper killed outright (SIGKILL: its traps never run) still takes its owner down: the
+/// daemon gets SIGTERM when its parent dies, and unmounts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_wrapper_takes_its_owner_down() {
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
+    let mut cmd = wrapper(&master.rpc_addr.to_string(), &["sleep", "30"]);
+    cmd.stderr(Stdio::null());
+    let w = ChildGuard::spawn_interruptible(&mut cmd);
+    let mounted = mooncake_tests::eventually(Duration::from_secs(20), async || {
+        master.with_state(|s| s.segment_stats().len()) == 1
+    })
+    .await;
+    assert!(mounted, "the owner never mounted");
+    // The wrapper's children: the owner, and the command once it has started.
+    let children_of = |pid: i32| -> Vec<i32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect()
+    };
+    let mut children = children_of(w.pid());
+    for _ in 0..100 {
+        if children.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        children = children_of(w.pid());
+    }
+    assert_eq!(children.len(), 2, "the wrapper's children: {children:?}");
+
+    w.signal(libc::SIGKILL);
+    let unmounted = mooncake_tests::eventually(Duration::from_secs(15), async || {
+        master.with_state(|s| s.segment_stats().len()) == 0
+    })
+    .await;
+    // The command is left running (it is the caller's); end it, and the owner if it outlived
+    // the wrapper.
+    for pid in children {
+        // SAFETY: plain kill(2) on processes this test started (through the wrapper).
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    drop(w);
+    assert!(unmounted, "the owner outlived its killed wrapper");
     master.shutdown().await;
 }
 
