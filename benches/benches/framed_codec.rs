@@ -42,14 +42,14 @@ fn get_replicas(c: &mut Criterion) {
             for i in 0..BATCH {
                 enc.result(0, 1 << 20, std::iter::once(replica(black_box(i))));
             }
-            black_box(enc.finish(10_000))
+            black_box(enc.finish(10_000, 42))
         })
     });
     let mut enc = replicas::Encoder::with_capacity(BATCH * 48);
     for i in 0..BATCH {
         enc.result(0, 1 << 20, std::iter::once(replica(i)));
     }
-    let answer = enc.finish(10_000);
+    let answer = enc.finish(10_000, 42);
     c.bench_function("get_replicas/answer decode x64", |b| {
         b.iter(|| black_box(replicas::decode(black_box(&answer)).unwrap().results.len()))
     });
@@ -70,7 +70,7 @@ fn put_start(c: &mut Criterion) {
         for i in 0..BATCH {
             enc.put_start_result(0, "", i as u64 + 1, std::iter::once(replica(i)));
         }
-        enc.finish(0)
+        enc.finish(0, 0)
     };
     c.bench_function("put_start/answer encode x64", |b| {
         b.iter(|| black_box(encode()))

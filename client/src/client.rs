@@ -201,6 +201,7 @@ impl Client {
             Granted {
                 asked,
                 ttl: found.lease_ttl,
+                epoch: found.epoch,
             },
         );
         Ok(found
@@ -307,6 +308,7 @@ impl Client {
             Granted {
                 asked,
                 ttl: lookup.lease_ttl,
+                epoch: lookup.epoch,
             },
         );
         Ok(lookup

@@ -114,6 +114,7 @@ impl Client {
         let granted = Granted {
             asked: asked_at,
             ttl: lookup.lease_ttl,
+            epoch: lookup.epoch,
         };
         // The lease started no earlier than our request did, so this deadline is conservative.
         let lease_deadline = granted.deadline();
@@ -300,6 +301,7 @@ impl Client {
         let granted = Granted {
             asked: asked_at,
             ttl: lookup.lease_ttl,
+            epoch: lookup.epoch,
         };
         let lease_deadline = granted.deadline();
         // Owned: `names` borrows the keys the jobs below take.

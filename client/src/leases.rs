@@ -12,7 +12,10 @@
 //! eviction could then take the object while it is being read. So a hold goes back only within
 //! the first half of its TTL, counted from when the lookup that took it was sent (the lease
 //! started no earlier); after that it is dropped and its lease ends at its TTL. An existence
-//! check followed by no call for a while is the usual case.
+//! check followed by no call for a while is the usual case. For the same reason a hold goes back
+//! only to the master that granted it: releases name that master's epoch, a master of another
+//! epoch (restarted, or a new leader) ignores them, and once a newer master has answered, the
+//! holds of older ones are dropped here.
 
 use std::{
     sync::{
@@ -23,7 +26,7 @@ use std::{
 };
 
 use mooncake_common::{
-    master_api::{Existence, Lookup},
+    master_api::{Existence, Lookup, Releases},
     ApiError, MasterApi,
 };
 use parking_lot::Mutex;
@@ -38,11 +41,12 @@ const BATCH: usize = 4096;
 const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The lease a lookup's (or an existence check's) hits got: asked for at `asked`, lasting `ttl`
-/// from the master's answer.
+/// from the answer of the master of `epoch`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Granted {
     pub asked: Instant,
     pub ttl: Duration,
+    pub epoch: u64,
 }
 
 impl Granted {
@@ -57,10 +61,33 @@ impl Granted {
     }
 }
 
-/// A hold to hand back: its key, and the instant after which it is dropped instead.
+/// A hold to hand back: its key, the master that granted it, and the instant after which it is
+/// dropped instead.
 struct Hold {
     key: String,
+    epoch: u64,
     send_by: Instant,
+}
+
+/// Holds to hand back now, all granted by the master of `epoch`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub keys: Vec<String>,
+    pub epoch: u64,
+}
+
+impl Taken {
+    /// The borrowed form the master calls take, given the keys as `&str`s.
+    pub fn releases<'a>(&self, keys: &'a [&'a str]) -> Releases<'a> {
+        Releases {
+            keys,
+            epoch: self.epoch,
+        }
+    }
+
+    pub fn key_refs(&self) -> Vec<&str> {
+        self.keys.iter().map(String::as_str).collect()
+    }
 }
 
 #[derive(Default)]
@@ -69,8 +96,10 @@ pub(crate) struct Leases {
     queue: Mutex<Vec<Hold>>,
     /// Holds of existence checks and descriptor lookups, queued when the next call ends.
     held: Mutex<Vec<Hold>>,
-    /// Holds dropped for being too late to hand back.
+    /// Holds dropped for being too late to hand back, or granted by a master gone since.
     dropped: AtomicU64,
+    /// The newest master epoch a grant came from.
+    newest: AtomicU64,
     wake: Notify,
     closed: AtomicBool,
 }
@@ -85,11 +114,13 @@ impl Leases {
 
     /// The reads of `keys` are done: their holds (of the lease `granted`) go back.
     pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>, granted: Granted) {
-        let send_by = granted.send_by();
+        let (send_by, epoch) = (granted.send_by(), granted.epoch);
+        self.newest.fetch_max(epoch, Ordering::Relaxed);
         let mut q = self.queue.lock();
         let before = q.len();
         q.extend(keys.into_iter().map(|k| Hold {
             key: k.into(),
+            epoch,
             send_by,
         }));
         if q.len() > before {
@@ -110,38 +141,42 @@ impl Leases {
     /// Holds (of the lease `granted`) a get of the same keys usually follows: kept until the
     /// next call ends.
     pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>, granted: Granted) {
-        let send_by = granted.send_by();
+        let (send_by, epoch) = (granted.send_by(), granted.epoch);
+        self.newest.fetch_max(epoch, Ordering::Relaxed);
         self.held.lock().extend(keys.into_iter().map(|k| Hold {
             key: k.to_owned(),
+            epoch,
             send_by,
         }));
     }
 
     /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`);
-    /// those too late to go back are dropped.
-    pub fn take(&self) -> Vec<String> {
+    /// those too late to go back, or granted by a master older than the newest that answered,
+    /// are dropped.
+    pub fn take(&self) -> Taken {
         let now = Instant::now();
-        let mut late = 0;
+        let epoch = self.newest.load(Ordering::Relaxed);
+        let mut dropped = 0;
         let keys: Vec<String> = {
             let mut q = self.queue.lock();
             let n = q.len().min(BATCH);
             q.drain(..n)
                 .filter_map(|h| {
-                    let in_time = now < h.send_by;
-                    late += u64::from(!in_time);
-                    in_time.then_some(h.key)
+                    let goes = now < h.send_by && h.epoch == epoch;
+                    dropped += u64::from(!goes);
+                    goes.then_some(h.key)
                 })
                 .collect()
         };
-        if late > 0 {
-            let total = self.dropped.fetch_add(late, Ordering::Relaxed) + late;
+        if dropped > 0 {
+            let total = self.dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
             tracing::debug!(
-                late,
+                dropped,
                 total,
-                "read holds past half their lease not handed back; they end at their TTL"
+                "read holds past half their lease, or granted by a master gone since, not handed back; they end at their TTL"
             );
         }
-        keys
+        Taken { keys, epoch }
     }
 
     /// Holds dropped so far for being too late to hand back.
@@ -160,7 +195,7 @@ impl Leases {
     async fn run(self: Arc<Self>, master: Arc<dyn MasterApi>) {
         loop {
             let batch = self.take();
-            if batch.is_empty() {
+            if batch.keys.is_empty() {
                 if !self.queue.lock().is_empty() {
                     // Every hold taken was too late to go back; there are more.
                     continue;
@@ -174,8 +209,8 @@ impl Leases {
                 }
                 continue;
             }
-            let keys: Vec<&str> = batch.iter().map(String::as_str).collect();
-            if let Err(e) = master.release_leases(&keys).await {
+            let keys = batch.key_refs();
+            if let Err(e) = master.release_leases(batch.releases(&keys)).await {
                 tracing::debug!(keys = keys.len(), error = %e, "releasing read leases failed; they end at their TTL");
             }
         }
@@ -197,15 +232,17 @@ impl Client {
     /// A lookup of `keys` that hands back this client's pending holds with it.
     pub(crate) async fn lookup(&self, keys: &[&str]) -> Result<Lookup, ApiError> {
         let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        self.master.get_replicas(keys, &release).await
+        let refs = release.key_refs();
+        self.master
+            .get_replicas(keys, release.releases(&refs))
+            .await
     }
 
     /// An existence check of `keys` that hands back this client's pending holds with it.
     pub(crate) async fn check(&self, keys: &[&str]) -> Result<Existence, ApiError> {
         let release = self.leases.take();
-        let release: Vec<&str> = release.iter().map(String::as_str).collect();
-        self.master.exists(keys, &release).await
+        let refs = release.key_refs();
+        self.master.exists(keys, release.releases(&refs)).await
     }
 }
 
@@ -213,24 +250,47 @@ impl Client {
 mod tests {
     use super::*;
 
-    fn asked_ago(secs: u64, ttl: Duration) -> Granted {
+    fn asked_ago(secs: u64, ttl: Duration, epoch: u64) -> Granted {
         let asked = Instant::now()
             .checked_sub(Duration::from_secs(secs))
             .expect("the clock has run that long");
-        Granted { asked, ttl }
+        Granted { asked, ttl, epoch }
+    }
+
+    fn taken(keys: &[&str], epoch: u64) -> Taken {
+        Taken {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            epoch,
+        }
     }
 
     #[test]
     fn holds_go_back_only_within_the_first_half_of_their_lease() {
         let leases = Leases::default();
         let ttl = Duration::from_secs(10);
-        leases.done(["fresh"], asked_ago(0, ttl));
-        leases.done(["late"], asked_ago(6, ttl));
-        leases.keep(["kept-too-long"], asked_ago(5, ttl));
-        leases.keep(["kept"], asked_ago(4, ttl));
+        leases.done(["fresh"], asked_ago(0, ttl, 7));
+        leases.done(["late"], asked_ago(6, ttl, 7));
+        leases.keep(["kept-too-long"], asked_ago(5, ttl, 7));
+        leases.keep(["kept"], asked_ago(4, ttl, 7));
         leases.call_ended();
-        assert_eq!(leases.take(), ["fresh", "kept"]);
+        assert_eq!(leases.take(), taken(&["fresh", "kept"], 7));
         assert_eq!(leases.dropped(), 2);
-        assert!(leases.take().is_empty());
+        assert_eq!(leases.take(), taken(&[], 7));
+    }
+
+    #[test]
+    fn holds_go_back_only_to_the_master_that_granted_them() {
+        let leases = Leases::default();
+        let ttl = Duration::from_secs(10);
+        leases.done(["a"], asked_ago(0, ttl, 7));
+        // Before any newer master answered, the old one's holds go, naming it.
+        assert_eq!(leases.take(), taken(&["a"], 7));
+        leases.done(["b"], asked_ago(0, ttl, 7));
+        leases.keep(["c"], asked_ago(0, ttl, 7));
+        // A newer master answered (a restart, a new leader): the older holds are dropped.
+        leases.done(["d"], asked_ago(0, ttl, 9));
+        leases.call_ended();
+        assert_eq!(leases.take(), taken(&["d"], 9));
+        assert_eq!(leases.dropped(), 2);
     }
 }

@@ -52,11 +52,11 @@ pub trait MasterApi: Send + Sync {
 
     /// Where each key's replicas are; every hit is leased for `Lookup::lease_ttl`. The holds in
     /// `release` are handed back first, in the same call (see `release_leases`).
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup>;
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup>;
 
     /// Whether each key exists (hits are leased for `Existence::lease_ttl`, like a lookup's);
     /// `release` as in `get_replicas`.
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence>;
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence>;
 
     /// Removes each key; leased ones only with `force`.
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>>;
@@ -70,9 +70,10 @@ pub trait MasterApi: Send + Sync {
     /// The mounted segments and their usage.
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>>;
 
-    /// This reader is done with `keys` (a key once per hold its lookups and existence checks
-    /// took): with the master's lease mode "reads", a lease whose last hold goes ends at once.
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()>;
+    /// This reader is done with the holds in `release` (a key once per hold its lookups and
+    /// existence checks took): with the master's lease mode "reads", a lease whose last hold
+    /// goes ends at once.
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()>;
 
     /// Starts a copy of `key` to more segments, or a move of its replica to another one;
     /// answers the task's id. Refusals (no such object, unknown segment, no room) are errors
@@ -217,6 +218,8 @@ pub struct Lookup {
     pub objects: Runs<Found, Code>,
     /// Every hit is leased for this long from the moment the master answered.
     pub lease_ttl: Duration,
+    /// The answering master's epoch: the hits' holds go back with it (see `Releases`).
+    pub epoch: u64,
 }
 
 /// An existence check's answer: per key whether it exists, or why not.
@@ -225,6 +228,26 @@ pub struct Existence {
     pub found: Vec<Result<bool, Code>>,
     /// Every hit is leased for this long from the moment the master answered.
     pub lease_ttl: Duration,
+    /// The answering master's epoch: the hits' holds go back with it (see `Releases`).
+    pub epoch: u64,
+}
+
+/// Read holds handed back (a key once per hold), all granted by the master of `epoch`. A master
+/// counts a lease's holds without naming them, so a hold it never granted would end another
+/// reader's: a master of another epoch (restarted, or a new leader) ignores them. Epoch 0 (not
+/// known) is taken as the receiving master's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Releases<'a> {
+    pub keys: &'a [&'a str],
+    pub epoch: u64,
+}
+
+impl Releases<'_> {
+    /// Nothing to hand back.
+    pub const NONE: Releases<'static> = Releases {
+        keys: &[],
+        epoch: 0,
+    };
 }
 
 /// A key that was found: its size, and its replicas in `Lookup::replicas`.

@@ -344,7 +344,7 @@ fn framed_seeds() -> Vec<Vec<u8>> {
     };
     enc.result(0, 4096, [rep(0), rep(4096)]);
     enc.result(-704, 0, []);
-    seeds.push(frame(0, &enc.finish(10_000)));
+    seeds.push(frame(0, &enc.finish(10_000, 42)));
     let mut enc = replicas::Encoder::default();
     enc.put_start_result(0, "", 11, [rep(8192)]);
     enc.put_start_result(-705, "exists", 0, []);

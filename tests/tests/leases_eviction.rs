@@ -6,6 +6,7 @@
 use std::{sync::Arc, time::Duration};
 
 use mooncake_client::{Code, MasterApi, ReplicateConfig};
+use mooncake_common::master_api::Releases;
 use mooncake_master::{
     clock::{ManualClock, Millis},
     core::LeaseMode,
@@ -28,7 +29,11 @@ async fn eviction_frees_space_under_pressure_and_never_evicts_a_leased_object() 
     // A reader that has looked it up and not said it is done: held until the TTL (10 s).
     let reader = c.master.in_process();
     assert_eq!(
-        reader.exists(&["leased"], &[]).await.unwrap().found,
+        reader
+            .exists(&["leased"], Releases::NONE)
+            .await
+            .unwrap()
+            .found,
         vec![Ok(true)]
     );
 
@@ -216,7 +221,7 @@ async fn a_hold_handed_back_after_its_lease_ran_out_leaves_another_readers_lease
 
     let second = c.master.in_process();
     assert_eq!(
-        second.exists(&["k"], &[]).await.unwrap().found,
+        second.exists(&["k"], Releases::NONE).await.unwrap().found,
         vec![Ok(true)]
     );
     // The first reader's next calls end, and its kept hold goes back with them (or with the

@@ -9,7 +9,8 @@ use mooncake_client::{
     Client, MasterApi, ReplicateConfig, Tier,
 };
 use mooncake_common::{
-    master_api::Lookup, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus, ReplicaTaskType,
+    master_api::{Lookup, Releases},
+    Code, ReplicaTaskSpec, ReplicaTaskState, ReplicaTaskStatus, ReplicaTaskType,
 };
 use mooncake_tests::{payload, transport, Cluster};
 
@@ -103,7 +104,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
         assert!(!dup.message.is_empty(), "{kind:?}: refusals carry a text");
 
         // Not readable before its put ends.
-        let early = m.get_replicas(&["a"], &[]).await.unwrap();
+        let early = m.get_replicas(&["a"], Releases::NONE).await.unwrap();
         assert_eq!(lookup_codes(&early), [Code::ReplicaIsNotReady], "{kind:?}");
 
         let ends = m
@@ -116,7 +117,10 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
 
-        let l = m.get_replicas(&["a", "none", "", "b"], &[]).await.unwrap();
+        let l = m
+            .get_replicas(&["a", "none", "", "b"], Releases::NONE)
+            .await
+            .unwrap();
         assert_eq!(
             lookup_codes(&l),
             [
@@ -140,7 +144,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
 
-        let e = m.exists(&["a", "none", ""], &[]).await.unwrap();
+        let e = m.exists(&["a", "none", ""], Releases::NONE).await.unwrap();
         assert_eq!(
             e.found,
             [Ok(true), Ok(false), Err(Code::InvalidParams)],
@@ -162,7 +166,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
             "{kind:?}"
         );
         assert_eq!(
-            lookup_codes(&m.get_replicas(&["c"], &[]).await.unwrap()),
+            lookup_codes(&m.get_replicas(&["c"], Releases::NONE).await.unwrap()),
             [Code::ObjectNotFound],
             "{kind:?}"
         );
@@ -227,8 +231,18 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             .unwrap()
             .results
             .is_empty());
-        assert!(m.get_replicas(&[], &[]).await.unwrap().results().is_empty());
-        assert!(m.exists(&[], &[]).await.unwrap().found.is_empty());
+        assert!(m
+            .get_replicas(&[], Releases::NONE)
+            .await
+            .unwrap()
+            .results()
+            .is_empty());
+        assert!(m
+            .exists(&[], Releases::NONE)
+            .await
+            .unwrap()
+            .found
+            .is_empty());
         assert!(m.put_end(&[]).await.unwrap().is_empty());
         assert!(m.remove(&[], true).await.unwrap().is_empty());
         c.shutdown().await;
@@ -284,19 +298,38 @@ async fn every_master_api_hands_back_read_holds_the_same() {
         for k in ["h/a", "h/b", "h/c"] {
             client.put(k, &payload(k, 1000), &cfg).await.unwrap();
         }
-        // Two holds on a, one on b and c.
-        m.get_replicas(&["h/a", "h/b"], &[]).await.unwrap();
-        m.exists(&["h/a", "h/c"], &[]).await.unwrap();
+        // Two holds on a, one on b and c, all granted by this master's epoch.
+        let epoch = m
+            .get_replicas(&["h/a", "h/b"], Releases::NONE)
+            .await
+            .unwrap()
+            .epoch;
+        assert_ne!(epoch, 0, "{kind:?}");
+        let checked = m.exists(&["h/a", "h/c"], Releases::NONE).await.unwrap();
+        assert_eq!(checked.epoch, epoch, "{kind:?}");
+        let of = |keys| Releases { keys, epoch };
+        // Holds that name another master's epoch are not this master's to end.
+        let foreign = Releases {
+            keys: &["h/a", "h/a", "h/b", "h/c"],
+            epoch: epoch + 1,
+        };
+        m.release_leases(foreign).await.unwrap();
         // One of a's and b's go back with a lookup of nothing, c's with a check of nothing.
-        m.get_replicas(&[], &["h/a", "h/b"]).await.unwrap();
-        m.exists(&[], &["h/c"]).await.unwrap();
+        m.get_replicas(&[], of(&["h/a", "h/b"])).await.unwrap();
+        m.exists(&[], of(&["h/c"])).await.unwrap();
         let removed = m.remove(&["h/a", "h/b", "h/c"], false).await.unwrap();
         assert_eq!(
             codes(&removed),
             vec![Code::ObjectHasLease, Code::Ok, Code::Ok],
             "{kind:?}"
         );
-        m.release_leases(&["h/a"]).await.unwrap();
+        // Epoch 0 (a caller that does not know it) is taken as this master's.
+        m.release_leases(Releases {
+            keys: &["h/a"],
+            epoch: 0,
+        })
+        .await
+        .unwrap();
         assert_eq!(
             codes(&m.remove(&["h/a"], false).await.unwrap()),
             vec![Code::Ok],
@@ -349,7 +382,7 @@ async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
             t.detail
         );
         assert_eq!(t.assigned, vec![b.clone()], "{kind:?}");
-        let lookup = m.get_replicas(&["task"], &[]).await.unwrap();
+        let lookup = m.get_replicas(&["task"], Releases::NONE).await.unwrap();
         let found = lookup.objects.results[0].as_ref().unwrap();
         assert_eq!(lookup.objects.run(&found.replicas).len(), 2, "{kind:?}");
         // The lookup leased the object: its replicas stay.
@@ -408,7 +441,7 @@ async fn every_master_api_runs_replica_tasks_and_clears_replicas_the_same() {
             "{kind:?}"
         );
         // A clear of whole objects: the leased one (looked up, its reader not done) stays.
-        m.get_replicas(&["task"], &[]).await.unwrap();
+        m.get_replicas(&["task"], Releases::NONE).await.unwrap();
         let cleared = m.replica_clear(&["task", "nope"], None).await.unwrap();
         assert_eq!(
             codes(&cleared),
@@ -430,7 +463,7 @@ async fn the_wire_apis_fail_within_their_deadline_when_the_master_is_gone() {
     let apis = wire(&addr, rpc, connect);
     for m in apis {
         let started = std::time::Instant::now();
-        let e = m.get_replicas(&["k"], &[]).await.unwrap_err();
+        let e = m.get_replicas(&["k"], Releases::NONE).await.unwrap_err();
         assert!(matches!(e.code, Code::RpcFail | Code::RpcTimeout), "{e}");
         assert!(e.code.is_retryable(), "{e}");
         assert!(started.elapsed() < Duration::from_secs(3), "{e}");

@@ -13,18 +13,21 @@ use mooncake_tests::{
 };
 
 fn master_on(port: u16) -> ChildGuard {
+    master_with(port, &[])
+}
+
+fn master_with(port: u16, flags: &[&str]) -> ChildGuard {
     let port = port.to_string();
-    let m = ChildGuard::spawn(
-        "mooncake_master",
-        &[
-            "--rpc_address",
-            "127.0.0.1",
-            "--rpc_port",
-            &port,
-            "--metrics_port",
-            "0",
-        ],
-    );
+    let mut args = vec![
+        "--rpc_address",
+        "127.0.0.1",
+        "--rpc_port",
+        &port,
+        "--metrics_port",
+        "0",
+    ];
+    args.extend_from_slice(flags);
+    let m = ChildGuard::spawn("mooncake_master", &args);
     m.wait_line("mooncake_master ready", Duration::from_secs(20));
     m
 }
@@ -120,5 +123,50 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
         used,
         (100 + 40 + 100) * SIZE as u64,
         "{segs:?} (owner {seg_a})"
+    );
+}
+
+/// A read hold granted by a master that has restarted since never ends a lease the new master
+/// granted: a reader checks "k" (keeping its hold for the get that usually follows), the master
+/// restarts, a second reader leases "k" from the new one, and then the first reader's next calls
+/// hand its old hold back. The second reader's lease stands: a remove without force is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_from_before_a_restart_leaves_the_new_masters_leases_alone() {
+    let port = free_port();
+    let rpc = format!("127.0.0.1:{port}");
+    // Leases far longer than the restart, so that the old hold is still in time to go back.
+    let ttl = ["--default_kv_lease_ttl", "60000"];
+    let mut master = master_with(port, &ttl);
+    let (_owner, _) = spawn_owner(&rpc, "8MiB", &["--heartbeat-interval", "200ms"]);
+    let connect = async || {
+        Client::connect(ClientConfig {
+            rpc_timeout: Duration::from_secs(5),
+            ..ClientConfig::new(&rpc)
+        })
+        .await
+        .unwrap()
+    };
+    let first = connect().await;
+    first
+        .put("k", &payload("k", 4096), &ReplicateConfig::default())
+        .await
+        .unwrap();
+    assert!(first.exists("k").await.unwrap());
+
+    master.signal(libc::SIGKILL);
+    master.wait_exit(Duration::from_secs(5));
+    let _master = master_with(port, &ttl);
+    let second = connect().await;
+    // Waits for the rebuild, then leases "k" until the second reader's next call.
+    assert!(second.exists("k").await.unwrap());
+
+    assert!(!first.exists("other").await.unwrap());
+    assert!(!first.exists("other").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let err = connect().await.remove("k", false).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        mooncake_client::Code::ObjectHasLease,
+        "the new master's lease was ended by a hold the old one granted: {err}"
     );
 }

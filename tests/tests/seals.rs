@@ -14,6 +14,7 @@ use mooncake_client::{
 use mooncake_common::{
     auth::{Credential, Seal},
     local::socket_path,
+    master_api::Releases,
     transport::{DataTransport, ReadItem, TransferError, WriteItem},
     Code, MasterApi, ObjectKey, ReplicaLocation, SegmentName, Stamp,
 };
@@ -97,7 +98,7 @@ impl Sealed {
 
     /// The master's answer to a lookup of `key`: its one replica, sealed for reading.
     async fn looked_up(&self, key: &str) -> ReplicaLocation {
-        let lookup = self.api.get_replicas(&[key], &[]).await.unwrap();
+        let lookup = self.api.get_replicas(&[key], Releases::NONE).await.unwrap();
         let found = lookup.results()[0].as_ref().unwrap();
         lookup.replicas(found)[0].clone()
     }

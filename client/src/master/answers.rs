@@ -113,6 +113,7 @@ pub fn lookup_from_frame(body: &[u8]) -> Result<Lookup, ApiError> {
     Ok(Lookup {
         objects,
         lease_ttl: Duration::from_millis(d.lease_ttl_ms),
+        epoch: d.epoch,
     })
 }
 
@@ -131,6 +132,7 @@ pub fn lookup_from_pb(resp: pb::BatchGetReplicasResponse) -> Result<Lookup, ApiE
     Ok(Lookup {
         objects,
         lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+        epoch: resp.epoch,
     })
 }
 

@@ -14,7 +14,7 @@ use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
     leader::{Leader, LeaderLookup},
-    master_api::{Call, Existence, Grants, Lookup, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, Releases, SegmentUsage},
     ApiError, Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use parking_lot::Mutex;
@@ -176,13 +176,13 @@ impl MasterApi for Following {
 
     // A lookup may go again (to another leader, or after a broken call): its releases go with
     // the first try only, so that no hold is handed back twice.
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         let first = std::sync::atomic::AtomicBool::new(true);
         on_leader!(self, Retry::Always, |m| m
             .get_replicas(keys, first_try(&first, release)))
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         let first = std::sync::atomic::AtomicBool::new(true);
         on_leader!(self, Retry::Always, |m| m
             .exists(keys, first_try(&first, release)))
@@ -200,8 +200,8 @@ impl MasterApi for Following {
         on_leader!(self, Retry::Always, |m| m.list_segments())
     }
 
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
-        on_leader!(self, Retry::Never, |m| m.release_leases(keys))
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
+        on_leader!(self, Retry::Never, |m| m.release_leases(release))
     }
 
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {

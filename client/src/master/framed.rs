@@ -6,7 +6,7 @@ use std::{io, time::Duration};
 
 use mooncake_common::{
     auth::{prove, Credential},
-    master_api::{Call, Existence, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, MasterApi, Releases, SegmentUsage},
     tenant::Tenant,
     tls::{ClientStream, TlsClient},
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
@@ -140,16 +140,18 @@ impl MasterApi for FramedMaster {
         Box::pin(self.by_refs(Method::BatchPutRevoke, puts))
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         Box::pin(async move {
             let body = self
                 .raw(
                     Method::BatchGetReplicas,
                     keys::strings_len(fields::KEYS, keys)
-                        + keys::strings_len(fields::RELEASE, release),
+                        + keys::strings_len(fields::RELEASE, release.keys)
+                        + keys::u64_field_len(fields::RELEASE_EPOCH, release.epoch),
                     |buf| {
                         keys::encode_strings(fields::KEYS, keys, buf);
-                        keys::encode_strings(fields::RELEASE, release, buf);
+                        keys::encode_strings(fields::RELEASE, release.keys, buf);
+                        keys::encode_u64(fields::RELEASE_EPOCH, release.epoch, buf);
                     },
                 )
                 .await?;
@@ -159,16 +161,18 @@ impl MasterApi for FramedMaster {
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         Box::pin(async move {
             let body = self
                 .raw(
                     Method::BatchExists,
                     keys::strings_len(fields::KEYS, keys)
-                        + keys::strings_len(fields::RELEASE, release),
+                        + keys::strings_len(fields::RELEASE, release.keys)
+                        + keys::u64_field_len(fields::RELEASE_EPOCH, release.epoch),
                     |buf| {
                         keys::encode_strings(fields::KEYS, keys, buf);
-                        keys::encode_strings(fields::RELEASE, release, buf);
+                        keys::encode_strings(fields::RELEASE, release.keys, buf);
+                        keys::encode_u64(fields::RELEASE_EPOCH, release.epoch, buf);
                     },
                 )
                 .await?;
@@ -178,6 +182,7 @@ impl MasterApi for FramedMaster {
             Ok(Existence {
                 found,
                 lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+                epoch: resp.epoch,
             })
         })
     }
@@ -213,10 +218,11 @@ impl MasterApi for FramedMaster {
         })
     }
 
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
         Box::pin(async move {
             let req = pb::BatchReleaseLeasesRequest {
-                keys: keys.iter().map(|k| k.to_string()).collect(),
+                keys: release.keys.iter().map(|k| k.to_string()).collect(),
+                epoch: release.epoch,
             };
             let _: pb::BatchReleaseLeasesResponse =
                 self.call(Method::BatchReleaseLeases, &req).await?;

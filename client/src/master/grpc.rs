@@ -6,7 +6,7 @@ use std::{future::Future, time::Duration};
 
 use mooncake_common::{
     auth::{grpc_channel, Credential},
-    master_api::{Call, Existence, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, MasterApi, Releases, SegmentUsage},
     tenant::Tenant,
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
@@ -189,11 +189,12 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         Box::pin(async move {
             let req = pb::BatchGetReplicasRequest {
                 keys: owned(keys),
-                release: owned(release),
+                release: owned(release.keys),
+                release_epoch: release.epoch,
             };
             let resp = self
                 .unary(|mut c| async move { c.batch_get_replicas(req).await })
@@ -204,11 +205,12 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         Box::pin(async move {
             let req = pb::BatchExistsRequest {
                 keys: owned(keys),
-                release: owned(release),
+                release: owned(release.keys),
+                release_epoch: release.epoch,
             };
             let resp = self
                 .unary(|mut c| async move { c.batch_exists(req).await })
@@ -217,6 +219,7 @@ impl MasterApi for GrpcMaster {
             Ok(Existence {
                 found,
                 lease_ttl: Duration::from_millis(resp.lease_ttl_ms),
+                epoch: resp.epoch,
             })
         })
     }
@@ -256,9 +259,12 @@ impl MasterApi for GrpcMaster {
         })
     }
 
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
         Box::pin(async move {
-            let req = pb::BatchReleaseLeasesRequest { keys: owned(keys) };
+            let req = pb::BatchReleaseLeasesRequest {
+                keys: owned(release.keys),
+                epoch: release.epoch,
+            };
             self.unary(|mut c| async move { c.batch_release_leases(req).await })
                 .await?;
             Ok(())

@@ -14,6 +14,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use mooncake_common::{
     leader::{LeaderLookup, MasterAddress},
+    master_api::Releases,
     ApiError, Code, MasterApi,
 };
 
@@ -104,11 +105,11 @@ async fn within<T>(
 /// A batch answer must hold one result per item.
 /// `release` on the first call made with `first`, nothing after: a call that goes again must
 /// not hand back the same holds twice (another reader's hold would go with them).
-fn first_try<'a>(first: &std::sync::atomic::AtomicBool, release: &'a [&'a str]) -> &'a [&'a str] {
+fn first_try<'a>(first: &std::sync::atomic::AtomicBool, release: Releases<'a>) -> Releases<'a> {
     if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
         release
     } else {
-        &[]
+        Releases::NONE
     }
 }
 

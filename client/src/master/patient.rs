@@ -9,7 +9,7 @@
 use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
-    master_api::{Call, Existence, Grants, Lookup, SegmentUsage},
+    master_api::{Call, Existence, Grants, Lookup, Releases, SegmentUsage},
     Code, MasterApi, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig,
 };
 use tokio::time::Instant;
@@ -78,7 +78,7 @@ impl MasterApi for Patient {
     }
 
     // Releases go with the first try only (see `first_try`).
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         let first = std::sync::atomic::AtomicBool::new(true);
         self.until_definite(
             move || self.inner.get_replicas(keys, first_try(&first, release)),
@@ -86,7 +86,7 @@ impl MasterApi for Patient {
         )
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         let first = std::sync::atomic::AtomicBool::new(true);
         self.until_definite(
             move || self.inner.exists(keys, first_try(&first, release)),
@@ -106,8 +106,8 @@ impl MasterApi for Patient {
         self.inner.list_segments()
     }
 
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
-        self.inner.release_leases(keys)
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
+        self.inner.release_leases(release)
     }
 
     fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {

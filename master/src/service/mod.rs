@@ -11,6 +11,7 @@ use std::{sync::Arc, time::Duration};
 
 use mooncake_common::{
     auth::{wall_clock_us, Access, Scope, SealKey},
+    master_api::Releases,
     replica::MAX_REPLICAS,
     Code, ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName,
 };
@@ -262,9 +263,9 @@ impl MasterService {
         &self,
         caller: &Caller,
         keys: &[&str],
-        release: &[&str],
+        release: Releases<'_>,
         mut answer: impl FnMut(Result<(u64, Vec<ReplicaLocation>), MasterError>),
-    ) -> Duration {
+    ) -> Leased {
         let now = self.shared.clock.now();
         let mut failed = 0;
         let lease_ttl = {
@@ -284,7 +285,7 @@ impl MasterService {
                 answer(found);
             }
             self.shared.wake_owners(&mut state);
-            state.policy().lease_ttl
+            Leased::by(&state)
         };
         self.shared
             .metrics
@@ -298,8 +299,8 @@ impl MasterService {
         &self,
         caller: &Caller,
         keys: &[&str],
-        release: &[&str],
-    ) -> (Vec<Result<bool, MasterError>>, Duration) {
+        release: Releases<'_>,
+    ) -> (Vec<Result<bool, MasterError>>, Leased) {
         let now = self.shared.clock.now();
         let (results, lease_ttl) = {
             let mut state = self.shared.state.lock();
@@ -315,7 +316,7 @@ impl MasterService {
                     })
                 })
                 .collect();
-            (results, state.policy().lease_ttl)
+            (results, Leased::by(&state))
         };
         self.record(Op::ExistKey, &results);
         (results, lease_ttl)
@@ -469,11 +470,14 @@ impl MasterService {
         cleared
     }
 
-    /// A reader is done with `keys` (a key once per hold it took).
-    pub fn release_leases(&self, caller: &Caller, keys: &[&str]) {
+    /// A reader is done with the holds in `release` (a key once per hold it took).
+    pub fn release_leases(&self, caller: &Caller, release: Releases<'_>) {
         let now = self.shared.clock.now();
-        release_own(&mut self.shared.state.lock(), caller, keys, now);
-        self.shared.metrics.record(Op::ReleaseLeases, keys.len(), 0);
+        let ignored = !release_own(&mut self.shared.state.lock(), caller, release, now);
+        let n = release.keys.len();
+        self.shared
+            .metrics
+            .record(Op::ReleaseLeases, n, if ignored { n } else { 0 });
     }
 
     /// The mounted segments and their usage.
@@ -489,13 +493,50 @@ impl MasterService {
     }
 }
 
-/// Hands back the holds in `keys` that lie in the caller's tenant (another tenant's are
-/// ignored: no tenant ends another's reads).
-fn release_own(state: &mut MasterState, caller: &Caller, keys: &[&str], now: crate::clock::Millis) {
+/// The lease a lookup's hits got, and which master granted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Leased {
+    pub ttl: Duration,
+    /// This master's epoch: the holds come back with it.
+    pub epoch: u64,
+}
+
+impl Leased {
+    fn by(state: &MasterState) -> Leased {
+        Leased {
+            ttl: state.policy().lease_ttl,
+            epoch: state.epoch(),
+        }
+    }
+}
+
+/// Hands back the holds in `release` that lie in the caller's tenant (another tenant's are
+/// ignored: no tenant ends another's reads), unless another master granted them (another
+/// epoch): they would end holds this master granted. Whether they were taken.
+fn release_own(
+    state: &mut MasterState,
+    caller: &Caller,
+    release: Releases<'_>,
+    now: crate::clock::Millis,
+) -> bool {
+    let keys = release.keys;
+    if keys.is_empty() {
+        return true;
+    }
+    if release.epoch != 0 && release.epoch != state.epoch() {
+        tracing::debug!(
+            holds = keys.len(),
+            granted_by = release.epoch,
+            epoch = state.epoch(),
+            "ignored read holds another master granted"
+        );
+        return false;
+    }
     if keys.iter().all(|k| caller.owns(k)) {
         state.release_leases(keys, now);
     } else {
         let own: Vec<&str> = keys.iter().copied().filter(|k| caller.owns(k)).collect();
         state.release_leases(&own, now);
     }
+    true
 }

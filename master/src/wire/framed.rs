@@ -6,6 +6,7 @@
 
 use std::{future::Future, io, time::Duration};
 
+use mooncake_common::master_api::Releases;
 use mooncake_proto::{
     framed::{self as rpc_wire, fields, keys, replicas::Encoder, Method},
     master::{self as pb, master_server::Master},
@@ -225,26 +226,34 @@ async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, V
 /// `BatchGetReplicas`: keys borrowed from the frame, the answer encoded straight from the
 /// state (no message structs, no `String` per replica).
 fn get_replicas(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<u8>) {
-    let (keys, release) = match keys_and_release(body) {
+    let (keys, release, release_epoch) = match keys_and_release(body) {
         Ok(k) => k,
         Err(e) => return bad_request(e),
     };
+    let release = Releases {
+        keys: &release,
+        epoch: release_epoch,
+    };
     let mut enc = Encoder::with_capacity(keys.len() * 48);
-    let lease_ttl = svc.get_replicas(caller, &keys, &release, |found| {
+    let leased = svc.get_replicas(caller, &keys, release, |found| {
         let code = code(&found);
         match found {
             Ok((size, replicas)) => enc.result(code, size, replicas.iter().map(replica_ref)),
             Err(_) => enc.result(code, 0, std::iter::empty()),
         }
     });
-    (rpc_wire::STATUS_OK, enc.finish(grpc::millis(lease_ttl)))
+    (
+        rpc_wire::STATUS_OK,
+        enc.finish(grpc::millis(leased.ttl), leased.epoch),
+    )
 }
 
-/// A lookup's or existence check's keys, and the holds it hands back.
-fn keys_and_release(body: &[u8]) -> Result<(Vec<&str>, Vec<&str>), String> {
+/// A lookup's or existence check's keys, the holds it hands back, and their epoch.
+fn keys_and_release(body: &[u8]) -> Result<(Vec<&str>, Vec<&str>, u64), String> {
     Ok((
         keys::decode_strings(body, fields::KEYS)?,
         keys::decode_strings(body, fields::RELEASE)?,
+        keys::decode_u64(body, fields::RELEASE_EPOCH)?,
     ))
 }
 
@@ -266,10 +275,16 @@ async fn dispatch(grpc: &GrpcMaster, caller: &Caller, m: Method, body: &[u8]) ->
         Method::BatchPutRevoke => by_refs(body, |refs| svc.put_revoke(caller, refs)),
         Method::BatchGetReplicas => get_replicas(svc, caller, body),
         Method::BatchExists => match keys_and_release(body) {
-            Ok((keys, release)) => (
-                rpc_wire::STATUS_OK,
-                grpc::exists(svc, caller, &keys, &release).encode_to_vec(),
-            ),
+            Ok((keys, release, epoch)) => {
+                let release = Releases {
+                    keys: &release,
+                    epoch,
+                };
+                (
+                    rpc_wire::STATUS_OK,
+                    grpc::exists(svc, caller, &keys, release).encode_to_vec(),
+                )
+            }
             Err(e) => bad_request(e),
         },
         Method::BatchRemove => {

@@ -4,7 +4,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_common::{ObjectKey, Stamp};
+use mooncake_common::{master_api::Releases, ObjectKey, Stamp};
 use mooncake_proto::master as pb;
 use tonic::{Request, Response, Status};
 
@@ -223,8 +223,12 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
+        let release = Releases {
+            keys: &release,
+            epoch: r.release_epoch,
+        };
         let mut results = Vec::with_capacity(keys.len());
-        let lease_ttl = self.0.get_replicas(&caller, &keys, &release, |found| {
+        let leased = self.0.get_replicas(&caller, &keys, release, |found| {
             let code = code(&found);
             let (size, replicas) = found.unwrap_or_default();
             results.push(pb::GetReplicasResult {
@@ -235,7 +239,8 @@ impl pb::master_server::Master for GrpcMaster {
         });
         Ok(Response::new(pb::BatchGetReplicasResponse {
             results,
-            lease_ttl_ms: millis(lease_ttl),
+            lease_ttl_ms: millis(leased.ttl),
+            epoch: leased.epoch,
         }))
     }
 
@@ -247,7 +252,11 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
-        Ok(Response::new(exists(&self.0, &caller, &keys, &release)))
+        let release = Releases {
+            keys: &release,
+            epoch: r.release_epoch,
+        };
+        Ok(Response::new(exists(&self.0, &caller, &keys, release)))
     }
 
     async fn batch_remove(
@@ -372,7 +381,11 @@ impl pb::master_server::Master for GrpcMaster {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
-        self.0.release_leases(&caller, &keys);
+        let release = Releases {
+            keys: &keys,
+            epoch: r.epoch,
+        };
+        self.0.release_leases(&caller, release);
         Ok(Response::new(pb::BatchReleaseLeasesResponse {}))
     }
 
@@ -518,9 +531,9 @@ pub(super) fn exists(
     svc: &MasterService,
     caller: &Caller,
     keys: &[&str],
-    release: &[&str],
+    release: Releases<'_>,
 ) -> pb::BatchExistsResponse {
-    let (results, lease_ttl) = svc.exists(caller, keys, release);
+    let (results, leased) = svc.exists(caller, keys, release);
     pb::BatchExistsResponse {
         codes: results
             .iter()
@@ -529,7 +542,8 @@ pub(super) fn exists(
                 Err(e) => e.code().as_i32(),
             })
             .collect(),
-        lease_ttl_ms: millis(lease_ttl),
+        lease_ttl_ms: millis(leased.ttl),
+        epoch: leased.epoch,
     }
 }
 

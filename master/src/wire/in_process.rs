@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use mooncake_common::{
-    master_api::{Call, Existence, Found, Grant, Grants, Lookup, MasterApi, SegmentUsage},
+    master_api::{
+        Call, Existence, Found, Grant, Grants, Lookup, MasterApi, Releases, SegmentUsage,
+    },
     ApiError, Code, ReplicaTaskSpec, ReplicaTaskState, ReplicateConfig, SegmentName,
 };
 
@@ -56,10 +58,10 @@ impl MasterApi for InProcessMaster {
         Box::pin(async move { Ok(codes(self.0.put_revoke(&self.1, puts))) })
     }
 
-    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Lookup> {
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         Box::pin(async move {
             let mut objects = mooncake_common::master_api::Runs::with_capacity(keys.len());
-            let lease_ttl = self
+            let leased = self
                 .0
                 .get_replicas(&self.1, keys, release, |found| match found {
                     Ok((size, replicas)) => {
@@ -67,18 +69,26 @@ impl MasterApi for InProcessMaster {
                     }
                     Err(e) => objects.push_err(e.code()),
                 });
-            Ok(Lookup { objects, lease_ttl })
+            Ok(Lookup {
+                objects,
+                lease_ttl: leased.ttl,
+                epoch: leased.epoch,
+            })
         })
     }
 
-    fn exists<'a>(&'a self, keys: &'a [&'a str], release: &'a [&'a str]) -> Call<'a, Existence> {
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         Box::pin(async move {
-            let (results, lease_ttl) = self.0.exists(&self.1, keys, release);
+            let (results, leased) = self.0.exists(&self.1, keys, release);
             let found = results
                 .into_iter()
                 .map(|r| r.map_err(|e| e.code()))
                 .collect();
-            Ok(Existence { found, lease_ttl })
+            Ok(Existence {
+                found,
+                lease_ttl: leased.ttl,
+                epoch: leased.epoch,
+            })
         })
     }
 
@@ -160,9 +170,9 @@ impl MasterApi for InProcessMaster {
         })
     }
 
-    fn release_leases<'a>(&'a self, keys: &'a [&'a str]) -> Call<'a, ()> {
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
         Box::pin(async move {
-            self.0.release_leases(&self.1, keys);
+            self.0.release_leases(&self.1, release);
             Ok(())
         })
     }

@@ -8,6 +8,9 @@ pub const KEYS: u32 = 1;
 /// `BatchGetReplicasRequest`, `BatchExistsRequest`: `repeated string release`.
 pub const RELEASE: u32 = 2;
 
+/// `BatchGetReplicasRequest`, `BatchExistsRequest`: `uint64 release_epoch`.
+pub const RELEASE_EPOCH: u32 = 3;
+
 /// `BatchPutStartRequest`.
 pub mod put_start_request {
     /// `repeated PutStartItem items`.
@@ -40,6 +43,7 @@ pub mod get_replicas_response {
     /// `repeated GetReplicasResult results`.
     pub const RESULTS: u32 = 1;
     pub const LEASE_TTL_MS: u32 = 2;
+    pub const EPOCH: u32 = 3;
 }
 
 /// `GetReplicasResult`.

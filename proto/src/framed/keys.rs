@@ -6,7 +6,9 @@
 
 use super::{
     fields::keyed,
-    pb::{get_varint, put_varint, skip, tag, varint_len, walk, Value, LEN, VARINT},
+    pb::{
+        get_varint, put_u64, put_varint, skip, tag, u64_len, varint_len, walk, Value, LEN, VARINT,
+    },
 };
 
 /// Appends field `field` as `repeated string` holding `keys` to `out`.
@@ -56,6 +58,29 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
         }
     }
     Ok(out)
+}
+
+/// Appends field `field` as `uint64` (left out when zero, as prost leaves it).
+pub fn encode_u64(field: u32, v: u64, out: &mut Vec<u8>) {
+    put_u64(field, v, out);
+}
+
+/// Bytes `encode_u64` appends.
+pub fn u64_field_len(field: u32, v: u64) -> usize {
+    u64_len(field, v)
+}
+
+/// The value of field `field` (a `uint64`) in the message `body`: the last one, as prost reads
+/// it, or 0 when absent. Malformed input is an error, never a panic.
+pub fn decode_u64(body: &[u8], field: u32) -> Result<u64, String> {
+    let mut v = 0;
+    walk(body, |f, value| {
+        if let (true, Value::Int(x)) = (f == field, value) {
+            v = x;
+        }
+        Ok(())
+    })?;
+    Ok(v)
 }
 
 /// Appends field `field` as `repeated` messages of the shape `{ string key = 1; uint64 n = 2; }`
@@ -145,20 +170,31 @@ mod tests {
 
     proptest! {
         #[test]
-        fn matches_prost_both_ways(keys in proptest::collection::vec("[a-z0-9/é]{0,300}", 0..50), force: bool) {
+        fn matches_prost_both_ways(
+            keys in proptest::collection::vec("[a-z0-9/é]{0,300}", 0..50),
+            force: bool,
+            epoch in prop_oneof![Just(0u64), any::<u64>()],
+        ) {
             let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
             let mut ours = Vec::new();
             encode_strings(1, &refs, &mut ours);
             prop_assert_eq!(ours.len(), strings_len(1, &refs));
-            let theirs = pb::BatchExistsRequest { keys: keys.clone(), release: vec![] }.encode_to_vec();
+            let theirs = pb::BatchExistsRequest { keys: keys.clone(), ..Default::default() }.encode_to_vec();
             prop_assert_eq!(&ours, &theirs);
-            // Keys and releases together, as a lookup carries them: prost reads both back.
+            // Keys, releases and their epoch together, as a lookup carries them: prost reads
+            // them back, and so do we.
             let mut both = ours.clone();
             encode_strings(2, &refs[..refs.len() / 2], &mut both);
+            encode_u64(3, epoch, &mut both);
+            prop_assert_eq!(both.len(), ours.len() + strings_len(2, &refs[..refs.len() / 2]) + u64_field_len(3, epoch));
             let read = pb::BatchGetReplicasRequest::decode(&both[..]).unwrap();
             prop_assert_eq!(&read.keys, &keys);
             prop_assert_eq!(&read.release[..], &keys[..keys.len() / 2]);
+            prop_assert_eq!(read.release_epoch, epoch);
             prop_assert_eq!(decode_strings(&both, 2).unwrap(), &refs[..refs.len() / 2]);
+            prop_assert_eq!(decode_u64(&both, 3).unwrap(), epoch);
+            let theirs = pb::BatchExistsRequest { keys: vec![], release: keys.clone(), release_epoch: epoch }.encode_to_vec();
+            prop_assert_eq!(decode_u64(&theirs, 3).unwrap(), epoch);
             // Reading skips other fields (here the bool of a remove request).
             let remove = pb::BatchRemoveRequest { keys: keys.clone(), force }.encode_to_vec();
             prop_assert_eq!(decode_strings(&remove, 1).unwrap(), refs);

@@ -11,6 +11,23 @@ pub(super) fn tag(field: u32, wire: u64) -> u64 {
     u64::from(field) << 3 | wire
 }
 
+/// Appends field `field` as `uint64` (left out when zero, as prost leaves it).
+pub(super) fn put_u64(field: u32, v: u64, out: &mut Vec<u8>) {
+    if v != 0 {
+        put_varint(tag(field, VARINT), out);
+        put_varint(v, out);
+    }
+}
+
+/// Bytes `put_u64` appends.
+pub(super) fn u64_len(field: u32, v: u64) -> usize {
+    if v == 0 {
+        0
+    } else {
+        varint_len(tag(field, VARINT)) + varint_len(v)
+    }
+}
+
 pub(super) enum Value<'a> {
     Int(u64),
     Bytes(&'a [u8]),

@@ -11,7 +11,7 @@ use super::{
         get_replicas_response as response, get_replicas_result as result, put_start_response,
         put_start_result as started, replica_location as loc,
     },
-    pb::{put_varint, tag, varint_len, walk, Value, LEN, VARINT},
+    pb::{put_u64, put_varint, tag, u64_len, varint_len, walk, Value, LEN},
 };
 
 /// One replica's location, its segment borrowed.
@@ -40,27 +40,13 @@ pub struct Decoded<'a> {
     pub results: Vec<Found>,
     pub replicas: Vec<ReplicaRef<'a>>,
     pub lease_ttl_ms: u64,
+    pub epoch: u64,
 }
 
 /// Builds a response one result at a time.
 #[derive(Default)]
 pub struct Encoder {
     out: Vec<u8>,
-}
-
-fn put_u64(field: u32, v: u64, out: &mut Vec<u8>) {
-    if v != 0 {
-        put_varint(tag(field, VARINT), out);
-        put_varint(v, out);
-    }
-}
-
-fn u64_len(field: u32, v: u64) -> usize {
-    if v == 0 {
-        0
-    } else {
-        varint_len(tag(field, VARINT)) + varint_len(v)
-    }
 }
 
 /// Bytes of a non-empty string field (empty ones are left out, as prost leaves them).
@@ -177,9 +163,11 @@ impl Encoder {
         }
     }
 
-    /// The encoded `BatchGetReplicasResponse`, with the lease every hit got.
-    pub fn finish(mut self, lease_ttl_ms: u64) -> Vec<u8> {
+    /// The encoded `BatchGetReplicasResponse`, with the lease every hit got and the answering
+    /// master's epoch.
+    pub fn finish(mut self, lease_ttl_ms: u64, epoch: u64) -> Vec<u8> {
         put_u64(response::LEASE_TTL_MS, lease_ttl_ms, &mut self.out);
+        put_u64(response::EPOCH, epoch, &mut self.out);
         self.out
     }
 
@@ -214,6 +202,7 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
                 d.results.push(found);
             }
             (response::LEASE_TTL_MS, Value::Int(ttl)) => d.lease_ttl_ms = ttl,
+            (response::EPOCH, Value::Int(epoch)) => d.epoch = epoch,
             _ => {}
         }
         Ok(())
@@ -338,8 +327,9 @@ mod tests {
         fn matches_prost_both_ways(
             results in proptest::collection::vec(result_strategy(), 0..20),
             lease_ttl_ms: u64,
+            epoch: u64,
         ) {
-            let theirs = pb::BatchGetReplicasResponse { results: results.clone(), lease_ttl_ms };
+            let theirs = pb::BatchGetReplicasResponse { results: results.clone(), lease_ttl_ms, epoch };
             let mut enc = Encoder::default();
             for r in &results {
                 let refs: Vec<ReplicaRef<'_>> = r.replicas.iter().map(|l| ReplicaRef {
@@ -352,10 +342,11 @@ mod tests {
                 }).collect();
                 enc.result(r.code, r.size, refs.iter().copied());
             }
-            let ours = enc.finish(lease_ttl_ms);
+            let ours = enc.finish(lease_ttl_ms, epoch);
             prop_assert_eq!(&ours, &theirs.encode_to_vec());
             let d = decode(&ours).unwrap();
             prop_assert_eq!(d.lease_ttl_ms, lease_ttl_ms);
+            prop_assert_eq!(d.epoch, epoch);
             prop_assert_eq!(d.results.len(), results.len());
             for (f, r) in d.results.iter().zip(&results) {
                 prop_assert_eq!(f.code, r.code);
