@@ -7,9 +7,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mooncake_client::{Client, ClientConfig, ReplicateConfig};
-use mooncake_common::{local::socket_path, SegmentName};
-use mooncake_tests::{payload, spawn_master, spawn_owner};
+use mooncake_client::{transport::local::LocalOwner, Client, ClientConfig, ReplicateConfig};
+use mooncake_common::{
+    auth::Seal,
+    local::socket_path,
+    transport::{TransferError, WriteItem},
+    ObjectKey, SegmentName, Stamp,
+};
+use mooncake_tests::{free_port, payload, socket_dir, spawn_master, spawn_owner, ChildGuard};
 
 fn config(master: &str, shm: bool) -> ClientConfig {
     ClientConfig {
@@ -113,4 +118,68 @@ async fn a_stopped_or_killed_local_owner_is_an_error_within_the_deadline() {
         "took {:?}",
         t.elapsed()
     );
+}
+
+/// A same-host route made before its owner restarted (on a fixed port: the same segment and
+/// socket) never copies through the old owner's pool: a new connection to the new owner, which
+/// sends another memory file, fails as a connection error (so the route is made again) instead
+/// of writing where the new owner never looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_to_an_owner_that_restarted_never_copies_through_the_old_pool() {
+    let (_m, rpc, _) = spawn_master(&["--client_ttl", "1"]);
+    let port = free_port().to_string();
+    let owner = || {
+        let args = [
+            "--master",
+            &rpc,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--segment-size",
+            "4MiB",
+            "--no-mlock",
+            "--heartbeat-interval",
+            "200ms",
+        ];
+        let mut o = ChildGuard::spawn("mooncake_ownerd", &args);
+        let line = o.wait_line("mooncake_ownerd ready", Duration::from_secs(30));
+        let seg = SegmentName::parse(line.rsplit("segment=").next().unwrap()).unwrap();
+        o.remove_on_drop(socket_path(&socket_dir(), &seg));
+        (o, seg)
+    };
+    let (first, segment) = owner();
+    let path = socket_path(&socket_dir(), &segment);
+    let (p, s) = (path.clone(), segment.clone());
+    let local = tokio::task::spawn_blocking(move || {
+        LocalOwner::connect(&p, &s, Duration::from_secs(3), 1, 1, None)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+
+    first.signal(libc::SIGKILL);
+    drop(first);
+    let (_second, again) = owner();
+    assert_eq!(again, segment);
+
+    let key = ObjectKey::new("after-restart").unwrap();
+    let value = payload("after-restart", 64 << 10);
+    let parts = [&value[..]];
+    let item = [WriteItem {
+        key: &key,
+        offset: 0,
+        stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
+        seal: Seal::default(),
+        parts: &parts,
+    }];
+    // The first write finds the dead connection to the old owner; the next one connects anew.
+    let _ = local.write_batch(&item).await;
+    let r = local.write_batch(&item).await;
+    match &r[0] {
+        Err(e @ TransferError::Connect { .. }) => {
+            assert!(e.to_string().contains("restarted"), "{e}")
+        }
+        other => panic!("a write through the old pool's mapping: {other:?}"),
+    }
 }

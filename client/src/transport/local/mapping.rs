@@ -5,7 +5,10 @@
 use std::{
     fs::File,
     io,
-    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::{
+        fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
     sync::Arc,
 };
 
@@ -29,6 +32,9 @@ pub struct OutOfRange {
 pub struct SharedPool {
     map: Arc<MmapRaw>,
     len: u64,
+    /// The memory file mapped (device and inode): a file it keeps alive, so no other file
+    /// takes its number while it is mapped.
+    file: (u64, u64),
 }
 
 /// Faults in the page tables of the whole mapping, writable where the kernel can (MAP_POPULATE
@@ -55,7 +61,8 @@ impl SharedPool {
     /// pool takes seconds: about 0.6 s per GiB here).
     pub fn map(fd: OwnedFd, len: u64) -> io::Result<SharedPool> {
         let file = File::from(fd);
-        let actual = file.metadata()?.len();
+        let meta = file.metadata()?;
+        let actual = meta.len();
         if actual < len {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -70,7 +77,19 @@ impl SharedPool {
         if spawned.is_err() {
             prefault(&map);
         }
-        Ok(SharedPool { map, len })
+        Ok(SharedPool {
+            map,
+            len,
+            file: (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// Whether `fd` (as an owner's hello sent it) is the memory file this pool maps, of the
+    /// same length. A restarted owner sends another: copies through this mapping would miss its
+    /// pool.
+    pub fn maps(&self, fd: &OwnedFd, len: u64) -> io::Result<bool> {
+        let meta = File::from(fd.try_clone()?).metadata()?;
+        Ok(len == self.len && (meta.dev(), meta.ino()) == self.file)
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), OutOfRange> {

@@ -169,12 +169,31 @@ impl LocalOwner {
                     self.timeout,
                     self.credential.clone(),
                 );
-                let std_stream = tokio::task::spawn_blocking(move || {
-                    hello(&path, &segment, timeout, credential.as_ref()).map(|(s, _, _)| s)
+                let (std_stream, fd, size) = tokio::task::spawn_blocking(move || {
+                    hello(&path, &segment, timeout, credential.as_ref())
                 })
                 .await
                 .map_err(|e| self.io_err(io::Error::other(e)))?
                 .map_err(|e| self.io_err(e))?;
+                // The owner at this socket may have restarted since the pool was mapped (a fixed
+                // port gives the new one the same segment and socket): its pool is another
+                // memory file, and copies through the old mapping would miss it.
+                let same = match &fd {
+                    Some(fd) => self.pool.maps(fd, size).map_err(|e| self.io_err(e))?,
+                    None => false,
+                };
+                if !same {
+                    return Err(TransferError::Connect {
+                        target: self.segment.clone(),
+                        source: io::Error::new(
+                            io::ErrorKind::ConnectionReset,
+                            format!(
+                                "the owner at {} restarted (its pool is a new memory file): connect again",
+                                self.path.display()
+                            ),
+                        ),
+                    });
+                }
                 UnixStream::from_std(std_stream).map_err(|e| self.io_err(e))?
             }
         };
