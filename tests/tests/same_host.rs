@@ -7,14 +7,19 @@ use std::{
     time::{Duration, Instant},
 };
 
-use mooncake_client::{transport::local::LocalOwner, Client, ClientConfig, ReplicateConfig};
+use mooncake_client::{
+    transport::{local::LocalOwner, tcp::TcpConfig, HybridConfig, HybridTransport},
+    Client, ClientConfig, ReplicateConfig,
+};
 use mooncake_common::{
     auth::Seal,
     local::socket_path,
-    transport::{TransferError, WriteItem},
+    transport::{DataTransport, TransferError, WriteItem},
     ObjectKey, SegmentName, Stamp,
 };
-use mooncake_tests::{free_port, payload, socket_dir, spawn_master, spawn_owner, ChildGuard};
+use mooncake_tests::{
+    free_port, payload, socket_dir, spawn_master, spawn_owner, ChildGuard, TempDir,
+};
 
 fn config(master: &str, shm: bool) -> ClientConfig {
     ClientConfig {
@@ -182,4 +187,90 @@ async fn a_route_to_an_owner_that_restarted_never_copies_through_the_old_pool() 
         }
         other => panic!("a write through the old pool's mapping: {other:?}"),
     }
+}
+
+/// A Unix socket at `path` that accepts nothing, its backlog full (a wedged owner): a blocking
+/// connect to it waits until one is accepted. The returned descriptors keep it so.
+fn wedged_socket(path: &std::path::Path) -> Vec<std::os::fd::OwnedFd> {
+    use std::os::{fd::FromRawFd, unix::ffi::OsStrExt};
+    let socket = || {
+        // SAFETY: plain socket(2); the result is checked and owned once valid.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0) };
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        // SAFETY: a new descriptor of ours.
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+    };
+    // SAFETY: sockaddr_un is plain data, zeroed is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    assert!(bytes.len() < addr.sun_path.len());
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    let addr_ptr = &addr as *const libc::sockaddr_un as *const libc::sockaddr;
+    let listener = socket();
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid socket and a sockaddr_un of `len` bytes.
+    let rc = unsafe { libc::bind(listener.as_raw_fd(), addr_ptr, len) };
+    assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+    // SAFETY: a bound socket.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    let mut fds = vec![listener];
+    for _ in 0..64 {
+        let c = socket();
+        // SAFETY: a valid socket; O_NONBLOCK so that a full backlog answers EAGAIN.
+        unsafe { libc::fcntl(c.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        // SAFETY: as for bind.
+        let rc = unsafe { libc::connect(c.as_raw_fd(), addr_ptr, len) };
+        if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN) {
+            return fds;
+        }
+        fds.push(c);
+    }
+    panic!("the backlog of {} never filled", path.display());
+}
+
+/// An owner socket that accepts nothing turns a call into an error within the deadlines, not a
+/// hang: the same-host probe gives up after the connect timeout and the call goes over TCP,
+/// where nothing listens either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_socket_that_accepts_nothing_is_an_error_not_a_hang() {
+    let dir = TempDir::new("wedged");
+    let segment = SegmentName::parse(&format!("127.0.0.1:{}", free_port())).unwrap();
+    let _wedged = wedged_socket(&socket_path(dir.path(), &segment));
+    let t = HybridTransport::new(HybridConfig {
+        tcp: TcpConfig {
+            connect_timeout: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(2),
+            connections_per_owner: 1,
+            transfer_threads: 1,
+            dedicated_runtime: false,
+            credential: None,
+        },
+        shared_memory: true,
+        socket_dir: dir.path().to_path_buf(),
+        copy_threads: 1,
+    });
+    let key = ObjectKey::new("wedged").unwrap();
+    let value = payload("wedged", 4096);
+    let parts = [&value[..]];
+    let item = WriteItem {
+        key: &key,
+        offset: 0,
+        stamp: Stamp::new(1, &ReplicateConfig::default()),
+        seal: Seal::default(),
+        parts: &parts,
+    };
+    let started = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(30), t.write(&segment, &item))
+        .await
+        .expect("the write hung on the wedged socket");
+    assert!(r.is_err());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
 }

@@ -82,10 +82,16 @@ impl HybridTransport {
             self.config.copy_threads,
             self.config.tcp.credential.clone(),
         );
-        let connected = tokio::task::spawn_blocking(move || {
+        // Connecting to a socket whose owner accepts nothing (wedged, its backlog full) blocks
+        // past any socket timeout: the probe gives up after the connect timeout (its thread
+        // ends when the connect does).
+        let connecting = tokio::task::spawn_blocking(move || {
             LocalOwner::connect(&path, &seg, timeout, conns, threads, credential)
-        })
-        .await;
+        });
+        let Ok(connected) = tokio::time::timeout(timeout, connecting).await else {
+            tracing::warn!(segment = %target, ?timeout, "the same-host owner did not answer a connection in time; using TCP");
+            return Route::Tcp;
+        };
         match connected {
             Ok(Ok(owner)) => {
                 tracing::debug!(segment = %target, "using the same-host path");

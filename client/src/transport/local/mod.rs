@@ -169,12 +169,19 @@ impl LocalOwner {
                     self.timeout,
                     self.credential.clone(),
                 );
-                let (std_stream, fd, size) = tokio::task::spawn_blocking(move || {
+                // A connect to an owner that accepts nothing blocks past the socket's timeouts;
+                // the call does not wait for it longer than for an exchange.
+                let connecting = tokio::task::spawn_blocking(move || {
                     hello(&path, &segment, timeout, credential.as_ref())
-                })
-                .await
-                .map_err(|e| self.io_err(io::Error::other(e)))?
-                .map_err(|e| self.io_err(e))?;
+                });
+                let (std_stream, fd, size) = tokio::time::timeout(self.timeout, connecting)
+                    .await
+                    .map_err(|_| TransferError::Timeout {
+                        target: self.segment.clone(),
+                        after: self.timeout,
+                    })?
+                    .map_err(|e| self.io_err(io::Error::other(e)))?
+                    .map_err(|e| self.io_err(e))?;
                 // The owner at this socket may have restarted since the pool was mapped (a fixed
                 // port gives the new one the same segment and socket): its pool is another
                 // memory file, and copies through the old mapping would miss it.
