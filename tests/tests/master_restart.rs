@@ -45,7 +45,7 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     let mut master = master_on(port);
     let beat = ["--heartbeat-interval", "200ms"];
     let (_a, seg_a) = spawn_owner(&rpc, "32MiB", &beat);
-    let (_b, _seg_b) = spawn_owner(&rpc, "32MiB", &beat);
+    let (_b, seg_b) = spawn_owner(&rpc, "32MiB", &beat);
     let client = Client::connect(ClientConfig {
         rpc_timeout: Duration::from_secs(5),
         ..ClientConfig::new(&rpc)
@@ -70,6 +70,32 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     for k in removed {
         client.remove(k, false).await.unwrap();
     }
+    // A copy of one object to the segment that lacks it, finished before the kill.
+    let desc = client
+        .batch_get_replica_desc(&[one[0].as_str()])
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    let other = if desc.replicas[0].segment.as_str() == seg_a {
+        seg_b.clone()
+    } else {
+        seg_a.clone()
+    };
+    let task = client
+        .create_copy_task(&one[0], &[other.as_str()])
+        .await
+        .unwrap();
+    let mut done = false;
+    for _ in 0..200 {
+        let state = client.query_task(task).await.unwrap();
+        if state.status == mooncake_common::ReplicaTaskStatus::Success {
+            done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(done, "the copy never finished");
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     master.signal(libc::SIGKILL);
@@ -79,6 +105,25 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     // The same client, at once: every lookup waits for the rebuild and finds the exact bytes.
     read_back(&client, one).await;
     read_back(&client, &two).await;
+    // The task went with the old master; asked for it, the new one says so.
+    let err = client.query_task(task).await.unwrap_err();
+    assert_eq!(err.code().as_i32(), -704, "{err}");
+    assert!(
+        err.to_string().contains("an earlier master made it"),
+        "{err}"
+    );
+    assert_eq!(
+        client
+            .batch_get_replica_desc(&[one[0].as_str()])
+            .await
+            .unwrap()[0]
+            .as_ref()
+            .unwrap()
+            .replicas
+            .len(),
+        2,
+        "the copy was reported"
+    );
     let descs = client
         .batch_get_replica_desc(&two.iter().map(|k| k.as_str()).collect::<Vec<_>>())
         .await
@@ -118,10 +163,10 @@ async fn a_restarted_master_rebuilds_its_catalog_from_the_owners_reports() {
     let segs = client.list_segments().await.unwrap();
     assert_eq!(segs.len(), 2);
     let used: u64 = segs.iter().map(|s| s.allocated).sum();
-    // 100 + 2 x 20 + 100 objects of 64 KiB are accounted for.
+    // 100 (one of them copied) + 2 x 20 + 100 objects of 64 KiB are accounted for.
     assert_eq!(
         used,
-        (100 + 40 + 100) * SIZE as u64,
+        (101 + 40 + 100) * SIZE as u64,
         "{segs:?} (owner {seg_a})"
     );
 }

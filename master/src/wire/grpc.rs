@@ -329,9 +329,17 @@ impl pb::master_server::Master for GrpcMaster {
         let caller = caller_of(&req)?;
         let id = req.into_inner().task_id;
         let Some((info, created_at_ms, updated_at_ms)) = self.0.query_task(&caller, id) else {
+            // Task ids come from the grant counter, which every later master starts above its
+            // predecessors' (its epoch): a smaller id was another master's.
+            let epoch = self.0.epoch();
+            let message = if id < epoch {
+                format!("no task {id}: an earlier master made it, and its tasks ended with it (a restart or a leader change; this master's start at {epoch}); it may not have finished: check the key's replicas and create it again if needed")
+            } else {
+                format!("no task {id} (never made, or finished long ago)")
+            };
             return Ok(Response::new(pb::QueryTaskResponse {
                 code: mooncake_common::Code::ObjectNotFound.as_i32(),
-                message: format!("no task {id} (never made, or finished long ago)"),
+                message,
                 task_id: id,
                 ..Default::default()
             }));
