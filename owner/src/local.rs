@@ -140,9 +140,29 @@ impl LocalServer {
         let mut body = Vec::new();
         loop {
             let mut h = [0u8; 5];
-            tokio::select! {
-                r = stream.read_exact(&mut h[..1]) => { if r.is_err() { return Ok(()); } }
-                _ = stop.changed() => return Ok(()),
+            // A client holding ranges has the frame timeout to send its next frame (the end of
+            // its exchange): one that stalls (stopped, stuck) would otherwise keep writers off
+            // those ranges for as long as it lives.
+            let limit = (!held.is_empty()).then_some(self.frame_timeout);
+            let next = tokio::select! {
+                r = stream.read_exact(&mut h[..1]) => r.map(|_| true).unwrap_or(false),
+                _ = stop.changed() => false,
+                () = sleep_or_never(limit) => {
+                    tracing::warn!(
+                        reads = held.reads.len(),
+                        writes = held.writes.len(),
+                        after = ?self.frame_timeout,
+                        "a same-host client holding ranges went silent; closing its connection and releasing them"
+                    );
+                    // Closed before the ranges go: the client's end of the exchange then fails
+                    // (and it discards what it copied) instead of arriving after a writer's.
+                    drop(stream);
+                    drop(held);
+                    return Ok(());
+                }
+            };
+            if !next {
+                return Ok(());
             }
             let rest = async {
                 stream.read_exact(&mut h[1..]).await?;
@@ -318,10 +338,22 @@ struct Held {
 }
 
 impl Held {
+    fn is_empty(&self) -> bool {
+        self.reads.is_empty() && self.writes.is_empty()
+    }
+
     fn release_read(&mut self, range: (u64, u64)) {
         if let Some(i) = self.reads.iter().position(|(r, _)| *r == range) {
             self.reads.swap_remove(i);
         }
+    }
+}
+
+/// Sleeps for `limit`, or forever without one.
+async fn sleep_or_never(limit: Option<Duration>) {
+    match limit {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
     }
 }
 

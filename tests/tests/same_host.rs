@@ -274,3 +274,77 @@ async fn an_owner_socket_that_accepts_nothing_is_an_error_not_a_hang() {
         started.elapsed()
     );
 }
+
+/// Sends one same-host control frame and reads the answer's header and body.
+fn exchange(s: &mut std::os::unix::net::UnixStream, frame: &[u8]) -> Vec<u8> {
+    use std::io::{Read, Write};
+    s.write_all(frame).unwrap();
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h).unwrap();
+    let (len, _) = mooncake_common::local::frame_header(h).unwrap();
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    body
+}
+
+/// A same-host client that goes silent while it holds a range (stopped mid-read) loses it after
+/// the owner's frame timeout: the owner closes its connection and releases the range, so a later
+/// write there succeeds instead of failing for as long as the silent client lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_same_host_reader_loses_its_range_after_the_frame_timeout() {
+    use mooncake_common::local::{FrameWriter, Item, LocalOp, VERSION};
+    let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
+        .await
+        .unwrap();
+    let addr = master.rpc_addr.to_string();
+    // One object fills the segment: the second put must land where the first was.
+    let size = 1 << 20;
+    let owner = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
+        frame_timeout: Duration::from_secs(1),
+        ..mooncake_tests::owner_config(&addr, size)
+    })
+    .await
+    .unwrap();
+    let c = client(&addr, true).await;
+    let cfg = ReplicateConfig::default();
+    c.put("first", &payload("first", size as usize), &cfg)
+        .await
+        .unwrap();
+    let desc = c
+        .batch_get_replica_desc(&["first"])
+        .await
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    let at = desc.replicas[0].clone();
+
+    // A reader that begins a read of it, then says nothing more.
+    let segment = SegmentName::parse(at.segment.as_str()).unwrap();
+    let mut silent =
+        std::os::unix::net::UnixStream::connect(socket_path(&socket_dir(), &segment)).unwrap();
+    let mut hello = FrameWriter::new(LocalOp::Hello);
+    hello.u8(VERSION).bytes(segment.as_str().as_bytes());
+    exchange(&mut silent, &hello.finish());
+    let mut begin = FrameWriter::new(LocalOp::BeginRead);
+    begin.u32(1).item(Item {
+        offset: at.offset,
+        len: at.size,
+        grant: at.put_id,
+        flags: 0,
+        seal: Seal::default(),
+        key: "first",
+    });
+    let begun = exchange(&mut silent, &begin.finish());
+    assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the read began");
+
+    c.remove("first", true).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let second = payload("second", size as usize);
+    c.put("second", &second, &cfg).await.unwrap();
+    let mut buf = vec![0u8; size as usize];
+    assert_eq!(c.get("second", &mut buf).await.unwrap(), size as usize);
+    assert!(buf == second);
+    drop(silent);
+    owner.shutdown().await;
+    master.shutdown().await;
+}
