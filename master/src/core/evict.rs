@@ -50,8 +50,13 @@ impl MasterState {
             .partition(|p| p.at <= now);
         self.pending = keep;
         for p in due {
-            if let Some(seg) = self.segments.get_mut(&p.segment) {
-                seg.allocator.free(p.allocation);
+            let replica = super::objects::Replica {
+                segment: p.segment,
+                allocation: p.allocation,
+            };
+            match p.version {
+                Some(put_id) => self.drop_replicas([replica], put_id),
+                None => self.free_replicas([replica]),
             }
         }
     }

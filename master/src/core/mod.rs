@@ -178,6 +178,9 @@ struct PendingRelease {
     at: Millis,
     segment: SegmentId,
     allocation: Allocation,
+    /// The version its owner forgets when the range goes (see `note_freed`): readers leased on
+    /// it keep reading until then. None for a write that never ended.
+    version: Option<u64>,
 }
 
 /// Counters the metrics endpoint reads.

@@ -425,15 +425,12 @@ impl MasterState {
     }
 
     /// Takes a COMPLETE object out for an upsert that needs new space: readers holding a lease
-    /// keep its memory until the lease ends, its owners forget it, and disk copies go as on a
-    /// removal.
+    /// keep its memory (and its owners keep it) until the lease ends, and disk copies go as on
+    /// a removal.
     fn retire_for_upsert(&mut self, key: &ObjectKey, now: Millis) {
         let mut old = self.objects.remove(key).expect("the object is stored");
         let replicas = std::mem::take(&mut old.replicas);
-        for r in &replicas {
-            self.note_freed(r, old.put_id);
-        }
-        self.defer_release(replicas, old.lease.until().max(now));
+        self.defer_drop(replicas, old.put_id, old.lease.until().max(now));
         self.discard(*old, now);
     }
 
@@ -675,16 +672,38 @@ impl MasterState {
         }
     }
 
+    /// Frees the ranges of `replicas` at `at` (a write that may still be under way).
     pub(super) fn defer_release(
         &mut self,
         replicas: impl IntoIterator<Item = Replica>,
         at: Millis,
+    ) {
+        self.defer(replicas, at, None);
+    }
+
+    /// Frees the replicas of version `put_id` at `at`, when their owners are told to forget
+    /// them: readers leased on them keep reading until then.
+    pub(super) fn defer_drop(
+        &mut self,
+        replicas: impl IntoIterator<Item = Replica>,
+        put_id: u64,
+        at: Millis,
+    ) {
+        self.defer(replicas, at, Some(put_id));
+    }
+
+    fn defer(
+        &mut self,
+        replicas: impl IntoIterator<Item = Replica>,
+        at: Millis,
+        version: Option<u64>,
     ) {
         for r in replicas {
             self.pending.push(PendingRelease {
                 at,
                 segment: r.segment,
                 allocation: r.allocation,
+                version,
             });
         }
     }

@@ -484,8 +484,8 @@ impl MasterState {
             match released {
                 Some((replica, lease_until)) if lease_until > now => {
                     // Readers leased on the source keep reading it: its owner keeps the range
-                    // until it is granted again.
-                    self.defer_release([replica], lease_until);
+                    // until the lease ends, and is told to forget it then.
+                    self.defer_drop([replica], put_id, lease_until);
                 }
                 Some((replica, _)) => self.drop_replicas([replica], put_id),
                 None => {

@@ -189,14 +189,23 @@ fn a_move_drops_the_source_after_the_copy_and_waits_for_its_readers() {
         (ReplicaTaskType::Move, ReplicaTaskStatus::Success)
     );
     assert_eq!(holders(&mut s, "a", 300), vec![seg(2)]);
-    // The source's range waits out the reader's lease before it can be reused.
+    // The source's range waits out the reader's lease before it can be reused, and its owner
+    // keeps serving it to those readers until then.
     assert_eq!(s.allocated(), 2 * MIB);
-    let lease_end = 300 + s.policy().lease_ttl.as_millis() as u64;
+    // The lease the move saw was the one taken at 100.
+    let lease_end = 100 + s.policy().lease_ttl.as_millis() as u64;
+    s.tick(Millis(lease_end - 1));
+    assert!(s.take_freed(owner(0)).is_empty());
     s.tick(Millis(lease_end + 1));
     s.check_invariants().unwrap();
     assert_eq!(s.allocated(), MIB);
-    // The source's owner keeps serving the range to those readers: it is not told to forget.
-    assert!(s.take_freed(owner(0)).is_empty());
+    // Then it is told to forget the range (no stale entry for a rebuild to find).
+    let notes = s.take_freed(owner(0));
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert_eq!(
+        notes[0].put_id,
+        s.get_replicas(&k("a"), Millis(lease_end + 2)).unwrap().1[0].put_id
+    );
 }
 
 #[test]

@@ -106,7 +106,8 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
     s.check_invariants().unwrap();
 
     // Leased now (the get above): the new value goes elsewhere, the old range waits for the
-    // lease to end, and its owner is told to forget it.
+    // lease to end (its owner keeps serving it to the readers), and its owner is told to forget
+    // it then.
     let _ = s.take_freed(owner(0));
     let allocated = s.allocated();
     let third = s.put_start(&k("a"), 900, &upsert(), Millis(6)).unwrap();
@@ -116,17 +117,21 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
         allocated + 960,
         "both ranges held while the reader may read"
     );
-    assert_eq!(
-        freed(&mut s, 0),
-        vec![(first.replicas[0].offset, second.put_id)]
-    );
+    assert_eq!(freed(&mut s, 0), vec![], "readers still read the old range");
     s.put_end("a", third.put_id, Millis(7)).unwrap();
     let lease_end = 5 + Policy::default().lease_ttl.as_millis() as u64;
+    s.tick(Millis(lease_end - 1));
+    assert_eq!(freed(&mut s, 0), vec![], "readers still read the old range");
     s.tick(Millis(lease_end + 1));
     assert_eq!(
         s.allocated(),
         allocated + 960 - 1024,
         "the old range (1000 bytes: 1024 reserved) came back after the lease"
+    );
+    assert_eq!(
+        freed(&mut s, 0),
+        vec![(first.replicas[0].offset, second.put_id)],
+        "its owner forgets it with the lease over"
     );
     s.check_invariants().unwrap();
 
