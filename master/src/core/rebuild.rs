@@ -226,7 +226,9 @@ impl MasterState {
     }
 
     /// Adds a reported replica to the catalog, or hands its allocation back when the catalog
-    /// already has another version of the key (or this one on the same segment).
+    /// already has a newer version of the key, or another of this one or this one on the same
+    /// segment. A newer version than the adopted one wins: owners keep an upsert's old range
+    /// while its readers' lease lasts, so both versions may be reported, in any order.
     fn adopt(
         &mut self,
         segment: SegmentId,
@@ -239,16 +241,22 @@ impl MasterState {
             allocation,
         };
         if let Some(obj) = self.objects.get_mut(&r.key) {
-            let same = obj.put_id == r.stamp.put_id
-                && obj.size == r.size
-                && obj.phase.is_complete()
-                && !obj.replicas.iter().any(|x| x.segment == segment);
-            if !same {
-                return Err(replica.allocation);
+            if r.stamp.put_id <= obj.put_id {
+                let same = obj.put_id == r.stamp.put_id
+                    && obj.size == r.size
+                    && obj.phase.is_complete()
+                    && !obj.replicas.iter().any(|x| x.segment == segment);
+                if !same {
+                    return Err(replica.allocation);
+                }
+                obj.replicas.push(replica);
+                self.objects.link(&r.key);
+                return Ok(());
             }
-            obj.replicas.push(replica);
-            self.objects.link(&r.key);
-            return Ok(());
+            tracing::info!(key = %r.key, older = obj.put_id, newer = r.stamp.put_id,
+                "a newer version was reported: the older one adopted before goes");
+            self.remove(&r.key, true, now)
+                .expect("an adopted object can be removed by force");
         }
         let pin = Pin::asked(
             r.stamp.hard_pin,

@@ -183,6 +183,62 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
     ));
 }
 
+/// An owner keeps an upsert's old range while readers are leased on it, so a rebuild may hear
+/// of both versions of a key, the older first: the newer one wins, and the older one's owner is
+/// told to forget it.
+#[test]
+fn a_newer_version_reported_after_an_older_one_replaces_it() {
+    let mut s = fresh();
+    for i in 0..2 {
+        s.mount_segment(
+            owner(i),
+            seg(i),
+            4 * MIB,
+            0,
+            returning(1900, 1),
+            Millis(100),
+        )
+        .unwrap();
+    }
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("a", 0, 1000, 700, 1)],
+        true,
+        Millis(200),
+    )
+    .unwrap();
+    s.catalog_reported(
+        owner(1),
+        &seg(1),
+        vec![item("a", 4096, 900, 750, 1)],
+        true,
+        Millis(300),
+    )
+    .unwrap();
+    let (size, replicas) = s
+        .get_replicas(&ObjectKey::new("a").unwrap(), Millis(2_500))
+        .unwrap();
+    assert_eq!(
+        (size, replicas.len(), replicas[0].put_id),
+        (900, 1, 750),
+        "the newer version"
+    );
+    assert_eq!(replicas[0].segment, seg(1));
+    let freed: Vec<(u64, u64)> = s
+        .take_freed(owner(0))
+        .iter()
+        .map(|f| (f.offset, f.put_id))
+        .collect();
+    assert_eq!(freed, vec![(0, 700)], "the older one's owner forgets it");
+    let used: u64 = s.segment_stats().iter().map(|x| x.allocated).sum();
+    assert_eq!(
+        used, 960,
+        "only the newer version's range (900 bytes: 960 reserved) is in use"
+    );
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn a_report_may_not_lay_out_what_cannot_be() {
     let mut s = fresh();
