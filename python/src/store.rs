@@ -966,7 +966,10 @@ impl NativeStore {
         let mut on_device = OnDevice::default();
         let mut at = 0;
         for (i, &n) in counts.iter().enumerate() {
-            let mine: Option<Vec<&mut [u8]>> = slices.by_ref().take(n).collect();
+            // Every one of this key's `n` slices is taken before any is checked: stopping at the
+            // first refused one would hand the rest of them to the next key.
+            let mine: Vec<Option<&mut [u8]>> = slices.by_ref().take(n).collect();
+            let mine: Option<Vec<&mut [u8]>> = mine.into_iter().collect();
             if on_device.take(&pinned, i, &ranges[at..at + n]) {
                 at += n;
                 continue;

@@ -163,6 +163,16 @@ def test_objects_scattered_over_several_buffers(store):
     assert bytes(a) + bytes(b) == bytes(k_src) + bytes(v_src)
     small = store.batch_get_into_multi_buffers(["kv"], [[a.ctypes.data, b.ctypes.data]], [[1000, 6999]])
     assert small == [INVALID]
+    # A key refused for an unregistered buffer leaves the next key's buffers where they are:
+    # kv2 lands in its own buffer, and kv's registered one is left alone.
+    loose = np.zeros(3000, dtype=np.uint8)
+    c = registered(store, 5000)
+    a[:] = 7
+    got = store.batch_get_into_multi_buffers(["kv", "kv2"], [[loose.ctypes.data, a.ctypes.data], [c.ctypes.data]],
+                                             [[3000, 1000], [5000]])
+    assert got == [INVALID, 5000]
+    assert bytes(c) == bytes(v_src)
+    assert bytes(a) == b"\x07" * 1000
 
 
 def test_remove_and_leases(store):
