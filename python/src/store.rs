@@ -10,7 +10,7 @@ use mooncake_client::{
     ClientError, ReplicateConfig as ClientConfig, Tier,
 };
 use mooncake_common::Code;
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 use pyo3::{
     prelude::*,
     pybacked::PyBackedStr,
@@ -20,7 +20,7 @@ use pyo3::{
 use crate::{
     buffer::{FreshByteArray, PyBytesView},
     config::{ReplicateConfig, SetupArgs},
-    registry::Registry,
+    registry::{Pinned, Registry},
     replica::ReplicaDescriptor,
     session::Session,
 };
@@ -96,6 +96,13 @@ impl NativeStore {
             return missing;
         };
         py.detach(|| f(&session))
+    }
+
+    /// The registry pinned, waited for with the GIL released: an unregister may be waiting for
+    /// a transfer that must take the GIL back before it unpins, and new pins queue behind that
+    /// unregister.
+    fn pin(&self, py: Python<'_>) -> Pinned<RwLockReadGuard<'_, crate::registry::Ranges>> {
+        py.detach(|| self.registry.pin())
     }
 
     fn close_session(&self, py: Python<'_>) {
@@ -295,8 +302,8 @@ impl NativeStore {
 
     /// Whether `[ptr, ptr + size)` lies inside registered host memory (for the Python layer's
     /// own copies into caller buffers).
-    fn _is_registered(&self, ptr: usize, size: usize) -> bool {
-        self.registry.pin().slice(ptr, size).is_some()
+    fn _is_registered(&self, py: Python<'_>, ptr: usize, size: usize) -> bool {
+        self.pin(py).slice(ptr, size).is_some()
     }
 
     /// For tests of the GPU path without a GPU: device-like host memory this store recognises
@@ -901,7 +908,7 @@ impl NativeStore {
         let Some(cfg) = cfg else {
             return vec![INVALID; keys.len()];
         };
-        let pinned = self.registry.pin();
+        let pinned = self.pin(py);
         let mut out = vec![INVALID; keys.len()];
         let mut idx = Vec::with_capacity(keys.len());
         let mut parts: Vec<Vec<&[u8]>> = Vec::with_capacity(keys.len());
@@ -957,7 +964,7 @@ impl NativeStore {
         ranges: &[(usize, usize)],
         counts: &[usize],
     ) -> Vec<i64> {
-        let pinned = self.registry.pin();
+        let pinned = self.pin(py);
         // Destinations of the whole batch must not alias: check them all together.
         let mut slices = pinned.slices_mut(ranges).into_iter();
         let mut out = vec![INVALID as i64; keys.len()];

@@ -69,12 +69,14 @@ impl NativeStore {
     /// is registered device memory; the others are logged and answer INVALID_PARAMS.
     fn pinned_ranges(
         &self,
+        py: Python<'_>,
         op: &str,
         ranges: &[(usize, usize)],
         counts: &[usize],
         writable: bool,
     ) -> (OwnedPin, Vec<usize>, OnDevice) {
-        let pin = self.registry.pin_owned();
+        // Waited for without the GIL (see `NativeStore::pin`).
+        let pin = py.detach(|| self.registry.pin_owned());
         let mut ok = Vec::with_capacity(counts.len());
         let mut on_device = OnDevice::default();
         // Whether each range is registered host memory (for a read: and apart from the others).
@@ -115,7 +117,8 @@ impl NativeStore {
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
         let cfg = replicate(config);
-        let (pin, ok, on_device) = self.pinned_ranges("batch_put_from", &ranges, &counts, false);
+        let (pin, ok, on_device) =
+            self.pinned_ranges(py, "batch_put_from", &ranges, &counts, false);
         let starts: Vec<usize> = counts
             .iter()
             .scan(0, |at, &c| {
@@ -167,7 +170,7 @@ impl NativeStore {
         single: bool,
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
-        let (pin, ok, on_device) = self.pinned_ranges("batch_get_into", &ranges, &counts, true);
+        let (pin, ok, on_device) = self.pinned_ranges(py, "batch_get_into", &ranges, &counts, true);
         self.spawn(
             py,
             vec![INVALID as i64; n],

@@ -74,12 +74,13 @@ def running_cluster(owners=2, size="128MiB", master_args=()):
     try:
         m, rpc = start_master(master_args)
         procs.append(m)
-        segments = []
+        segments, owner_procs = [], []
         for _ in range(owners):
             o, seg = start_owner(rpc, size=size)
             procs.append(o)
+            owner_procs.append(o)
             segments.append(seg)
-        yield types.SimpleNamespace(master=rpc, segments=segments)
+        yield types.SimpleNamespace(master=rpc, segments=segments, owners=owner_procs)
     finally:
         for p in reversed(procs):
             p.stop()

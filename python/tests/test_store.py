@@ -257,3 +257,60 @@ def test_two_processes_share_objects_through_one_owner(store, cluster):
     head, n = out.stdout.split()
     assert head == payload.hex()[:64] and int(n) == len(payload)
     assert store.get("shared/from-child") == payload[::-1]
+
+
+def test_no_deadlock_between_a_transfer_an_unregister_and_a_registry_check():
+    """A transfer holds the registry while the GIL is released; an unregister waits for it; a
+    third thread then needs the registry too. That thread must wait without holding the GIL, or
+    the transfer, which takes the GIL back before it lets the registry go, never ends. Run in a
+    child process so that a deadlock fails the test instead of hanging it."""
+    import signal
+
+    from conftest import running_cluster
+
+    with running_cluster(owners=1, size="64MiB") as c:
+        child = textwrap.dedent(f"""
+            import sys, threading, time
+            import numpy as np
+            from mooncake_rs.store import MooncakeDistributedStore
+            s = MooncakeDistributedStore()
+            assert s.setup("127.0.0.1", "", 0, 0, "tcp", "", {c.master!r}) == 0
+            size = 4 << 20
+            src = np.full(size, 3, dtype=np.uint8)
+            dst = np.zeros(size, dtype=np.uint8)
+            other = np.zeros(4096, dtype=np.uint8)
+            for a in (src, dst, other):
+                assert s.register_buffer(a.ctypes.data, a.nbytes) == 0
+            assert s.put_from("held", src.ctypes.data, size) == 0
+            print("ready", flush=True)
+            time.sleep(0.5)  # the owner is stopped meanwhile: the read below waits for it
+            got = []
+            reader = threading.Thread(target=lambda: got.append(s.get_into("held", dst.ctypes.data, size)))
+            reader.start()
+            time.sleep(0.3)
+            unregister = threading.Thread(target=lambda: s.unregister_buffer(other.ctypes.data))
+            unregister.start()
+            time.sleep(0.3)
+            assert s._is_registered(dst.ctypes.data, size)
+            reader.join()
+            unregister.join()
+            assert got == [size] and (dst == 3).all(), got
+            s.close()
+            print("done", flush=True)
+        """)
+        owner_pid = c.owners[0].p.pid
+        p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+            os.kill(owner_pid, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(owner_pid, signal.SIGCONT)
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            pytest.fail("deadlocked: the registry check held the GIL while the transfer waited for it")
+        finally:
+            os.kill(owner_pid, signal.SIGCONT)
+        assert p.returncode == 0 and "done" in out, err
