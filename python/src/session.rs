@@ -14,7 +14,7 @@ pub struct Session {
     /// polls the sockets itself, with no hand-off to an I/O thread on every wait (the lowest
     /// latency for the one-caller-per-process shape of inference workers; concurrent callers
     /// take turns). `MOONCAKE_IO_THREADS=N` (N > 0) gives it N worker threads instead.
-    pub rt: Runtime,
+    pub rt: IoRuntime,
     pub client: Client,
     pub hostname: String,
     /// The master and this host, for segments mounted later (`mount_memory`).
@@ -111,7 +111,7 @@ impl Session {
         let (host, port) = split_host(&args.local_hostname)?;
         if args.global_segment_size == 0 {
             return Ok(Session {
-                rt,
+                rt: IoRuntime(Some(rt)),
                 client,
                 hostname: args.local_hostname.clone(),
                 master: args.master_server_addr.trim().to_string(),
@@ -142,7 +142,7 @@ impl Session {
         let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
         Ok(Session {
             hostname: owner.segment.to_string(),
-            rt,
+            rt: IoRuntime(Some(rt)),
             client,
             master,
             host,
@@ -205,14 +205,72 @@ impl Session {
         Err(invalid("global_segment_size > 0 needs the embedded-owner feature; pass 0 for a requester-only client"))
     }
 
-    /// Stops the embedded owners (unmounting their segments) and the I/O threads.
-    pub fn close(self) {
+    /// Stops the embedded owners (unmounting their segments) and the I/O threads, waiting for
+    /// them.
+    pub fn close(mut self) {
         #[cfg(feature = "embedded-owner")]
-        for (owner_rt, owner) in self.owner.into_iter().chain(self.mounted.into_inner()) {
-            owner_rt.block_on(owner.shutdown());
-            owner_rt.shutdown_timeout(Duration::from_secs(2));
+        stop_owners(self.take_owners());
+        if let Some(rt) = self.rt.0.take() {
+            rt.shutdown_timeout(Duration::from_secs(2));
         }
-        self.rt.shutdown_timeout(Duration::from_secs(2));
+    }
+
+    #[cfg(feature = "embedded-owner")]
+    fn take_owners(&mut self) -> Vec<(Runtime, mooncake_owner::RunningOwner)> {
+        let mounted = std::mem::take(self.mounted.get_mut());
+        self.owner.take().into_iter().chain(mounted).collect()
+    }
+}
+
+/// A session not closed (`close()` while calls were in flight) ends where its last reference
+/// goes: in one of those calls, on a thread of its own I/O runtime, or on a Python thread that
+/// holds the GIL. Waiting there for runtime threads panics (inside the runtime) or can deadlock
+/// (with the GIL): the embedded owners stop on a thread of their own, and the I/O runtime shuts
+/// down without waiting (see `IoRuntime`).
+impl Drop for Session {
+    fn drop(&mut self) {
+        #[cfg(feature = "embedded-owner")]
+        {
+            let owners = self.take_owners();
+            if !owners.is_empty() {
+                let stopping = std::thread::Builder::new()
+                    .name("mooncake-close".into())
+                    .spawn(move || stop_owners(owners));
+                if let Err(e) = stopping {
+                    tracing::warn!(error = %e, "cannot start a thread to stop the embedded owners");
+                }
+            }
+        }
+    }
+}
+
+/// Stops embedded owners (unmounting their segments) and their threads.
+#[cfg(feature = "embedded-owner")]
+fn stop_owners(owners: Vec<(Runtime, mooncake_owner::RunningOwner)>) {
+    for (rt, owner) in owners {
+        rt.block_on(owner.shutdown());
+        rt.shutdown_timeout(Duration::from_secs(2));
+    }
+}
+
+/// The session's I/O runtime: `close` waits for its threads; dropped anywhere else (see
+/// `Session`'s `Drop`), it shuts down without waiting.
+pub struct IoRuntime(Option<Runtime>);
+
+impl std::ops::Deref for IoRuntime {
+    type Target = Runtime;
+    fn deref(&self) -> &Runtime {
+        self.0
+            .as_ref()
+            .expect("the runtime lasts as long as the session")
+    }
+}
+
+impl Drop for IoRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
     }
 }
 

@@ -112,3 +112,21 @@ def test_async_misuse_answers_clearly(cluster):
     asyncio.run(main())
     with pytest.raises(RuntimeError, match="running event loop|no running"):
         MooncakeDistributedStoreAsync().async_put("k", b"v")
+
+
+def test_close_with_calls_in_flight_resolves_every_one(cluster):
+    """close() while async calls are in flight: the session ends when the last of them does,
+    on that call's own I/O thread, and every awaitable still resolves."""
+    s = MooncakeDistributedStoreAsync()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    value = os.urandom(1 << 20)
+
+    async def main():
+        assert await s.async_put("closing/k", value) == 0
+        calls = [s.async_get("closing/k") for _ in range(16)]
+        s.close()
+        done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
+        assert len(done) == 16
+        assert all(d == value or d == b"" or isinstance(d, Exception) for d in done), done
+
+    asyncio.run(main())
