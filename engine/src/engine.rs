@@ -232,12 +232,9 @@ impl TransferEngine {
         let device = (self.config.devices.0.iter())
             .find(|d| d.owns(start, n))
             .cloned();
-        // A range a device claims only part of (past the end of one allocation, say) would be
-        // taken for host memory and read as such: refused instead.
-        let partly = |d: &Arc<dyn DeviceMemory>| {
-            d.owns(start, 1) || d.owns(start.saturating_add(n.saturating_sub(1)), 1)
-        };
-        if device.is_none() && self.config.devices.0.iter().any(partly) {
+        // A range a device claims only part of would be taken for host memory and read as such:
+        // refused instead.
+        if device.is_none() && (self.config.devices.0.iter()).any(|d| d.owns_an_end(start, n)) {
             return Err(EngineError::Invalid(format!(
                 "region {addr:#x} of {len} bytes is partly device memory: register each device \
                  allocation on its own"

@@ -26,6 +26,7 @@ pub enum RegistryError {
     NullOrEmpty,
     Overflow,
     NotRegistered,
+    PartlyDevice,
 }
 
 impl std::error::Error for RegistryError {}
@@ -36,6 +37,9 @@ impl std::fmt::Display for RegistryError {
             RegistryError::NullOrEmpty => "buffer pointer is null or size is zero",
             RegistryError::Overflow => "buffer range overflows the address space",
             RegistryError::NotRegistered => "buffer is not registered",
+            RegistryError::PartlyDevice => {
+                "buffer is partly device memory: register each device allocation on its own"
+            }
         })
     }
 }

@@ -20,7 +20,7 @@ use pyo3::{
 use crate::{
     buffer::{FreshByteArray, PyBytesView},
     config::{ReplicateConfig, SetupArgs},
-    registry::{Pinned, Registry},
+    registry::{Pinned, Registry, RegistryError},
     replica::ReplicaDescriptor,
     session::Session,
 };
@@ -216,11 +216,20 @@ impl NativeStore {
     }
 
     fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i32 {
+        if self.session.read().is_none() {
+            // The devices are found by setup(): a GPU buffer registered before would be taken
+            // for host memory.
+            tracing::error!("register_buffer before setup(): call setup() first");
+            return INVALID;
+        }
         let devices = self.devices.read().clone();
         let registered = py.detach(|| {
             // GPU memory is recognised and never read as host memory: it moves through staging.
-            match devices.into_iter().find(|d| d.owns(buffer_ptr, size)) {
-                Some(d) => self.registry.register_device(buffer_ptr, size, d),
+            match devices.iter().find(|d| d.owns(buffer_ptr, size)) {
+                Some(d) => self.registry.register_device(buffer_ptr, size, d.clone()),
+                None if devices.iter().any(|d| d.owns_an_end(buffer_ptr, size)) => {
+                    Err(RegistryError::PartlyDevice)
+                }
                 None => self.registry.register(buffer_ptr, size),
             }
         });

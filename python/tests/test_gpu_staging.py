@@ -46,6 +46,10 @@ def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
     # key, are refused, never touched.
     stray = dev.alloc(4096)
     assert store.put_from("gpu/stray", stray, 4096) == INVALID
+    # A range that runs past the end of a device allocation is refused at registration: taken
+    # for host memory, it would be dereferenced.
+    assert store.register_buffer(stray, 4096 + 4096) == INVALID
+    assert store.register_buffer(stray + 4096 - 16, 64) == INVALID
     mixed = [[src[0], host.ctypes.data]]
     assert store.batch_put_from_multi_buffers(["gpu/mixed"], mixed, [[10, 10]]) == [INVALID]
     assert store.batch_get_into_multi_buffers(["gpu/kv"], mixed, [[100, 200]]) == [INVALID]

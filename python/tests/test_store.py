@@ -67,6 +67,7 @@ def test_a_store_that_is_not_set_up_answers_codes_not_crashes():
     assert s.remove_all() == INVALID
     assert s.get_into("k", buf.ctypes.data, 8) == INVALID
     assert s.batch_get_into(["k"], [buf.ctypes.data], [8]) == [INVALID]
+    assert s.register_buffer(buf.ctypes.data, 8) == INVALID, "GPU memory is recognised from setup() on"
     assert s.batch_get_replica_desc(["k"]) == {}
     assert s.get_hostname() == ""
     assert s.health_check() == 1

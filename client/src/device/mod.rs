@@ -51,6 +51,13 @@ pub trait DeviceMemory: Send + Sync + 'static {
     /// Whether `[ptr, ptr + len)` is memory of this device.
     fn owns(&self, ptr: usize, len: usize) -> bool;
 
+    /// Whether `[ptr, ptr + len)` begins or ends in memory of this device. A range of which the
+    /// device owns only a part (past the end of one allocation, say) would be taken for host
+    /// memory and dereferenced: callers refuse it.
+    fn owns_an_end(&self, ptr: usize, len: usize) -> bool {
+        len > 0 && (self.owns(ptr, 1) || self.owns(ptr.saturating_add(len - 1), 1))
+    }
+
     /// Copies `dst.len()` bytes from device address `src` into host memory.
     fn copy_to_host(&self, src: usize, dst: &mut [u8]) -> Result<(), DeviceError>;
 
