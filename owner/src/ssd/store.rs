@@ -372,16 +372,30 @@ impl SsdStore {
         r.evicted = true;
     }
 
-    /// Gives a reservation up without writing. Victims not yet evicted stay readable; evicted
-    /// victims whose headers lie in the region get them zeroed, so they cannot come back at a
-    /// restart (the master was told they are gone).
+    /// Gives a reservation up without writing. Victims not yet evicted stay readable. Victims
+    /// whose headers lie in the region and that no longer count get them zeroed, so they cannot
+    /// come back at a restart: all of them once evicted (the master was told they are gone), and
+    /// any deleted meanwhile (a delete leaves a header inside a reservation under way).
     pub async fn abandon(&self, r: Reservation) {
-        if r.evicted {
-            for v in r.victims.iter().filter(|v| v.offset >= r.offset) {
-                let (_, res) = self.engine.write_at(zeroed(ALIGN), v.offset).await;
-                if let Err(e) = res {
-                    tracing::warn!(error = %e, offset = v.offset, "cannot zero an evicted record's header");
-                }
+        let gone: Vec<u64> = {
+            let ring = self.ring.lock();
+            r.victims
+                .iter()
+                .filter(|v| v.offset >= r.offset)
+                .filter(|v| {
+                    let indexed = ring
+                        .by_key
+                        .get(&v.key)
+                        .is_some_and(|l| l.offset == v.offset && l.seq == v.seq);
+                    r.evicted || !indexed
+                })
+                .map(|v| v.offset)
+                .collect()
+        };
+        for at in gone {
+            let (_, res) = self.engine.write_at(zeroed(ALIGN), at).await;
+            if let Err(e) = res {
+                tracing::warn!(error = %e, offset = at, "cannot zero a dropped record's header");
             }
         }
         self.ring.lock().inflight.remove(&r.offset);

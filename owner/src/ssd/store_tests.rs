@@ -278,4 +278,19 @@ async fn versions_and_races_on_the_ring_survive_a_reopen() {
         &v(6)[..]
     );
     assert!(s.read(&k("w"), 3, LEN as u64).await.is_err());
+
+    // x over p, which is deleted meanwhile (its header lies in x's region, so the delete leaves
+    // it), and then x is given up before its victims were evicted (telling the master failed):
+    // p must not come back either.
+    let r = s.reserve(&k("x"), LEN as u64).unwrap();
+    let victims: Vec<_> = r.victims.iter().map(|v| v.key.clone()).collect();
+    assert_eq!(victims, vec![k("p")]);
+    assert!(s.delete(&k("p"), 4, None).await);
+    s.abandon(r).await;
+    s.sync().await.unwrap();
+    drop(s);
+    let (s, n) = open(&dir, cap, EngineKind::Uring).await;
+    let keys: Vec<String> = s.records().iter().map(|r| r.key.to_string()).collect();
+    assert_eq!(n, 2, "only r and q: {keys:?}");
+    assert!(s.read(&k("p"), 4, LEN as u64).await.is_err());
 }
