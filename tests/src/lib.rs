@@ -352,15 +352,20 @@ impl Drop for ChildGuard {
 }
 
 /// Starts the master binary on free loopback ports; returns it with its RPC and HTTP addresses.
-pub fn spawn_master(extra: &[&str]) -> (ChildGuard, String, String) {
-    let mut args = vec![
+/// The flags of a master on loopback at `port` ("0": any free one), its metrics on any port.
+pub fn loopback_master_args(port: &str) -> [&str; 6] {
+    [
         "--rpc_address",
         "127.0.0.1",
         "--rpc_port",
-        "0",
+        port,
         "--metrics_port",
         "0",
-    ];
+    ]
+}
+
+pub fn spawn_master(extra: &[&str]) -> (ChildGuard, String, String) {
+    let mut args = loopback_master_args("0").to_vec();
     args.extend_from_slice(extra);
     let m = ChildGuard::spawn("mooncake_master", &args);
     let line = m.wait_line("mooncake_master ready", Duration::from_secs(20));

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use mooncake_client::{Client, ClientConfig, ReplicateConfig};
 use mooncake_tests::{
-    check_payloads, etcd::Etcd, free_port, get_code, payload, put_payloads, spawn_owner, ChildGuard,
+    check_payloads, etcd::Etcd, free_port, get_code, loopback_master_args, payload, put_payloads,
+    spawn_owner, ChildGuard,
 };
 
 const TTL: &str = "2";
@@ -20,24 +21,17 @@ struct Master {
 
 fn ha_master(etcd: &Etcd) -> Master {
     let port = free_port().to_string();
-    let guard = ChildGuard::spawn(
-        "mooncake_master",
-        &[
-            "--enable_ha",
-            "--etcd_endpoints",
-            etcd.endpoint(),
-            "--cluster_id",
-            "ha-test",
-            "--ha_lease_ttl",
-            TTL,
-            "--rpc_address",
-            "127.0.0.1",
-            "--rpc_port",
-            &port,
-            "--metrics_port",
-            "0",
-        ],
-    );
+    let mut args = vec![
+        "--enable_ha",
+        "--etcd_endpoints",
+        etcd.endpoint(),
+        "--cluster_id",
+        "ha-test",
+        "--ha_lease_ttl",
+        TTL,
+    ];
+    args.extend(loopback_master_args(&port));
+    let guard = ChildGuard::spawn("mooncake_master", &args);
     Master {
         guard,
         addr: format!("127.0.0.1:{port}"),

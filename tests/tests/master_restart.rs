@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use mooncake_client::{Client, ClientConfig, PutOutcome, ReplicateConfig};
 use mooncake_tests::{
-    check_payloads, free_port, get_code, payload, put_payloads, spawn_owner, ChildGuard,
+    check_payloads, free_port, get_code, loopback_master_args, payload, put_payloads, spawn_owner,
+    ChildGuard,
 };
 
 fn master_on(port: u16) -> ChildGuard {
@@ -18,14 +19,7 @@ fn master_on(port: u16) -> ChildGuard {
 
 fn master_with(port: u16, flags: &[&str]) -> ChildGuard {
     let port = port.to_string();
-    let mut args = vec![
-        "--rpc_address",
-        "127.0.0.1",
-        "--rpc_port",
-        &port,
-        "--metrics_port",
-        "0",
-    ];
+    let mut args = loopback_master_args(&port).to_vec();
     args.extend_from_slice(flags);
     let m = ChildGuard::spawn("mooncake_master", &args);
     m.wait_line("mooncake_master ready", Duration::from_secs(20));
