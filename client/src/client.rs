@@ -198,11 +198,7 @@ impl Client {
                 .zip(&found.found)
                 .filter(|(_, r)| matches!(r, Ok(true)))
                 .map(|(k, _)| *k),
-            Granted {
-                asked,
-                ttl: found.lease_ttl,
-                epoch: found.epoch,
-            },
+            Granted::by_check(asked, &found),
         );
         Ok(found
             .found
@@ -305,11 +301,7 @@ impl Client {
         let lookup = lookup?;
         self.leases.keep(
             crate::leases::found(keys, &lookup),
-            Granted {
-                asked,
-                ttl: lookup.lease_ttl,
-                epoch: lookup.epoch,
-            },
+            Granted::by_lookup(asked, &lookup),
         );
         Ok(lookup
             .results()

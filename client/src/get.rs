@@ -111,11 +111,7 @@ impl Client {
             Ok(l) => l,
             Err(e) => return fill(results, valid, &e.into()),
         };
-        let granted = Granted {
-            asked: asked_at,
-            ttl: lookup.lease_ttl,
-            epoch: lookup.epoch,
-        };
+        let granted = Granted::by_lookup(asked_at, &lookup);
         // The lease started no earlier than our request did, so this deadline is conservative.
         let lease_deadline = granted.deadline();
 
@@ -298,11 +294,7 @@ impl Client {
                 return keys.iter().map(|_| Err(e.for_each_key())).collect();
             }
         };
-        let granted = Granted {
-            asked: asked_at,
-            ttl: lookup.lease_ttl,
-            epoch: lookup.epoch,
-        };
+        let granted = Granted::by_lookup(asked_at, &lookup);
         let lease_deadline = granted.deadline();
         // Owned: `names` borrows the keys the jobs below take.
         let leased: Vec<String> = found(&names, &lookup).map(str::to_owned).collect();

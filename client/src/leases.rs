@@ -50,6 +50,24 @@ pub(crate) struct Granted {
 }
 
 impl Granted {
+    /// The lease the hits of `lookup`, asked for at `asked`, got.
+    pub fn by_lookup(asked: Instant, lookup: &Lookup) -> Granted {
+        Granted {
+            asked,
+            ttl: lookup.lease_ttl,
+            epoch: lookup.epoch,
+        }
+    }
+
+    /// The lease the hits of an existence check, asked for at `asked`, got.
+    pub fn by_check(asked: Instant, check: &Existence) -> Granted {
+        Granted {
+            asked,
+            ttl: check.lease_ttl,
+            epoch: check.epoch,
+        }
+    }
+
     /// The earliest the lease can end: it started no earlier than it was asked for.
     pub fn deadline(self) -> Instant {
         self.asked + self.ttl
@@ -114,15 +132,10 @@ impl Leases {
 
     /// The reads of `keys` are done: their holds (of the lease `granted`) go back.
     pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>, granted: Granted) {
-        let (send_by, epoch) = (granted.send_by(), granted.epoch);
-        self.newest.fetch_max(epoch, Ordering::Relaxed);
+        let holds = self.holds(keys, granted);
         let mut q = self.queue.lock();
         let before = q.len();
-        q.extend(keys.into_iter().map(|k| Hold {
-            key: k.into(),
-            epoch,
-            send_by,
-        }));
+        q.extend(holds);
         if q.len() > before {
             drop(q);
             self.wake.notify_one();
@@ -141,13 +154,24 @@ impl Leases {
     /// Holds (of the lease `granted`) a get of the same keys usually follows: kept until the
     /// next call ends.
     pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>, granted: Granted) {
+        let holds = self.holds(keys, granted);
+        self.held.lock().extend(holds);
+    }
+
+    /// The holds of `keys` under the lease `granted` (whose master is now the newest known, if
+    /// it is newer).
+    fn holds<K: Into<String>>(
+        &self,
+        keys: impl IntoIterator<Item = K>,
+        granted: Granted,
+    ) -> impl Iterator<Item = Hold> {
         let (send_by, epoch) = (granted.send_by(), granted.epoch);
         self.newest.fetch_max(epoch, Ordering::Relaxed);
-        self.held.lock().extend(keys.into_iter().map(|k| Hold {
-            key: k.to_owned(),
+        keys.into_iter().map(move |k| Hold {
+            key: k.into(),
             epoch,
             send_by,
-        }));
+        })
     }
 
     /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`);

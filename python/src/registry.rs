@@ -95,6 +95,20 @@ impl Registry {
             ranges: self.ranges.read_arc(),
         }
     }
+
+    /// `pin`, unless that would wait (a writer holds or waits for the registry).
+    pub fn try_pin(&self) -> Option<Pinned<RwLockReadGuard<'_, Ranges>>> {
+        Some(Pinned {
+            ranges: self.ranges.try_read()?,
+        })
+    }
+
+    /// `pin_owned`, unless that would wait.
+    pub fn try_pin_owned(&self) -> Option<OwnedPin> {
+        Some(Pinned {
+            ranges: self.ranges.try_read_arc()?,
+        })
+    }
 }
 
 /// The registry read-locked: ranges checked against it stay registered while it is held.

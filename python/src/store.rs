@@ -98,11 +98,12 @@ impl NativeStore {
         py.detach(|| f(&session))
     }
 
-    /// The registry pinned, waited for with the GIL released: an unregister may be waiting for
+    /// The registry pinned: at once when nobody is changing it (the usual case, no GIL
+    /// hand-off), otherwise waited for with the GIL released: an unregister may be waiting for
     /// a transfer that must take the GIL back before it unpins, and new pins queue behind that
     /// unregister.
     fn pin(&self, py: Python<'_>) -> Pinned<RwLockReadGuard<'_, crate::registry::Ranges>> {
-        py.detach(|| self.registry.pin())
+        (self.registry.try_pin()).unwrap_or_else(|| py.detach(|| self.registry.pin()))
     }
 
     fn close_session(&self, py: Python<'_>) {

@@ -76,7 +76,8 @@ impl NativeStore {
         writable: bool,
     ) -> (OwnedPin, Vec<usize>, OnDevice) {
         // Waited for without the GIL (see `NativeStore::pin`).
-        let pin = py.detach(|| self.registry.pin_owned());
+        let pin = (self.registry.try_pin_owned())
+            .unwrap_or_else(|| py.detach(|| self.registry.pin_owned()));
         let mut ok = Vec::with_capacity(counts.len());
         let mut on_device = OnDevice::default();
         // Whether each range is registered host memory (for a read: and apart from the others).

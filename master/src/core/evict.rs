@@ -50,13 +50,9 @@ impl MasterState {
             .partition(|p| p.at <= now);
         self.pending = keep;
         for p in due {
-            let replica = super::objects::Replica {
-                segment: p.segment,
-                allocation: p.allocation,
-            };
             match p.version {
-                Some(put_id) => self.drop_replicas([replica], put_id),
-                None => self.free_replicas([replica]),
+                Some(put_id) => self.drop_replicas([p.replica], put_id),
+                None => self.free_replicas([p.replica]),
             }
         }
     }

@@ -32,7 +32,7 @@ use mooncake_common::{ClientId, ObjectKey, SegmentName};
 use rand::{rngs::StdRng, SeedableRng};
 
 use crate::{clock::Millis, error::MasterError};
-use allocator::{Allocation, OffsetAllocator};
+use allocator::OffsetAllocator;
 pub use objects::{LeaseMode, PutGrant};
 pub use order::{EvictionPolicy, OrderStats};
 pub use placement::AllocationStrategy;
@@ -176,8 +176,7 @@ impl Grants {
 /// or a discarded put whose writer may still be writing.
 struct PendingRelease {
     at: Millis,
-    segment: SegmentId,
-    allocation: Allocation,
+    replica: objects::Replica,
     /// The version its owner forgets when the range goes (see `note_freed`): readers leased on
     /// it keep reading until then. None for a write that never ended.
     version: Option<u64>,
@@ -453,14 +452,15 @@ impl MasterState {
                 .push((allocation.offset(), size));
         }
         for p in &self.pending {
+            let r = &p.replica;
             let size = self
                 .segments
-                .get(&p.segment)
-                .map_or(0, |s| s.allocator.size_of(&p.allocation));
+                .get(&r.segment)
+                .map_or(0, |s| s.allocator.size_of(&r.allocation));
             per_segment
-                .entry(p.segment)
+                .entry(r.segment)
                 .or_default()
-                .push((p.allocation.offset(), size));
+                .push((r.allocation.offset(), size));
         }
         for (id, seg) in &self.segments {
             let mut ranges = per_segment.remove(id).unwrap_or_default();

@@ -698,14 +698,12 @@ impl MasterState {
         at: Millis,
         version: Option<u64>,
     ) {
-        for r in replicas {
-            self.pending.push(PendingRelease {
+        self.pending
+            .extend(replicas.into_iter().map(|replica| PendingRelease {
                 at,
-                segment: r.segment,
-                allocation: r.allocation,
+                replica,
                 version,
-            });
-        }
+            }));
     }
 }
 

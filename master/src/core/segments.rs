@@ -241,7 +241,7 @@ impl MasterState {
                 self.owners.remove(&seg.owner);
             }
         }
-        self.pending.retain(|p| p.segment != id);
+        self.pending.retain(|p| p.replica.segment != id);
         let mut forgotten = Vec::new();
         let mut abandoned = Vec::new();
         self.objects.retain(|obj| {

@@ -87,8 +87,8 @@ impl SharedPool {
     /// Whether `fd` (as an owner's hello sent it) is the memory file this pool maps, of the
     /// same length. A restarted owner sends another: copies through this mapping would miss its
     /// pool.
-    pub fn maps(&self, fd: &OwnedFd, len: u64) -> io::Result<bool> {
-        let meta = File::from(fd.try_clone()?).metadata()?;
+    pub fn maps(&self, fd: OwnedFd, len: u64) -> io::Result<bool> {
+        let meta = File::from(fd).metadata()?;
         Ok(len == self.len && (meta.dev(), meta.ino()) == self.file)
     }
 

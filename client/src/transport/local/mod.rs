@@ -185,7 +185,7 @@ impl LocalOwner {
                 // The owner at this socket may have restarted since the pool was mapped (a fixed
                 // port gives the new one the same segment and socket): its pool is another
                 // memory file, and copies through the old mapping would miss it.
-                let same = match &fd {
+                let same = match fd {
                     Some(fd) => self.pool.maps(fd, size).map_err(|e| self.io_err(e))?,
                     None => false,
                 };
