@@ -2,7 +2,7 @@
 //! (a network namespace on a bridge), and a client in the root namespace running a mixed put/get
 //! load while a fault is injected: the leader killed, the leader cut off from etcd, the leader
 //! paused for three lease TTLs, an owner cut off from the client mid-batch, one of three etcd
-//! members down, 50 ms of delay on an owner's link (netem, or where the kernel has none a relay in
+//! members down, the standby watching from an etcd member cut off from its cluster, 50 ms of delay on an owner's link (netem, or where the kernel has none a relay in
 //! the owner's host that holds back what it sends). Each asserts that no call outlived its
 //! deadline, that no get returned a wrong byte, and that every object whose put ended OK is read
 //! back exactly afterwards (all owners survive these faults). Each prints a row of the table
@@ -518,4 +518,54 @@ async fn fifty_ms_of_delay_on_an_owner_link() {
     let fault = async move { format!("50ms on o0 ({how}); a get from o0 took {took:.0?}") };
     under_load(&w, "owner-delay-50ms", fault).await;
     drop(delay);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_watching_from_an_etcd_member_cut_off_from_its_cluster() {
+    let w = World::start(3).await;
+    let first = w.leader().await;
+    let standby = &w.masters[1 - first].0;
+    let etcd_ips: Vec<String> = w.etcd_hosts.iter().map(|h| h.ip.clone()).collect();
+    let fault = async {
+        // The standby reaches only etcd2, so it watches the leader key there...
+        w.lab.cut(standby, &etcd_ips[0]);
+        w.lab.cut(standby, &etcd_ips[1]);
+        // (the keepalive drops its connections to the others within a lease TTL, and it
+        // campaigns and watches again through etcd2)
+        tokio::time::sleep(Duration::from_secs(4 * TTL_SECS)).await;
+        // ...then etcd2 loses its cluster: it still serves, but sees no change any more. The
+        // standby reaches every member again.
+        w.lab.cut(&w.etcd_hosts[2], &etcd_ips[0]);
+        w.lab.cut(&w.etcd_hosts[2], &etcd_ips[1]);
+        w.lab.heal(standby, &etcd_ips[0]);
+        w.lab.heal(standby, &etcd_ips[1]);
+        // Whoever leads now (a leader whose keepalive went through etcd2 stepped down) is
+        // killed; the other master must take over.
+        let leader = w.leader().await;
+        w.masters[leader].1.as_ref().unwrap().signal(libc::SIGKILL);
+        let killed = Instant::now();
+        let survivor = &w.masters[1 - leader].0;
+        let lookup = mooncake_common::leader::LeaderLookup::new(
+            w.etcd.members.iter().map(|m| m.endpoint.clone()).collect(),
+            CLUSTER,
+            Duration::from_secs(2),
+        );
+        loop {
+            if let Ok(l) = lookup.leader().await {
+                if l.address.starts_with(&format!("{}:", survivor.ip)) {
+                    break;
+                }
+            }
+            assert!(
+                killed.elapsed() < Duration::from_secs(20),
+                "the standby did not take over within 20 s of the leader's death"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        format!(
+            "etcd2 cut off under the standby's watch; took over {:.2}s after the kill",
+            killed.elapsed().as_secs_f64()
+        )
+    };
+    under_load(&w, "standby-on-cut-off-etcd-member", fault).await;
 }

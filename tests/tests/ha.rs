@@ -1,7 +1,8 @@
 //! High availability with a real etcd and real processes: two masters campaign, the leader is
 //! killed with SIGKILL under a running client and the standby takes over (owners follow and
 //! report, the client follows, nothing committed is lost); a leader paused for three lease TTLs
-//! loses its lease, refuses to answer once it resumes, and campaigns again as a standby.
+//! loses its lease, refuses to answer once it resumes, and campaigns again as a standby; a
+//! deposed leader's late writes to etcd (its put-id reservation) do not land.
 
 use std::time::{Duration, Instant};
 
@@ -119,4 +120,66 @@ async fn a_standby_takes_over_from_a_killed_or_paused_leader_and_nothing_is_lost
         .wait_line("mooncake_master standby leader=", Duration::from_secs(10));
     all_exact(&client, &old).await;
     all_exact(&client, &new).await;
+}
+
+/// A leader's writes besides its key (the put-id reservation, the segment names) land only while
+/// the key is still its term's: a deposed leader's late write does not overwrite the next
+/// leader's reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leaders_late_write_does_not_land() {
+    use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+    use mooncake_master::ha::Seat;
+
+    let etcd = Etcd::start().await;
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    let leader_key = mooncake_common::leader::leader_key("fenced");
+    let ceiling = "mooncake-store/fenced/grant_ceiling";
+    // Takes the leader key under a fresh lease, as a campaign does.
+    async fn elect(c: &mut etcd_client::Client, key: &str) -> (i64, Seat) {
+        let lease = c.lease_grant(30, None).await.unwrap().id();
+        let txn = Txn::new()
+            .when([Compare::version(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                "127.0.0.1:1",
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let resp = c.txn(txn).await.unwrap();
+        assert!(resp.succeeded(), "the key is free");
+        let term = resp.header().unwrap().revision();
+        (
+            lease,
+            Seat {
+                leader_key: key.to_string(),
+                term,
+            },
+        )
+    }
+    let (lease, first) = elect(&mut c, &leader_key).await;
+    first.put(&mut c, ceiling, "100").await.unwrap();
+    first
+        .put(&mut c, "mooncake-store/fenced/segments/a", "")
+        .await
+        .unwrap();
+    // The first term's lease lapses; the next leader reserves above it.
+    c.lease_revoke(lease).await.unwrap();
+    let (_, second) = elect(&mut c, &leader_key).await;
+    assert!(second.term > first.term);
+    second.put(&mut c, ceiling, "200").await.unwrap();
+    // The deposed leader's writes, arriving late, are refused.
+    let late = first.put(&mut c, ceiling, "150").await.unwrap_err();
+    assert!(late.to_string().contains("another master leads"), "{late}");
+    first
+        .delete(&mut c, "mooncake-store/fenced/segments/a")
+        .await
+        .unwrap_err();
+    let stored = c.get(ceiling, None).await.unwrap();
+    assert_eq!(stored.kvs()[0].value_str().unwrap(), "200");
+    let segment = c
+        .get("mooncake-store/fenced/segments/a", None)
+        .await
+        .unwrap();
+    assert_eq!(segment.kvs().len(), 1, "the deposed leader's delete landed");
 }

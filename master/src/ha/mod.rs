@@ -13,8 +13,12 @@
 //!
 //! Put ids stay increasing across terms on different hosts: a leader reserves ids ahead in etcd
 //! (`grant_ceiling`) and never issues one it has not reserved; the next leader starts above the
-//! last reservation.
+//! last reservation. Every write besides the key is fenced on the key being this term's (see
+//! `fenced`). A master talks to one etcd member at a time and moves to the next when a call
+//! fails, and a standby looks at the key again every lease TTL, so a member cut off from its
+//! cluster keeps neither a leader flapping nor a standby waiting for a change it cannot see.
 
+mod fenced;
 mod leadership;
 
 use std::{collections::BTreeSet, future::Future, sync::Arc, time::Duration};
@@ -27,6 +31,7 @@ use etcd_client::{
 };
 use tokio::time::Instant;
 
+pub use fenced::Seat;
 pub use leadership::Leadership;
 
 use crate::{
@@ -73,9 +78,14 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     tokio::pin!(stop);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
+    // One member at a time, the next one after each failure: a member that fails (down, or cut
+    // off from its cluster) is left at once, and a working one is kept. A channel balanced over
+    // all members would keep landing streams (a watch, a keepalive) on the bad one.
+    let mut member = 0usize;
     loop {
+        let endpoint = ha.endpoints[member % ha.endpoints.len()].clone();
         let attempt = async {
-            let mut etcd = connect(&ha).await?;
+            let mut etcd = connect(&endpoint, ha.lease_ttl).await?;
             let won = campaign(&mut etcd, &ha, clock.as_ref(), events).await?;
             let lease = won.lease;
             let outcome = lead(&mut etcd, &config, &ha, clock.clone(), won, events).await;
@@ -87,8 +97,9 @@ pub async fn run(
         tokio::select! {
             r = attempt => {
                 if let Err(e) = r {
-                    tracing::warn!(error = %e, "leadership attempt ended; campaigning again");
+                    tracing::warn!(error = %e, etcd = %endpoint, "leadership attempt ended; campaigning again");
                 }
+                member = member.wrapping_add(1);
                 // A short pause, so a flapping etcd does not turn into a busy loop.
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(200)) => {}
@@ -100,13 +111,13 @@ pub async fn run(
     }
 }
 
-async fn connect(ha: &HaConfig) -> anyhow::Result<Client> {
-    let timeout = ha.lease_ttl.min(Duration::from_secs(5));
+async fn connect(endpoint: &str, lease_ttl: Duration) -> anyhow::Result<Client> {
+    let timeout = lease_ttl.min(Duration::from_secs(5));
     let options = ConnectOptions::new()
         .with_connect_timeout(timeout)
         .with_timeout(timeout)
         .with_keep_alive(Duration::from_secs(1), timeout);
-    Ok(Client::connect(&ha.endpoints, Some(options)).await?)
+    Ok(Client::connect([endpoint], Some(options)).await?)
 }
 
 /// A won election: the lease that holds the leader key, and the term (the revision that created
@@ -128,6 +139,8 @@ async fn campaign(
     events: &dyn Events,
 ) -> anyhow::Result<Won> {
     let key = mooncake_common::leader::leader_key(&ha.cluster_id);
+    // The leader last announced, so the periodic look does not announce it again.
+    let mut announced: Option<Option<String>> = None;
     loop {
         let ttl = ha.lease_ttl.as_secs().max(1) as i64;
         let granted_at = clock.now();
@@ -154,9 +167,19 @@ async fn campaign(
         let Some(kv) = current.kvs().first() else {
             continue; // gone meanwhile: campaign at once
         };
-        events.standing_by(kv.value_str().ok());
+        let leader = kv.value_str().ok().map(str::to_string);
+        if announced.as_ref() != Some(&leader) {
+            events.standing_by(leader.as_deref());
+            announced = Some(leader);
+        }
         let from = current.header().map_or(0, |h| h.revision()) + 1;
-        wait_for_delete(etcd, &key, from).await?;
+        // Looked at again every lease TTL, whatever the watch says: a watch that stays silent
+        // (its member stalled without losing its leader) delays a takeover by one TTL at most.
+        let recheck = ha.lease_ttl.max(Duration::from_secs(1));
+        if let Ok(deleted) = tokio::time::timeout(recheck, wait_for_delete(etcd, &key, from)).await
+        {
+            deleted?;
+        }
     }
 }
 
@@ -188,6 +211,10 @@ async fn lead(
     events: &dyn Events,
 ) -> anyhow::Result<()> {
     let leadership = Arc::new(Leadership::until(won.granted_at.plus(ha.lease_ttl)));
+    let seat = Seat {
+        leader_key: mooncake_common::leader::leader_key(&ha.cluster_id),
+        term: won.term,
+    };
     let ceiling_key = ceiling_key(&ha.cluster_id);
     let floor = etcd
         .get(ceiling_key.as_str(), Some(GetOptions::new()))
@@ -199,8 +226,7 @@ async fn lead(
     // Reserve the first block before issuing anything.
     let first_floor = floor.max(wall_clock_micros());
     let ceiling = first_floor + RESERVE;
-    etcd.put(ceiling_key.as_str(), ceiling.to_string(), None)
-        .await?;
+    seat.put(etcd, &ceiling_key, &ceiling.to_string()).await?;
     // The segments the previous leader had: the rebuild waits for their reports.
     let prefix = segments_prefix(&ha.cluster_id);
     let published: BTreeSet<String> = etcd
@@ -229,6 +255,7 @@ async fn lead(
     events.leading(&master, won.term);
 
     let mut books = Books {
+        seat,
         ceiling_key,
         ceiling,
         prefix,
@@ -252,6 +279,7 @@ async fn lead(
 
 /// What a leader keeps in etcd besides its key: the put-id reservation and the segment names.
 struct Books {
+    seat: Seat,
     ceiling_key: String,
     ceiling: u64,
     prefix: String,
@@ -264,7 +292,8 @@ impl Books {
         let next = master.with_state(|s| s.next_grant());
         if next + RESERVE / 2 > self.ceiling {
             let wanted = next + RESERVE;
-            etcd.put(self.ceiling_key.as_str(), wanted.to_string(), None)
+            self.seat
+                .put(etcd, &self.ceiling_key, &wanted.to_string())
                 .await?;
             self.ceiling = wanted;
             master.with_state_mut(|s| s.reserve_grants(wanted));
@@ -286,10 +315,14 @@ impl Books {
         }
         let mounted: BTreeSet<String> = names.iter().map(|n| n.to_string()).collect();
         for gone in self.published.difference(&mounted) {
-            etcd.delete(format!("{}{gone}", self.prefix), None).await?;
+            self.seat
+                .delete(etcd, &format!("{}{gone}", self.prefix))
+                .await?;
         }
         for new in mounted.difference(&self.published) {
-            etcd.put(format!("{}{new}", self.prefix), "", None).await?;
+            self.seat
+                .put(etcd, &format!("{}{new}", self.prefix), "")
+                .await?;
         }
         self.published = mounted;
         Ok(())
