@@ -306,28 +306,49 @@ async fn the_token_opens_every_path_end_to_end() {
     );
 }
 
+/// An open cluster (no token anywhere) serves peers without a token; a peer given a token
+/// refuses it on every port, since an open server proves nothing (whoever took its address, a
+/// squatted socket path or a spoofed host, could be answering).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_open_cluster_accepts_clients_with_or_without_a_token() {
+async fn an_open_cluster_serves_peers_without_a_token_and_those_with_one_refuse_it() {
     let dir = TempDir::new("auth-open");
     let token = token_file(&dir, "token", SECRET);
     let (_m, rpc, _) = spawn_master(&[]);
     let (_o, seg) = spawn_owner(&rpc, "32MiB", &[]);
-    for token in [None, Some(token.as_str())] {
-        for protocol in [MasterProtocol::Framed, MasterProtocol::Grpc] {
-            let client = Client::connect(config(&rpc, token, protocol, false))
-                .await
-                .unwrap();
-            let key = format!("open/{}/{protocol:?}", token.is_some());
-            let value = payload(&key, 4096);
-            client
-                .put(&key, &value, &ReplicateConfig::default())
-                .await
-                .unwrap();
-            let mut buf = vec![0u8; 4096];
-            assert_eq!(client.get(&key, &mut buf).await.unwrap(), 4096);
-            assert_eq!(buf, value);
-        }
+    for protocol in [MasterProtocol::Framed, MasterProtocol::Grpc] {
+        let client = Client::connect(config(&rpc, None, protocol, true))
+            .await
+            .unwrap();
+        let key = format!("open/{protocol:?}");
+        let value = payload(&key, 4096);
+        client
+            .put(&key, &value, &ReplicateConfig::default())
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        assert_eq!(client.get(&key, &mut buf).await.unwrap(), 4096);
+        assert_eq!(buf, value);
+
+        let err = Client::connect(config(&rpc, Some(&token), protocol, false))
+            .await
+            .err()
+            .expect("a client with a token refuses an open master");
+        assert_eq!(err.code(), Code::Unauthenticated, "{protocol:?}: {err}");
+        assert!(err.to_string().contains("runs open"), "{err}");
     }
     let t = Arc::new(tcp(Some(credential(&token))));
-    assert_eq!(read_code(&t, &seg, "k").await, Some(Code::ObjectNotFound));
+    assert_eq!(read_code(&t, &seg, "k").await, Some(Code::Unauthenticated));
+    let seg = SegmentName::parse(&seg).unwrap();
+    let path = socket_path(&mooncake_tests::socket_dir(), &seg);
+    let err = LocalOwner::connect(
+        &path,
+        &seg,
+        Duration::from_secs(3),
+        1,
+        1,
+        Some(credential(&token)),
+    )
+    .err()
+    .expect("no same-host path to a socket that proves nothing");
+    assert!(err.to_string().contains("runs open"), "{err}");
 }

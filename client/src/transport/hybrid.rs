@@ -97,6 +97,11 @@ impl HybridTransport {
                 tracing::debug!(segment = %target, "using the same-host path");
                 Route::Local(Arc::new(owner))
             }
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                // A socket at the owner's path that cannot prove the secret: not the owner.
+                tracing::warn!(segment = %target, error = %e, "refused the same-host socket; using TCP");
+                Route::Tcp
+            }
             Ok(Err(e)) => {
                 tracing::debug!(segment = %target, error = %e, "same-host path unavailable; using TCP");
                 Route::Tcp

@@ -159,13 +159,17 @@ pub enum AuthError {
     Refused(String),
     #[error("the server did not prove it holds the secret: it is not the peer it claims to be, or it has another secret")]
     BadServer,
+    #[error("the server runs open (it has no auth token) while this peer has one: refused, since an open server proves nothing and anyone could be answering; give the server the same auth_token_file, or take this peer's away")]
+    OpenServer,
 }
 
 impl AuthError {
     pub fn code(&self) -> Code {
         match self {
             AuthError::Io(_) => Code::RpcFail,
-            AuthError::Refused(_) | AuthError::BadServer => Code::Unauthenticated,
+            AuthError::Refused(_) | AuthError::BadServer | AuthError::OpenServer => {
+                Code::Unauthenticated
+            }
         }
     }
 
@@ -178,8 +182,10 @@ impl AuthError {
     }
 }
 
-/// The client's side: proves `credential` and checks the server's proof. A server that runs
-/// open is accepted as it is (it lets everyone in). The caller bounds the time.
+/// The client's side: proves `credential` and checks the server's proof. A server that says it
+/// runs open is refused: it proves nothing, so whoever took its address (a socket path squatted
+/// in /tmp, a spoofed host) could be answering, and a peer given a secret expects its servers to
+/// hold it. The caller bounds the time.
 pub async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     credential: &Credential,
@@ -191,7 +197,7 @@ pub async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
     stream.read_exact(&mut status).await?;
     match i32::from_le_bytes(status) {
         PROVE => {}
-        OPEN => return Ok(()),
+        OPEN => return Err(AuthError::OpenServer),
         _ => return Err(AuthError::Refused(read_message(stream).await?)),
     }
     let mut challenge = [0u8; NONCE + PROOF];
@@ -225,7 +231,7 @@ pub fn authenticate_blocking<S: Read + Write>(
     };
     match i32::from_le_bytes(status) {
         PROVE => {}
-        OPEN => return Ok(()),
+        OPEN => return Err(AuthError::OpenServer),
         _ => return Err(AuthError::Refused(read_message(stream)?)),
     }
     let mut challenge = [0u8; NONCE + PROOF];
@@ -376,14 +382,38 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn open_servers_let_everyone_in_and_guarded_ones_flag_silent_peers() {
+    async fn open_servers_let_peers_without_a_secret_in_and_guarded_ones_flag_silent_peers() {
+        // A peer with a secret refuses an open server: it proves nothing.
         let (s, c) = exchange(None, cluster(SECRET)).await;
         assert_eq!(s.unwrap(), Admission::Open);
-        c.unwrap().unwrap();
+        let c = c.unwrap().unwrap_err();
+        assert!(matches!(c, AuthError::OpenServer), "{c}");
+        assert_eq!(c.code(), Code::Unauthenticated);
+        assert!(c.to_string().contains("auth_token_file"), "{c}");
         let (s, _) = exchange(None, None).await;
         assert_eq!(s.unwrap(), Admission::Open);
         let (s, _) = exchange(Some(Keyring::cluster(SECRET)), None).await;
         assert_eq!(s.unwrap(), Admission::Unauthenticated);
+    }
+
+    /// The blocking side (the same-host path) refuses an open server too: a socket squatted by
+    /// another local user that answers "open" gets no put and serves no get.
+    #[test]
+    fn the_blocking_client_refuses_an_open_server() {
+        use std::os::unix::net::UnixStream;
+        let (mut c, mut s) = UnixStream::pair().unwrap();
+        let squatter = std::thread::spawn(move || {
+            let mut head = [0u8; HELLO_MAGIC.len() + NONCE + 1];
+            s.read_exact(&mut head).unwrap();
+            let mut identity = vec![0u8; head[HELLO_MAGIC.len() + NONCE] as usize];
+            s.read_exact(&mut identity).unwrap();
+            s.write_all(&OPEN.to_le_bytes()).unwrap();
+        });
+        let cred = Credential::new(CLUSTER, SECRET).unwrap();
+        let e = authenticate_blocking(&mut c, &cred).unwrap_err();
+        assert!(matches!(e, AuthError::OpenServer), "{e}");
+        assert_eq!(e.into_io().kind(), io::ErrorKind::PermissionDenied);
+        squatter.join().unwrap();
     }
 
     #[tokio::test]

@@ -52,6 +52,29 @@ impl fmt::Debug for Key {
     }
 }
 
+/// A secret's bytes, shared; its `Debug` shows nothing of them.
+#[derive(Clone)]
+struct Secret(std::sync::Arc<Vec<u8>>);
+
+impl Secret {
+    fn new(bytes: &[u8]) -> Secret {
+        Secret(std::sync::Arc::new(bytes.to_vec()))
+    }
+}
+
+impl std::ops::Deref for Secret {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
 /// Reads a secret file: its bytes without surrounding whitespace, at least `MIN_SECRET` of them.
 /// A file others may read is accepted with a warning (the operator may share it through a group).
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
@@ -86,7 +109,7 @@ pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
 pub struct ServerAuth {
     pub keyring: Keyring,
     pub seals: SealKey,
-    secret: std::sync::Arc<Vec<u8>>,
+    secret: Secret,
 }
 
 impl ServerAuth {
@@ -94,7 +117,7 @@ impl ServerAuth {
         ServerAuth {
             keyring: Keyring::cluster(secret),
             seals: SealKey::from_secret(secret),
-            secret: std::sync::Arc::new(secret.to_vec()),
+            secret: Secret::new(secret),
         }
     }
 
@@ -187,7 +210,7 @@ pub struct Keyring {
     keys: HashMap<String, Key>,
     /// With the cluster's secret here, every tenant's identity is accepted with the key of its
     /// derived token (see `tenant_token`).
-    tenants_of: Option<std::sync::Arc<Vec<u8>>>,
+    tenants_of: Option<Secret>,
 }
 
 impl Keyring {
@@ -206,7 +229,7 @@ impl Keyring {
 
     /// Also accepts every tenant proving its token derived from `cluster_secret` (owners).
     pub fn with_derived_tenants(mut self, cluster_secret: &[u8]) -> Keyring {
-        self.tenants_of = Some(std::sync::Arc::new(cluster_secret.to_vec()));
+        self.tenants_of = Some(Secret::new(cluster_secret));
         self
     }
 
@@ -268,6 +291,23 @@ fn check_identity(identity: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_shows_nothing_of_a_secret() {
+        let secret = b"a secret that must never be logged!!";
+        let keyring = Keyring::cluster(secret).with_derived_tenants(secret);
+        for shown in [
+            format!("{:?}", ServerAuth::from_secret(secret)),
+            format!("{keyring:?}"),
+        ] {
+            assert!(!shown.contains("must never"), "{shown}");
+            // Nor as a list of byte values.
+            assert!(
+                !shown.contains(&format!("{}, {}", secret[0], secret[1])),
+                "{shown}"
+            );
+        }
+    }
 
     #[test]
     fn secret_files_are_trimmed_and_checked() {

@@ -7,7 +7,10 @@ use std::{
     fmt, fs,
     fs::File,
     io,
-    os::{fd::AsRawFd, unix::fs::OpenOptionsExt},
+    os::{
+        fd::AsRawFd,
+        unix::fs::{OpenOptionsExt, PermissionsExt},
+    },
     path::Path,
     str::FromStr,
 };
@@ -92,6 +95,8 @@ pub fn open_direct(path: &Path, size: u64) -> io::Result<File> {
         .write(true)
         .create(true)
         .truncate(false)
+        // Every tenant's offloaded keys and values: readable by the owner's user only.
+        .mode(0o600)
         .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| {
@@ -109,7 +114,13 @@ pub fn open_direct(path: &Path, size: u64) -> io::Result<File> {
                 io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display()))
             }
         })?;
-    let len = file.metadata()?.len();
+    // A file made before this owner set its mode keeps the one it had: narrow it too.
+    let meta = file.metadata()?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        tracing::warn!(path = %path.display(), mode = format!("{:o}", meta.permissions().mode() & 0o777), "the ssd data file was readable by others; making it the owner's only");
+        file.set_permissions(fs::Permissions::from_mode(0o600))?;
+    }
+    let len = meta.len();
     if len < size {
         match fallocate(&file, len, size - len) {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => file.set_len(size)?,

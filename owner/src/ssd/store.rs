@@ -10,6 +10,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     ops::Range,
+    os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -201,7 +202,12 @@ impl SsdStore {
                 capacity,
             });
         }
-        std::fs::create_dir_all(dir)?;
+        // Holds every tenant's offloaded keys and values: the owner's user only (a directory
+        // that exists already is the operator's to set).
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
         let path = dir.join(DATA_FILE);
         let format = |message: String| SsdError::Format {
             path: path.clone(),

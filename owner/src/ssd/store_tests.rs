@@ -6,7 +6,7 @@ use std::io::{Seek, SeekFrom, Write};
 
 use mooncake_common::{Code, ObjectKey};
 
-use super::{test_dir::TempDir, EngineKind, SsdError, SsdStore};
+use super::{store::DATA_FILE, test_dir::TempDir, EngineKind, SsdError, SsdStore};
 
 fn k(s: &str) -> ObjectKey {
     ObjectKey::new(s).unwrap()
@@ -293,4 +293,27 @@ async fn versions_and_races_on_the_ring_survive_a_reopen() {
     let keys: Vec<String> = s.records().iter().map(|r| r.key.to_string()).collect();
     assert_eq!(n, 2, "only r and q: {keys:?}");
     assert!(s.read(&k("p"), 4, LEN as u64).await.is_err());
+}
+
+/// The data file holds every tenant's offloaded keys and values: only the owner's user may
+/// read it, and a file left readable by an older owner is narrowed on open.
+#[tokio::test]
+async fn the_data_file_and_a_new_directory_are_the_owners_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new();
+    let tier = dir.path().join("tier");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let data = tier.join(DATA_FILE);
+    {
+        let _s = SsdStore::open(&tier, 128 << 10, EngineKind::Pread, 4, 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(mode(&tier), 0o700);
+        assert_eq!(mode(&data), 0o600);
+    }
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _s = SsdStore::open(&tier, 128 << 10, EngineKind::Pread, 4, 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(mode(&data), 0o600);
 }
