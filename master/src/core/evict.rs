@@ -103,14 +103,7 @@ impl MasterState {
             }
             passed[l] += 1;
             exhausted[l] = passed[l] >= self.objects.order_live(c.list);
-            let on_its_way = matches!(
-                o.offload(),
-                Offload::Pending {
-                    evict_after: true,
-                    ..
-                }
-            );
-            if on_its_way || !o.phase.is_complete() || o.is_leased(now) || o.pin.is_hard() {
+            if o.offload_on_its_way() || !o.phase.is_complete() || o.is_leased(now) || o.pin.is_hard() {
                 self.objects.keep(c);
                 continue;
             }
@@ -133,7 +126,8 @@ impl MasterState {
             let Some(o) = self.objects.get(&key) else {
                 continue;
             };
-            if o.is_leased(now) || o.replicas.is_empty() {
+            // Met twice when the order cycled: the first visit may have started its offload.
+            if o.is_leased(now) || o.replicas.is_empty() || o.offload_on_its_way() {
                 continue;
             }
             self.objects.unlink_key(&key);
@@ -161,6 +155,11 @@ impl MasterState {
             .objects
             .get_mut(&key)
             .expect("an evicted candidate exists");
+        if obj.offload_on_its_way() {
+            // Its memory goes when the copy lands, counted already.
+            self.objects.link(&key);
+            return;
+        }
         if let Offload::Pending {
             evict_after: false,
             bytes,

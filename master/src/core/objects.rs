@@ -291,6 +291,17 @@ impl Object {
         }
     }
 
+    /// An offload is on its way that frees this object's memory when it lands.
+    pub fn offload_on_its_way(&self) -> bool {
+        matches!(
+            self.offload(),
+            Offload::Pending {
+                evict_after: true,
+                ..
+            }
+        )
+    }
+
     pub fn has_tier_state(&self) -> bool {
         self.tier.is_some()
     }

@@ -395,3 +395,25 @@ fn an_object_whose_offload_failed_is_offloaded_again_after_the_timeout() {
     assert_eq!(s.take_tasks(id, 10, Millis(0)).len(), 1);
     s.check_invariants().unwrap();
 }
+
+/// A soft-pinned object met twice in one eviction round (the order cycles once something is
+/// evicted) starts its offload once and is never dropped while that offload is on its way.
+#[test]
+fn a_soft_pinned_object_met_twice_in_a_round_is_offloaded_not_dropped() {
+    let (mut s, id) = tiered(4 * MIB, Policy::default());
+    let soft = ReplicateConfig {
+        soft_pin: true,
+        ..ReplicateConfig::default()
+    };
+    let g = s.put_start(&k("s"), MIB, &soft, Millis(0)).unwrap();
+    s.put_end("s", g.put_id, Millis(0)).unwrap();
+    put(&mut s, "a", MIB, 0).unwrap();
+    s.make_room(Millis(1), 4 * MIB);
+    s.check_invariants().unwrap();
+    assert!(s.objects.get(&k("s")).is_some(), "the soft-pinned object was dropped");
+    assert_eq!(s.counters().dropped_disk_behind, 0);
+    // Both offloads land and both objects stay readable from disk.
+    owner_works(&mut s, id, true, 2);
+    assert_eq!(tiers(&mut s, "s", 3), vec![Tier::Disk]);
+    assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
+}
