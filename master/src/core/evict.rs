@@ -103,7 +103,11 @@ impl MasterState {
             }
             passed[l] += 1;
             exhausted[l] = passed[l] >= self.objects.order_live(c.list);
-            if o.offload_on_its_way() || !o.phase.is_complete() || o.is_leased(now) || o.pin.is_hard() {
+            if o.offload_on_its_way()
+                || !o.phase.is_complete()
+                || o.is_leased(now)
+                || o.pin.is_hard()
+            {
                 self.objects.keep(c);
                 continue;
             }

@@ -410,10 +410,47 @@ fn a_soft_pinned_object_met_twice_in_a_round_is_offloaded_not_dropped() {
     put(&mut s, "a", MIB, 0).unwrap();
     s.make_room(Millis(1), 4 * MIB);
     s.check_invariants().unwrap();
-    assert!(s.objects.get(&k("s")).is_some(), "the soft-pinned object was dropped");
+    assert!(
+        s.objects.get(&k("s")).is_some(),
+        "the soft-pinned object was dropped"
+    );
     assert_eq!(s.counters().dropped_disk_behind, 0);
     // Both offloads land and both objects stay readable from disk.
     owner_works(&mut s, id, true, 2);
     assert_eq!(tiers(&mut s, "s", 3), vec![Tier::Disk]);
     assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
+}
+
+/// A report naming a segment that is gone (unmounted between the owner's lookup and its report),
+/// or one without an SSD tier, records no disk copy: later reads and removals find the object
+/// whole instead of a disk replica on a segment that does not exist.
+#[test]
+fn an_offload_report_for_a_segment_that_is_gone_or_has_no_tier_is_refused() {
+    let (mut s, id) = tiered(4 * MIB, Policy::default());
+    s.mount_segment(owner(1), seg(1), 4 * MIB, 0, MountReport::default(), Millis(0))
+        .unwrap();
+    let plain = s.owned_segment(owner(1), &seg(1)).unwrap();
+    let config = ReplicateConfig {
+        preferred_segments: vec![seg(1)],
+        ..ReplicateConfig::default()
+    };
+    let g = s.put_start(&k("k"), MIB, &config, Millis(0)).unwrap();
+    s.put_end("k", g.put_id, Millis(0)).unwrap();
+    // No SSD tier on seg1: nothing to record.
+    assert!(s
+        .report_task(plain, TaskKind::Offload, &k("k"), g.put_id, true, Millis(1))
+        .is_err());
+    s.check_invariants().unwrap();
+    // seg0 unmounted, then a late report names it.
+    s.unmount_segment(owner(0), &seg(0)).unwrap();
+    assert!(s
+        .report_task(id, TaskKind::Offload, &k("k"), g.put_id, true, Millis(2))
+        .is_err());
+    assert!(s
+        .report_task(id, TaskKind::Drop, &k("k"), g.put_id, true, Millis(2))
+        .is_err());
+    s.check_invariants().unwrap();
+    assert_eq!(tiers(&mut s, "k", 3), vec![Tier::Memory]);
+    s.remove(&k("k"), true, Millis(4)).unwrap();
+    s.check_invariants().unwrap();
 }

@@ -413,6 +413,17 @@ impl MasterState {
         ok: bool,
         now: Millis,
     ) -> Result<(), MasterError> {
+        let Some(seg) = self.segments.get(&segment) else {
+            return Err(MasterError::Invalid(format!(
+                "segment {segment:?} is no longer mounted"
+            )));
+        };
+        if seg.disk.is_none() {
+            return Err(MasterError::Invalid(format!(
+                "segment {} was mounted without an SSD tier",
+                seg.name
+            )));
+        }
         if kind == TaskKind::Drop {
             if ok {
                 self.clear_tombstone(segment, key, put_id);

@@ -9,9 +9,7 @@ use mooncake_common::{ClientId, DiskStats, ObjectKey, SegmentName};
 
 use super::MasterService;
 use crate::{
-    core::{
-        Freed, HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, SegmentId, TaskKind,
-    },
+    core::{Freed, HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, TaskKind},
     error::MasterError,
     metrics::Op,
 };
@@ -97,15 +95,6 @@ impl MasterService {
         reply
     }
 
-    /// The segment, checked to belong to `owner` and to have an SSD tier.
-    fn disk_segment(
-        &self,
-        owner: ClientId,
-        segment: &SegmentName,
-    ) -> Result<SegmentId, MasterError> {
-        self.shared.state.lock().disk_segment(owner, segment)
-    }
-
     /// Waits up to `wait` (at most 5 s) for SSD-tier work for the segment and takes up to `max`
     /// tasks (at most 1024).
     pub async fn poll_tasks(
@@ -154,10 +143,12 @@ impl MasterService {
         segment: &SegmentName,
         reports: &[TaskReport<'_>],
     ) -> Result<Vec<Result<(), MasterError>>, MasterError> {
-        let id = self.shared.state.lock().owned_segment(owner, segment)?;
         let now = self.shared.clock.now();
         let results = {
+            // The segment is looked up under the same lock as the reports land: an unmount in
+            // between would leave them naming a segment that is gone.
             let mut state = self.shared.state.lock();
+            let id = state.owned_segment(owner, segment)?;
             let results = reports
                 .iter()
                 .map(|t| {
@@ -186,9 +177,9 @@ impl MasterService {
         segment: &SegmentName,
         records: &[(&str, u64)],
     ) -> Result<(), MasterError> {
-        let id = self.disk_segment(owner, segment)?;
         let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
+        let id = state.disk_segment(owner, segment)?;
         for &(key, put_id) in records {
             if let Ok(k) = ObjectKey::new(key) {
                 state.disk_dropped(id, &k, put_id, now);
@@ -206,8 +197,8 @@ impl MasterService {
         segment: &SegmentName,
         records: &[(&str, u64, u64)],
     ) -> Result<Vec<Result<u64, MasterError>>, MasterError> {
-        let id = self.disk_segment(owner, segment)?;
         let mut state = self.shared.state.lock();
+        let id = state.disk_segment(owner, segment)?;
         Ok(records
             .iter()
             .map(|&(key, size, put_id)| {
