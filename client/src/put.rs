@@ -116,6 +116,7 @@ impl Client {
         let write_errors = self.write_replicas(items, valid, &grants, config).await;
         self.end_or_revoke(valid, &grants, write_errors, results)
             .await;
+        share_fate_of_repeats(valid, &grants, results);
     }
 
     /// Writes every replica of every granted put, one batch per owner, all owners at once; the
@@ -208,6 +209,41 @@ impl Client {
                     results[i] = Some(Err(e.for_each_key()));
                 }
             }
+        }
+    }
+}
+
+/// A key repeated in one batch: the master grants its first occurrence and answers the others
+/// "already exists" (a put of it is in flight). If that put then failed, the object is not
+/// there, so the repeats failed with it rather than reporting an object that does not exist.
+fn share_fate_of_repeats(
+    valid: &[(usize, ObjectKey)],
+    grants: &Grants,
+    results: &mut [Option<PutResult>],
+) {
+    let repeats = grants
+        .results
+        .iter()
+        .any(|g| matches!(g, Err(e) if e.code == Code::ObjectAlreadyExists));
+    if !repeats || valid.len() < 2 {
+        return;
+    }
+    let written: std::collections::HashMap<&str, usize> = valid
+        .iter()
+        .zip(&grants.results)
+        .filter(|(_, g)| g.is_ok())
+        .map(|((i, k), _)| (k.as_str(), *i))
+        .collect();
+    for ((i, key), grant) in valid.iter().zip(&grants.results) {
+        let Err(e) = grant else { continue };
+        if e.code != Code::ObjectAlreadyExists {
+            continue;
+        }
+        let Some(&w) = written.get(key.as_str()) else {
+            continue;
+        };
+        if let Some(Err(failed)) = &results[w] {
+            results[*i] = Some(Err(failed.for_each_key()));
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Real processes on loopback: an owner killed with SIGKILL loses its objects after the client
 //! TTL, new puts go to the surviving owner, and calls in flight finish (with errors) within their
-//! deadlines. A stopped (SIGSTOP) owner turns reads into errors within the transfer timeout.
+//! deadlines. A stopped (SIGSTOP) owner turns reads into errors within the transfer timeout, and
+//! a key repeated in a batch whose write failed reports the failure for every occurrence.
 
 use std::time::{Duration, Instant};
 
@@ -162,7 +163,19 @@ async fn a_stopped_owner_turns_reads_and_writes_into_errors_within_the_deadline(
     let r = client.put("frozen2", &v, &ReplicateConfig::default()).await;
     assert_eq!(r.unwrap_err().code().as_i32(), -800);
     assert!(t.elapsed() < Duration::from_secs(4));
+    // A key twice in one batch: the master grants the first and answers the second "already
+    // exists"; the first's write fails, so the second reports no object either.
+    let twice = client
+        .batch_put(
+            &[("twice", &v[..]), ("twice", &v[..])],
+            &ReplicateConfig::default(),
+        )
+        .await;
+    for r in &twice {
+        assert_eq!(r.as_ref().unwrap_err().code().as_i32(), -800, "{twice:?}");
+    }
     owner.signal(libc::SIGCONT);
+    assert!(!client.exists("twice").await.unwrap());
     // The owner serves again; the failed put was revoked, so it can be retried.
     client
         .put("frozen2", &v, &ReplicateConfig::default())

@@ -427,8 +427,15 @@ fn a_soft_pinned_object_met_twice_in_a_round_is_offloaded_not_dropped() {
 #[test]
 fn an_offload_report_for_a_segment_that_is_gone_or_has_no_tier_is_refused() {
     let (mut s, id) = tiered(4 * MIB, Policy::default());
-    s.mount_segment(owner(1), seg(1), 4 * MIB, 0, MountReport::default(), Millis(0))
-        .unwrap();
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        4 * MIB,
+        0,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
     let plain = s.owned_segment(owner(1), &seg(1)).unwrap();
     let config = ReplicateConfig {
         preferred_segments: vec![seg(1)],
