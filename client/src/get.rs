@@ -48,6 +48,9 @@ struct ReadJob<'k, 'b, 'l> {
     done: Option<Result<(), ClientError>>,
     /// The tier of the attempt that counts.
     served_by: Option<Tier>,
+    /// When the read that counts ended: checked against the lease, key by key (a slow owner's
+    /// keys do not make another owner's early reads late).
+    ended: Option<Instant>,
 }
 
 impl Client {
@@ -127,6 +130,7 @@ impl Client {
                         Ok(()) => {
                             job.done = Some(Ok(()));
                             job.served_by = Some(loc.tier);
+                            job.ended = Some(Instant::now());
                             break;
                         }
                         Err(e) => {
@@ -143,8 +147,9 @@ impl Client {
         self.count_served(&jobs);
         for job in jobs {
             let n: usize = job.dst.iter().map(|d| d.len()).sum();
+            let ended = job.ended.unwrap_or_else(Instant::now);
             results[job.i] = Some(job.done.expect("attempted").and_then(|()| {
-                if Instant::now() >= lease_deadline {
+                if ended >= lease_deadline {
                     Err(ClientError::LeaseExpired(job.key.to_string()))
                 } else {
                     Ok(n)
@@ -196,6 +201,7 @@ impl Client {
                 dst: clip(std::mem::take(buf), found.size as usize),
                 done: None,
                 served_by: None,
+                ended: None,
             });
         }
         jobs
@@ -225,15 +231,16 @@ impl Client {
                 Tier::Disk => self.transport.read_disk_batch(segment, &mut g.items).await,
                 Tier::Memory => self.transport.read_batch(segment, &mut g.items).await,
             };
-            (std::mem::take(&mut g.slots), res)
+            (std::mem::take(&mut g.slots), res, Instant::now())
         });
         let outcomes = join_all(batches).await;
         drop(groups);
-        for (slots, res) in outcomes {
+        for (slots, res, ended) in outcomes {
             for (j, r) in slots.into_iter().zip(res) {
                 let job = &mut jobs[j];
                 job.done = Some(r.map_err(ClientError::from));
                 job.served_by = Some(job.replicas[0].tier);
+                job.ended = Some(ended);
             }
         }
     }

@@ -209,3 +209,28 @@ async fn a_dead_master_is_an_rpc_error_within_the_deadline() {
     assert!(Client::connect(client_config(&rpc)).await.is_err());
     assert!(t.elapsed() < Duration::from_secs(4));
 }
+
+/// A batch over a healthy owner and a stopped one: the stopped owner's key fails at the transfer
+/// timeout, which outlasts the lease; the healthy owner's key, read within milliseconds, is
+/// served (its read ended well inside the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_owner_in_a_batch_does_not_make_other_owners_reads_late() {
+    let (_master, rpc, _http) = spawn_master(&["--default_kv_lease_ttl", "1000"]);
+    let (_a, seg_a) = spawn_owner(&rpc, "16MiB", &[]);
+    let (b, seg_b) = spawn_owner(&rpc, "16MiB", &[]);
+    let on_a = client_preferring(&rpc, &seg_a).await;
+    let on_b = client_preferring(&rpc, &seg_b).await;
+    let (va, vb) = (payload("on-a", 64 << 10), payload("on-b", 64 << 10));
+    let cfg = ReplicateConfig::default();
+    on_a.put("on-a", &va, &cfg).await.unwrap();
+    on_b.put("on-b", &vb, &cfg).await.unwrap();
+    b.stop();
+    let (mut ba, mut bb) = (vec![0u8; va.len()], vec![0u8; vb.len()]);
+    let r = on_a
+        .batch_get(&["on-a", "on-b"], &mut [&mut ba[..], &mut bb[..]])
+        .await;
+    assert_eq!(r[0].as_ref().ok(), Some(&va.len()), "{r:?}");
+    assert!(ba == va);
+    assert_eq!(get_code(&r[1]), -800, "{r:?}");
+    b.signal(libc::SIGCONT);
+}
