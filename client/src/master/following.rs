@@ -104,8 +104,19 @@ macro_rules! on_leader {
             let give_up = Instant::now() + $self.deadline;
             let mut pause = FIRST_PAUSE;
             let mut tried: Option<Leader> = None;
+            // After the first attempt, each one gets only what is left of the deadline (a
+            // lookup in etcd and a call could each take a whole timeout of their own).
+            let mut bounded = false;
             loop {
-                let (leader, $m) = match $self.leader().await {
+                let found = if bounded {
+                    match tokio::time::timeout_at(give_up, $self.leader()).await {
+                        Ok(found) => found,
+                        Err(_) => return Err(ApiError::rpc("no leader answered within the deadline")),
+                    }
+                } else {
+                    $self.leader().await
+                };
+                let (leader, $m) = match found {
                     Ok(x) => x,
                     Err(e) if Instant::now() + pause < give_up => {
                         tracing::debug!(error = %e, "no leader yet");
@@ -130,7 +141,11 @@ macro_rules! on_leader {
                     _ = $self.moved_from(&leader) => Err(ApiError::rpc(format!(
                         "master {} stopped leading during the call", leader.address
                     ))),
+                    _ = tokio::time::sleep_until(give_up), if bounded => Err(ApiError::rpc(format!(
+                        "master {} did not answer a retried call within the deadline", leader.address
+                    ))),
                 };
+                bounded = true;
                 match &res {
                     // A put's end or revoke means nothing to a leader that did not start it.
                     Err(e) if leader_trouble(e) && $retry == Retry::Never => {

@@ -39,8 +39,8 @@ impl Patient {
         Box::pin(async move {
             let give_up = Instant::now() + self.deadline;
             let mut pause = FIRST_PAUSE;
+            let mut answer = call().await;
             loop {
-                let answer = call().await;
                 let again = match &answer {
                     Ok(a) => pending(a),
                     // The connection broke (a master restarting): a new one may answer.
@@ -51,6 +51,12 @@ impl Patient {
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(LONGEST_PAUSE);
+                // A retry gets only what is left of the deadline (each try on its own could take
+                // a whole RPC timeout); past it the last answer stands.
+                match tokio::time::timeout_at(give_up, call()).await {
+                    Ok(next) => answer = next,
+                    Err(_) => return answer,
+                }
             }
         })
     }
@@ -124,5 +130,103 @@ impl MasterApi for Patient {
         segment: Option<&'a str>,
     ) -> Call<'a, Vec<Result<(), Code>>> {
         self.inner.replica_clear(keys, segment)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A master rebuilding its catalog for `rebuilding`, then silent (paused, or its host gone):
+    /// each call's own deadline is left to the wire adapter, so here a silent call never ends.
+    struct RebuildingThenSilent {
+        started: Instant,
+        rebuilding: Duration,
+    }
+
+    impl MasterApi for RebuildingThenSilent {
+        fn put_start<'a>(
+            &'a self,
+            _: &'a [(&'a str, u64)],
+            _: &'a ReplicateConfig,
+        ) -> Call<'a, Grants> {
+            unreachable!("only lookups are asked")
+        }
+        fn put_end<'a>(&'a self, _: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+            unreachable!("only lookups are asked")
+        }
+        fn put_revoke<'a>(&'a self, _: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+            unreachable!("only lookups are asked")
+        }
+        fn get_replicas<'a>(&'a self, _: &'a [&'a str], _: Releases<'a>) -> Call<'a, Lookup> {
+            unreachable!("only exists is asked")
+        }
+        fn exists<'a>(&'a self, keys: &'a [&'a str], _: Releases<'a>) -> Call<'a, Existence> {
+            Box::pin(async move {
+                if self.started.elapsed() >= self.rebuilding {
+                    std::future::pending::<()>().await;
+                }
+                Ok(Existence {
+                    found: keys
+                        .iter()
+                        .map(|_| Err(Code::UnavailableInCurrentStatus))
+                        .collect(),
+                    lease_ttl: Duration::from_secs(10),
+                    epoch: 1,
+                })
+            })
+        }
+        fn remove<'a>(&'a self, _: &'a [&'a str], _: bool) -> Call<'a, Vec<Result<(), Code>>> {
+            unreachable!("only lookups are asked")
+        }
+        fn remove_all<'a>(&'a self, _: bool, _: Option<&'a str>) -> Call<'a, u64> {
+            unreachable!("only lookups are asked")
+        }
+        fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+            unreachable!("only lookups are asked")
+        }
+        fn release_leases<'a>(&'a self, _: Releases<'a>) -> Call<'a, ()> {
+            unreachable!("only lookups are asked")
+        }
+        fn create_replica_task<'a>(&'a self, _: &'a str, _: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+            unreachable!("only lookups are asked")
+        }
+        fn query_task(&self, _: u64) -> Call<'_, ReplicaTaskState> {
+            unreachable!("only lookups are asked")
+        }
+        fn replica_clear<'a>(
+            &'a self,
+            _: &'a [&'a str],
+            _: Option<&'a str>,
+        ) -> Call<'a, Vec<Result<(), Code>>> {
+            unreachable!("only lookups are asked")
+        }
+    }
+
+    /// A retry gets only what is left of the deadline: a master that goes silent late in a
+    /// rebuild leaves the caller with the last "not yet" at the deadline, not a second wait.
+    #[tokio::test]
+    async fn a_retry_that_meets_a_silent_master_ends_at_the_deadline() {
+        let deadline = Duration::from_millis(300);
+        let patient = Patient::new(
+            Arc::new(RebuildingThenSilent {
+                started: Instant::now(),
+                // Tries at 0, 20, 60 and 140 ms: the last meets the silence.
+                rebuilding: Duration::from_millis(100),
+            }),
+            deadline,
+        );
+        let asked = Instant::now();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            patient.exists(&["k"], Releases::NONE),
+        )
+        .await
+        .expect("the lookup ended by its deadline");
+        assert!(asked.elapsed() >= Duration::from_millis(140));
+        assert_eq!(
+            answer.unwrap().found,
+            vec![Err(Code::UnavailableInCurrentStatus)]
+        );
     }
 }
