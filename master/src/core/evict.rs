@@ -28,16 +28,23 @@ impl MasterState {
     }
 
     /// Puts still unfinished after the release timeout: the writer is gone, the space returns.
+    /// Only the expired front of the unfinished index is looked at.
     fn expire_puts(&mut self, now: Millis) {
         let timeout = self.policy.put_release_timeout;
-        let stale: Vec<ObjectKey> = self
-            .objects
-            .iter()
-            .filter(|o| o.phase.started().is_some_and(|s| s.plus(timeout) <= now))
-            .map(|o| o.key().clone())
-            .collect();
-        for key in stale {
-            let obj = self.objects.remove(&key).expect("listed above");
+        while let Some(entry) = self.unfinished.first_entry() {
+            let (started, put_id) = *entry.key();
+            if started.plus(timeout) > now {
+                break;
+            }
+            let key = entry.remove();
+            let abandoned = self
+                .objects
+                .get(&key)
+                .is_some_and(|o| o.put_id == put_id && o.phase.started() == Some(started));
+            if !abandoned {
+                continue; // ended another way
+            }
+            let obj = self.objects.remove(&key).expect("checked above");
             tracing::info!(%key, put_id = obj.put_id, "releasing an abandoned put's space");
             self.counters.expired_puts += 1;
             self.discard(*obj, now);

@@ -233,6 +233,10 @@ pub struct MasterState {
     offload_freeing: u64,
     /// Eager offloads waiting for room in their SSD tier's queue, oldest first.
     eager_backlog: VecDeque<ObjectKey>,
+    /// Puts not ended yet, by (start, put id): upkeep expires abandoned ones from the front
+    /// instead of looking at every object. An entry whose put ended another way (revoked,
+    /// taken over, removed) is skipped when reached.
+    unfinished: BTreeMap<(Millis, u64), ObjectKey>,
     last_early_offload: Millis,
     /// Versions removed while an owner (by segment name) still held them on disk.
     tombstones: tombstones::Tombstones,
@@ -294,6 +298,7 @@ impl MasterState {
             last_offload_scan: Millis(0),
             offload_freeing: 0,
             eager_backlog: VecDeque::new(),
+            unfinished: BTreeMap::new(),
             last_early_offload: Millis(0),
             tombstones: Default::default(),
             last_tick: None,
@@ -405,6 +410,11 @@ impl MasterState {
         let mut per_segment: HashMap<SegmentId, Vec<(u64, u64)>> = HashMap::new();
         for obj in self.objects.iter() {
             let key = obj.key();
+            if let Some(started) = obj.phase.started() {
+                if self.unfinished.get(&(started, obj.put_id)) != Some(key) {
+                    return Err(format!("{key}: an unfinished put upkeep does not know of"));
+                }
+            }
             let mut seen = Vec::new();
             for r in &obj.replicas {
                 if !self.segments.contains_key(&r.segment) {

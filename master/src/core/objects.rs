@@ -383,6 +383,7 @@ impl MasterState {
             .iter()
             .map(|r| memory_view(&self.segments, r, size, put_id))
             .collect();
+        self.unfinished.insert((now, put_id), key.clone());
         self.objects.insert(Object::new(
             key.clone(),
             size,
@@ -426,6 +427,7 @@ impl MasterState {
         obj.put_id = put_id;
         obj.phase = Phase::processing(now);
         obj.pin = pin;
+        self.unfinished.insert((now, put_id), key.clone());
         let obj = &self.objects[key];
         let replicas = obj
             .replicas
@@ -505,9 +507,13 @@ impl MasterState {
     pub fn put_end(&mut self, key: &str, put_id: u64, now: Millis) -> Result<(), MasterError> {
         let eager = self.policy.eager_offload;
         let obj = self.current_put(key, put_id)?;
+        let started = obj.phase.started();
         obj.phase = Phase::COMPLETE;
-        if eager {
-            let key = obj.key().clone();
+        let key = eager.then(|| obj.key().clone());
+        if let Some(started) = started {
+            self.unfinished.remove(&(started, put_id));
+        }
+        if let Some(key) = key {
             self.eager_offload(&key, now);
         }
         Ok(())
@@ -520,6 +526,9 @@ impl MasterState {
         let obj = self.current_put(key, put_id)?;
         if obj.phase.is_complete() {
             return Err(MasterError::Exists(obj.key().clone()));
+        }
+        if let Some(started) = obj.phase.started() {
+            self.unfinished.remove(&(started, put_id));
         }
         let obj = self.objects.remove(key).expect("checked above");
         self.drop_replicas(obj.replicas, put_id);

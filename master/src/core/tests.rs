@@ -453,6 +453,39 @@ fn abandoned_put_is_taken_over_then_released() {
     assert_eq!(s.counters().expired_puts, 1);
 }
 
+/// Upkeep expires abandoned puts from an index of the puts not ended, not by looking at every
+/// object: ended and revoked puts leave it at once, and an abandoned in-place upsert expires
+/// like any other put.
+#[test]
+fn upkeep_knows_only_the_puts_not_ended() {
+    let release = Policy::default().put_release_timeout.as_millis() as u64;
+    let mut s = state_with(&[64 * MIB]);
+    for i in 0..100u64 {
+        let key = format!("done{i}");
+        let g = s.put_start(&k(&key), 4096, &cfg(1), Millis(i)).unwrap();
+        s.put_end(&key, g.put_id, Millis(i)).unwrap();
+    }
+    assert!(s.unfinished.is_empty());
+    let revoked = s
+        .put_start(&k("revoked"), 4096, &cfg(1), Millis(200))
+        .unwrap();
+    s.put_revoke("revoked", revoked.put_id).unwrap();
+    s.put_start(&k("lost"), 4096, &cfg(1), Millis(300)).unwrap();
+    s.put_start(&k("done0"), 4096, &upsert(), Millis(400))
+        .unwrap();
+    assert_eq!(s.unfinished.len(), 2);
+    s.check_invariants().unwrap();
+    s.tick(Millis(300 + release));
+    assert!(s.objects.get(&k("lost")).is_none());
+    assert!(s.objects.get(&k("done0")).is_some(), "not due yet");
+    s.tick(Millis(400 + release));
+    assert!(s.objects.get(&k("done0")).is_none());
+    assert!(s.unfinished.is_empty());
+    assert_eq!(s.counters().expired_puts, 2);
+    assert_eq!(s.key_count(), 99);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn revoke_frees_and_only_the_current_put_can_end() {
     let mut s = state_with(&[4 * MIB]);
