@@ -1,5 +1,6 @@
 //! Values from 1 byte to 16 MiB round-trip byte for byte through a master and two owners on
-//! loopback; batches mix hits, misses and bad items; codes follow Mooncake's conventions.
+//! loopback; batches mix hits, misses and bad items; codes follow Mooncake's conventions; a slow
+//! removal pattern holds up no other call.
 
 use mooncake_client::{PutOutcome, ReplicateConfig};
 use mooncake_tests::{get_code, put_code};
@@ -200,3 +201,57 @@ async fn objects_scattered_over_several_buffers_round_trip() {
     );
     c.shutdown().await;
 }
+
+/// A removal pattern that backtracks to its limit on every key is matched without the master's
+/// lock: other calls are answered while it runs, and it still removes what it matches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_removal_pattern_does_not_hold_up_other_calls() {
+    // Real processes: a master whose calls share the test's runtime would stall the test too.
+    let (_master, rpc, _) = mooncake_tests::spawn_master(&[]);
+    let (_owner, _) = mooncake_tests::spawn_owner(&rpc, "64MiB", &[]);
+    let client = std::sync::Arc::new(
+        mooncake_client::Client::connect(mooncake_client::ClientConfig {
+            rpc_timeout: std::time::Duration::from_secs(60),
+            ..mooncake_client::ClientConfig::new(&rpc)
+        })
+        .await
+        .unwrap(),
+    );
+    let cfg = ReplicateConfig::default();
+    let keys: Vec<String> = (0..N_SLOW)
+        .map(|i| format!("{}{i}", "a".repeat(24)))
+        .collect();
+    let value = payload("slow", 64);
+    let items: Vec<(&str, &[u8])> = keys.iter().map(|k| (k.as_str(), &value[..])).collect();
+    assert!(client
+        .batch_put(&items, &cfg)
+        .await
+        .iter()
+        .all(|r| r.is_ok()));
+    client.put("b-key", &value, &cfg).await.unwrap();
+    let remover = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let t = std::time::Instant::now();
+            // Nested repetition before a backreference: the backtracking engine, to its limit.
+            let n = client.remove_by_regex(r"^(a+)+\1b|^b-key$", true).await;
+            (n, t.elapsed())
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let asked = std::time::Instant::now();
+    eprintln!("DBG put start {:?}", std::time::SystemTime::now());
+    client.put("during", &value, &cfg).await.unwrap();
+    eprintln!("DBG put end {:?}", std::time::SystemTime::now());
+    let answered = asked.elapsed();
+    let (n, took) = remover.await.unwrap();
+    assert_eq!(n.unwrap(), 1, "only b-key matches");
+    eprintln!("removal took {took:?}; a put during it {answered:?}");
+    assert!(
+        answered < took / 4,
+        "a put waited {answered:?} during a removal of {took:?}"
+    );
+}
+
+/// Keys the slow pattern is tried on (each costs it about a tenth of a second in a debug build).
+const N_SLOW: usize = 12;

@@ -647,6 +647,31 @@ impl MasterState {
     }
 
     /// `remove_all` of the objects whose keys `matches`.
+    /// The keys `owned` accepts, copied out (to be matched without holding the state).
+    pub fn keys_where(&self, owned: impl Fn(&str) -> bool) -> Vec<ObjectKey> {
+        self.objects
+            .iter()
+            .filter(|o| owned(o.key().as_str()))
+            .map(|o| o.key().clone())
+            .collect()
+    }
+
+    /// Removes the listed keys that are still there and removable (leased or unfinished ones
+    /// only with `force`); returns how many went.
+    pub fn remove_listed(&mut self, force: bool, keys: &[ObjectKey], now: Millis) -> u64 {
+        let mut removed = 0;
+        for key in keys {
+            let removable = self
+                .objects
+                .get(key)
+                .is_some_and(|o| force || (o.phase.is_complete() && !o.is_leased(now)));
+            if removable && self.remove(key, force, now).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
     pub fn remove_matching(
         &mut self,
         force: bool,

@@ -349,7 +349,7 @@ impl MasterService {
 
     /// Removes every object of the caller's tenant, or those whose keys (as the tenant knows
     /// them) `key_regex` matches anywhere (leased ones only with `force`); returns how many.
-    pub fn remove_all(
+    pub async fn remove_all(
         &self,
         caller: &Caller,
         force: bool,
@@ -368,21 +368,41 @@ impl MasterService {
                 return Err(e);
             }
         };
+        let tenant = caller.tenant();
+        // A pattern is matched against a copy of the tenant's keys, on a blocking thread and
+        // without the lock: a slow one (backtracking, up to its limit per key) costs its
+        // caller's time, not every other call's.
+        let matched = match regex {
+            Some(r) => {
+                let keys = self.shared.state.lock().keys_where(|k| tenant.owns(k));
+                let scope = tenant.clone();
+                let matching = tokio::task::spawn_blocking(move || {
+                    keys.into_iter()
+                        .filter(|k| {
+                            // A search that gives up (backtracking limit) matches nothing.
+                            scope
+                                .unscope(k.as_str())
+                                .is_some_and(|k| r.is_match(k).unwrap_or(false))
+                        })
+                        .collect::<Vec<ObjectKey>>()
+                });
+                match matching.await {
+                    Ok(keys) => Some(keys),
+                    Err(e) => {
+                        self.shared.metrics.record(Op::RemoveAll, 1, 1);
+                        return Err(MasterError::Busy(format!(
+                            "matching the key regex did not finish: {e}"
+                        )));
+                    }
+                }
+            }
+            None => None,
+        };
         let now = self.shared.clock.now();
         let removed = {
             let mut state = self.shared.state.lock();
-            let tenant = caller.tenant();
-            let removed = match &regex {
-                // A search that gives up (backtracking limit) matches nothing.
-                Some(r) => state.remove_matching(
-                    force,
-                    |k| {
-                        tenant
-                            .unscope(k)
-                            .is_some_and(|k| r.is_match(k).unwrap_or(false))
-                    },
-                    now,
-                ),
+            let removed = match &matched {
+                Some(keys) => state.remove_listed(force, keys, now),
                 None if tenant.is_default() && state.tenant_usage().len() <= 1 => {
                     state.remove_all(force, now)
                 }

@@ -279,7 +279,7 @@ impl pb::master_server::Master for GrpcMaster {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
         let regex = Some(r.key_regex.as_str()).filter(|p| !p.is_empty());
-        let res = self.0.remove_all(&caller, r.force, regex);
+        let res = self.0.remove_all(&caller, r.force, regex).await;
         let (code, _) = code_and_message(&res);
         Ok(Response::new(pb::RemoveAllResponse {
             code,

@@ -100,6 +100,7 @@ impl MasterApi for InProcessMaster {
         Box::pin(async move {
             self.0
                 .remove_all(&self.1, force, key_regex)
+                .await
                 .map_err(|e| ApiError::new(e.code(), e.to_string()))
         })
     }
