@@ -1,6 +1,7 @@
 //! The same-host path with a real owner process: it is used without being asked for, it can be
 //! turned off, the socket is private to the owner's user and group and goes away with the owner,
-//! and a dead or stopped owner turns same-host calls into errors within the deadlines.
+//! a dead or stopped owner turns same-host calls into errors within the deadlines (queued ones
+//! too), and a dead owner's pool is unmapped once its successor is reached.
 
 use std::{
     os::unix::fs::PermissionsExt,
@@ -347,4 +348,112 @@ async fn a_silent_same_host_reader_loses_its_range_after_the_frame_timeout() {
     drop(silent);
     owner.shutdown().await;
     master.shutdown().await;
+}
+
+/// How many mappings of an owner's pool of `size` bytes this process holds.
+fn pool_mappings(size: u64) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:mooncake-segment"))
+        .filter(|l| {
+            let range = l.split_whitespace().next().unwrap();
+            let (a, b) = range.split_once('-').unwrap();
+            let len = u64::from_str_radix(b, 16).unwrap() - u64::from_str_radix(a, 16).unwrap();
+            len == size
+        })
+        .count()
+}
+
+/// An owner that died and came back under another name (port 0) leaves no mapping of its old
+/// pool behind once the client reaches the new one: nothing would call the old name again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_of_an_owner_that_died_is_unmapped_when_its_successor_is_reached() {
+    // A size no other test here uses, to tell these pools' mappings apart.
+    const SIZE: u64 = 7 << 20;
+    let (_m, rpc, _) = spawn_master(&[]);
+    let t = HybridTransport::new(HybridConfig {
+        tcp: TcpConfig {
+            connect_timeout: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(2),
+            connections_per_owner: 1,
+            transfer_threads: 1,
+            dedicated_runtime: false,
+            credential: None,
+        },
+        shared_memory: true,
+        socket_dir: socket_dir(),
+        copy_threads: 1,
+    });
+    let key = ObjectKey::new("probe").unwrap();
+    let value = payload("probe", 4096);
+    let parts = [&value[..]];
+    let item = [WriteItem {
+        key: &key,
+        offset: 0,
+        stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
+        seal: Seal::default(),
+        parts: &parts,
+    }];
+    let (first, seg) = spawn_owner(&rpc, "7MiB", &[]);
+    let seg = SegmentName::parse(&seg).unwrap();
+    let _ = t.write_batch(&seg, &item).await;
+    assert_eq!(pool_mappings(SIZE), 1, "the first owner's pool is mapped");
+    first.signal(libc::SIGKILL);
+    drop(first);
+    let (_second, seg) = spawn_owner(&rpc, "7MiB", &[]);
+    let seg = SegmentName::parse(&seg).unwrap();
+    let _ = t.write_batch(&seg, &item).await;
+    assert_eq!(
+        pool_mappings(SIZE),
+        1,
+        "only the second owner's pool is mapped"
+    );
+}
+
+/// Calls queued behind a stopped owner's only connection wait for it no longer than for an
+/// exchange: each one fails within its deadline instead of after the ones before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_queued_behind_a_stopped_owner_fail_within_their_own_deadline() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (owner, seg) = spawn_owner(&rpc, "16MiB", &[]);
+    let seg = SegmentName::parse(&seg).unwrap();
+    let path = socket_path(&socket_dir(), &seg);
+    let s = seg.clone();
+    let local = std::sync::Arc::new(
+        tokio::task::spawn_blocking(move || {
+            LocalOwner::connect(&path, &s, Duration::from_secs(1), 1, 1, None)
+        })
+        .await
+        .unwrap()
+        .unwrap(),
+    );
+    owner.stop();
+    let calls: Vec<_> = (0..4)
+        .map(|i| {
+            let local = local.clone();
+            tokio::spawn(async move {
+                let key = ObjectKey::new(&format!("queued/{i}")).unwrap();
+                let value = payload("queued", 4096);
+                let parts = [&value[..]];
+                let item = [WriteItem {
+                    key: &key,
+                    offset: 0,
+                    stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
+                    seal: Seal::default(),
+                    parts: &parts,
+                }];
+                let t = Instant::now();
+                let r = local.write_batch(&item).await;
+                (r[0].is_err(), t.elapsed())
+            })
+        })
+        .collect();
+    for call in calls {
+        let (failed, took) = call.await.unwrap();
+        assert!(failed);
+        // One exchange deadline (1 s) each, not one after another (up to 4 s).
+        assert!(took < Duration::from_millis(2500), "took {took:?}");
+    }
+    owner.signal(libc::SIGCONT);
 }

@@ -63,7 +63,11 @@ impl HybridTransport {
             return r.clone();
         }
         let route = self.probe(target).await;
-        self.routes.lock().insert(target.clone(), route.clone());
+        let mut routes = self.routes.lock();
+        // A new owner is often an old one restarted under another name (port 0): drop the
+        // mappings of owners that are gone, which nothing would call again.
+        routes.retain(|_, r| !matches!(r, Route::Local(o) if o.is_gone()));
+        routes.insert(target.clone(), route.clone());
         route
     }
 

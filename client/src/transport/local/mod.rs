@@ -143,6 +143,16 @@ impl LocalOwner {
         })
     }
 
+    /// Whether the owner is surely gone: an idle connection to it was closed by the other end
+    /// (or holds bytes nobody asked for). Its pool's mapping is then only memory held for
+    /// nothing. False while every connection is in use.
+    pub fn is_gone(&self) -> bool {
+        self.idle.lock().iter().any(|s| {
+            let mut byte = [0u8; 1];
+            !matches!(s.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        })
+    }
+
     fn io_err(&self, source: io::Error) -> TransferError {
         TransferError::Io {
             target: self.segment.clone(),
@@ -153,11 +163,14 @@ impl LocalOwner {
     async fn checkout(
         &self,
     ) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
+        // Every connection busy (an owner that stopped answering holds them all): waiting for
+        // one is bounded like an exchange.
+        let permit = tokio::time::timeout(self.timeout, self.permits.clone().acquire_owned())
             .await
+            .map_err(|_| TransferError::Timeout {
+                target: self.segment.clone(),
+                after: self.timeout,
+            })?
             .expect("semaphore never closed");
         let pooled = self.idle.lock().pop();
         let stream = match pooled {
