@@ -3,6 +3,7 @@
 //! decodes, locks, calls one method and encodes, and every race is a plain unit test.
 
 pub mod allocator;
+mod backlog;
 mod evict;
 #[cfg(test)]
 mod evict_tests;
@@ -231,8 +232,8 @@ pub struct MasterState {
     last_offload_scan: Millis,
     /// Bytes of offloads under way that free memory when they land.
     offload_freeing: u64,
-    /// Eager offloads waiting for room in their SSD tier's queue, oldest first.
-    eager_backlog: VecDeque<ObjectKey>,
+    /// Eager offloads waiting for room in their SSD tier's queue.
+    eager_backlog: backlog::EagerBacklog,
     /// Puts not ended yet, by (start, put id): upkeep expires abandoned ones from the front
     /// instead of looking at every object. An entry whose put ended another way (revoked,
     /// taken over, removed) is skipped when reached.
@@ -297,7 +298,7 @@ impl MasterState {
             tasks_queued: false,
             last_offload_scan: Millis(0),
             offload_freeing: 0,
-            eager_backlog: VecDeque::new(),
+            eager_backlog: backlog::EagerBacklog::default(),
             unfinished: BTreeMap::new(),
             last_early_offload: Millis(0),
             tombstones: Default::default(),

@@ -461,3 +461,48 @@ fn an_offload_report_for_a_segment_that_is_gone_or_has_no_tier_is_refused() {
     s.remove(&k("k"), true, Millis(4)).unwrap();
     s.check_invariants().unwrap();
 }
+
+/// Eager offloads wait per SSD tier: keys for an idle tier start at once while another tier's
+/// queue is full, and the full tier's keys start as its offloads land, oldest first.
+#[test]
+fn eager_backlogs_are_per_tier() {
+    let policy = Policy {
+        eager_offload: true,
+        offload_queue_limit: 1,
+        ..Policy::default()
+    };
+    let (mut s, busy) = tiered(16 * MIB, policy);
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        16 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    let idle = s.disk_segment(owner(1), &seg(1)).unwrap();
+    let on = |i: u16| ReplicateConfig {
+        preferred_segments: vec![seg(i)],
+        ..ReplicateConfig::default()
+    };
+    for i in 0..4 {
+        let key = format!("busy{i}");
+        let g = s.put_start(&k(&key), MIB, &on(0), Millis(1)).unwrap();
+        s.put_end(&key, g.put_id, Millis(1)).unwrap();
+    }
+    let g = s.put_start(&k("idle"), MIB, &on(1), Millis(1)).unwrap();
+    s.put_end("idle", g.put_id, Millis(1)).unwrap();
+    let started: Vec<String> = owner_works(&mut s, idle, true, 2)
+        .iter()
+        .map(|t| t.key.to_string())
+        .collect();
+    assert_eq!(started, vec!["idle"]);
+    for i in 0..4 {
+        let tasks = owner_works(&mut s, busy, true, 3 + i);
+        assert_eq!(tasks.len(), 1, "the queue limit holds");
+        assert_eq!(tasks[0].key.as_str(), format!("busy{i}"), "oldest first");
+    }
+    assert!(!s.offloads_outstanding());
+    s.check_invariants().unwrap();
+}

@@ -16,7 +16,6 @@ use super::{
 /// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
 /// Eager offloads waiting for queue room, at most; beyond it a fresh object is offloaded when it
 /// is evicted instead (the backlog stays bounded when puts outrun the SSD for good).
-const MAX_EAGER_BACKLOG: usize = 1 << 20;
 use crate::{clock::Millis, error::MasterError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,40 +307,60 @@ impl MasterState {
     /// that drains as offloads land (nothing is skipped, nothing waits unbounded in a queue).
     pub(super) fn eager_offload(&mut self, key: &ObjectKey, now: Millis) {
         if !self.start_offload(key, false, now) {
-            let eligible = self.objects.get(key).is_some_and(|o| {
-                o.offload() == Offload::Idle && o.disk().is_empty() && self.has_disk_tier(o)
+            let tier = self.objects.get(key).and_then(|o| {
+                (o.offload() == Offload::Idle && o.disk().is_empty())
+                    .then(|| self.tiered_segment(o))
+                    .flatten()
             });
-            if eligible && self.eager_backlog.len() < MAX_EAGER_BACKLOG {
-                self.eager_backlog.push_back(key.clone());
+            if let Some(segment) = tier {
+                self.eager_backlog.push(segment, key.clone());
             }
         }
     }
 
-    /// Starts backlogged eager offloads whose SSD tiers have room; the others keep their place
-    /// (one slow tier does not hold back another's).
+    /// Starts backlogged eager offloads on the SSD tiers that have room; the others keep their
+    /// place (one slow tier does not hold back another's, nor cost it a scan).
     pub(super) fn drain_eager_backlog(&mut self, now: Millis) {
         let limit = self.policy.offload_queue_limit;
-        let mut rest = std::mem::take(&mut self.eager_backlog);
-        while let Some(key) = rest.pop_front() {
-            let room = self
-                .segments
-                .values()
-                .any(|s| s.disk.as_ref().is_some_and(|d| d.offloads < limit));
-            if !room {
-                self.eager_backlog.push_back(key);
-                self.eager_backlog.append(&mut rest);
-                return;
-            }
-            let eligible = self.objects.get(&key).is_some_and(|o| {
-                o.phase.is_complete()
-                    && o.offload() == Offload::Idle
-                    && o.disk().is_empty()
-                    && self.has_disk_tier(o)
-            });
-            if eligible && !self.start_offload(&key, false, now) {
-                self.eager_backlog.push_back(key);
+        for segment in self.eager_backlog.segments() {
+            loop {
+                let room = match self.segments.get(&segment).map(|s| s.disk.as_ref()) {
+                    None | Some(None) => {
+                        self.eager_backlog.drop_segment(segment);
+                        break;
+                    }
+                    Some(Some(d)) => d.offloads < limit,
+                };
+                if !room {
+                    break;
+                }
+                let Some(key) = self.eager_backlog.pop(segment) else {
+                    break;
+                };
+                let eligible = self.objects.get(&key).is_some_and(|o| {
+                    o.phase.is_complete() && o.offload() == Offload::Idle && o.disk().is_empty()
+                });
+                if eligible && !self.start_offload(&key, false, now) {
+                    // Its tiered replica is elsewhere now (moved): it waits there.
+                    let elsewhere = self
+                        .objects
+                        .get(&key)
+                        .and_then(|o| self.tiered_segment(o))
+                        .filter(|s| *s != segment);
+                    if let Some(s) = elsewhere {
+                        self.eager_backlog.push(s, key);
+                    }
+                }
             }
         }
+    }
+
+    /// The segment of `obj`'s first memory replica that has an SSD tier.
+    fn tiered_segment(&self, obj: &Object) -> Option<SegmentId> {
+        obj.replicas
+            .iter()
+            .map(|r| r.segment)
+            .find(|id| self.segments.get(id).is_some_and(|s| s.disk.is_some()))
     }
 
     /// Whether any memory replica of `obj` sits on a segment with an SSD tier.
