@@ -64,13 +64,14 @@ impl Catalog {
         Self::remove_overlapping(&mut self.ranges.lock(), offset, len);
     }
 
-    /// Forgets the range at `offset` if it still holds version `put_id` (the master says that
-    /// object is gone) under a grant older than `granted_before`; a newer write there, or a
-    /// copy of that version written since, stays.
+    /// Forgets the range at `offset` if it still holds version `put_id` or an older one (the
+    /// master says that object is gone, and with it any version the range held before: an
+    /// upsert in place whose writer never came leaves the previous one here) under a grant
+    /// older than `granted_before`; a newer write there, or a copy written since, stays.
     pub fn forget_version(&self, offset: u64, put_id: u64, granted_before: u64) -> bool {
         let mut ranges = self.ranges.lock();
         let held = matches!(ranges.get(&offset),
-            Some(e) if e.stamp.put_id == put_id && e.grant < granted_before);
+            Some(e) if e.stamp.put_id <= put_id && e.grant < granted_before);
         if held {
             ranges.remove(&offset);
         }
@@ -216,7 +217,7 @@ mod tests {
     }
 
     #[test]
-    fn a_freed_range_is_forgotten_only_while_it_holds_that_version() {
+    fn a_freed_range_is_forgotten_only_while_it_holds_that_version_or_an_older_one() {
         let c = Catalog::default();
         c.record(0, 100, k("a"), v(7), 7);
         assert!(!c.forget_version(0, 6, 8), "another version");
@@ -232,5 +233,9 @@ mod tests {
         c.record(200, 100, k("a"), v(7), 12);
         assert!(!c.forget_version(200, 7, 10));
         assert!(c.holds(200, 100, &k("a"), 7));
+        // An upsert in place (version 11) revoked before its writer came: the range still
+        // holds version 9, which went with it.
+        assert!(c.forget_version(0, 11, 12));
+        assert!(!c.holds(0, 100, &k("b"), 9));
     }
 }

@@ -350,7 +350,9 @@ impl MasterState {
             let release_at = started.plus(self.policy.put_release_timeout).max(now);
             let old = self.objects.remove(key).expect("checked above");
             tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
-            self.defer_release(old.replicas, release_at);
+            // Its owners forget that version then too: a write of it that did land must not
+            // come back as the object when a restarted master hears the owners' reports.
+            self.defer_drop(old.replicas, old.put_id, release_at);
         }
         self.check_quota(key.as_str(), size, 0)?;
 

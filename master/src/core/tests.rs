@@ -486,6 +486,26 @@ fn upkeep_knows_only_the_puts_not_ended() {
     s.check_invariants().unwrap();
 }
 
+/// A put taken over after its writer went silent: when its range is released, its owner is told
+/// to forget that version (a write of it that did land must not come back as the object after a
+/// master restart).
+#[test]
+fn a_taken_over_puts_owner_forgets_its_version_when_the_range_is_released() {
+    let p = Policy::default();
+    let mut s = state_with(&[4 * MIB]);
+    let old = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
+    let discard = p.put_discard_timeout.as_millis() as u64;
+    let release = p.put_release_timeout.as_millis() as u64;
+    s.put_start(&k("a"), MIB, &cfg(1), Millis(discard)).unwrap();
+    s.tick(Millis(release));
+    let offset = old.replicas[0].offset;
+    assert!(
+        freed(&mut s, 0).contains(&(offset, old.put_id)),
+        "the owner is told to forget the taken-over version"
+    );
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn revoke_frees_and_only_the_current_put_can_end() {
     let mut s = state_with(&[4 * MIB]);
