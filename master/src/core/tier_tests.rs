@@ -506,3 +506,44 @@ fn eager_backlogs_are_per_tier() {
     assert!(!s.offloads_outstanding());
     s.check_invariants().unwrap();
 }
+
+/// A promotion and a copy that land on the same segment leave one replica there: the second to
+/// land gives its range back (and its owner forgets it).
+#[test]
+fn a_promotion_and_a_copy_to_one_segment_leave_one_replica_there() {
+    let policy = Policy {
+        eager_offload: true,
+        promote_after_hits: 2,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(4 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    owner_works(&mut s, id, true, 1);
+    s.evict(Millis(2), MIB);
+    tiers(&mut s, "a", 3);
+    tiers(&mut s, "a", 4);
+    let promote = s.take_tasks(id, 10, Millis(0));
+    assert_eq!(promote[0].kind, TaskKind::Promote);
+    let task = s
+        .create_replica_task(
+            &k("a"),
+            replica_tasks::TaskRequest::Copy { targets: &[seg(0)] },
+            Millis(5),
+        )
+        .unwrap();
+    let copy = s.take_tasks(id, 10, Millis(5));
+    assert_eq!(copy.len(), 1);
+    s.report_copy(id, task, &k("a"), copy[0].put_id, None, Millis(6))
+        .unwrap();
+    s.report_task(
+        id,
+        TaskKind::Promote,
+        &k("a"),
+        promote[0].put_id,
+        true,
+        Millis(7),
+    )
+    .unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.allocated(), MIB, "the second range went back");
+}

@@ -509,12 +509,18 @@ impl MasterState {
                     _ => return Err(stale()),
                 };
                 let reserved = reserved.expect("matched above").replica;
-                if ok {
+                // A copy to the same segment may have landed meanwhile: one replica there.
+                let held = obj.replicas.iter().any(|r| r.segment == segment);
+                if ok && !held {
                     obj.replicas.push(reserved);
                     obj.tier_mut().disk_hits = 0;
                     obj.tidy_tier();
                     self.counters.promotions += 1;
                     self.objects.link(key);
+                } else if ok {
+                    // The bytes landed but are not needed: the owner forgets them too.
+                    obj.tidy_tier();
+                    self.drop_replicas(vec![reserved], put_id);
                 } else {
                     // The owner is done with the range (it reports after its attempt ended).
                     self.free_replicas(vec![reserved]);
