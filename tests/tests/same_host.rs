@@ -37,6 +37,36 @@ async fn client(master: &str, shm: bool) -> Client {
     Client::connect_with(cfg, None, transport).await.unwrap()
 }
 
+/// A write of `parts` at offset 0 of an owner's pool, with no seal (an open cluster) and a put
+/// id above any a test master hands out.
+fn unsealed<'a>(key: &'a ObjectKey, parts: &'a [&'a [u8]]) -> WriteItem<'a> {
+    WriteItem {
+        key,
+        offset: 0,
+        stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
+        seal: Seal::default(),
+        parts,
+    }
+}
+
+/// A client transport that takes the same-host path to the owners whose sockets are in `dir`,
+/// one connection each, with short deadlines.
+fn hybrid(dir: std::path::PathBuf) -> HybridTransport {
+    HybridTransport::new(HybridConfig {
+        tcp: TcpConfig {
+            connect_timeout: Duration::from_secs(1),
+            transfer_timeout: Duration::from_secs(2),
+            connections_per_owner: 1,
+            transfer_threads: 1,
+            dedicated_runtime: false,
+            credential: None,
+        },
+        shared_memory: true,
+        socket_dir: dir,
+        copy_threads: 1,
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_owner_is_reached_through_shared_memory_unless_turned_off() {
     let (_m, rpc, _) = spawn_master(&[]);
@@ -172,13 +202,7 @@ async fn a_route_to_an_owner_that_restarted_never_copies_through_the_old_pool() 
     let key = ObjectKey::new("after-restart").unwrap();
     let value = payload("after-restart", 64 << 10);
     let parts = [&value[..]];
-    let item = [WriteItem {
-        key: &key,
-        offset: 0,
-        stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
-        seal: Seal::default(),
-        parts: &parts,
-    }];
+    let item = [unsealed(&key, &parts)];
     // The first write finds the dead connection to the old owner; the next one connects anew.
     let _ = local.write_batch(&item).await;
     let r = local.write_batch(&item).await;
@@ -241,19 +265,7 @@ async fn an_owner_socket_that_accepts_nothing_is_an_error_not_a_hang() {
     let dir = TempDir::new("wedged");
     let segment = SegmentName::parse(&format!("127.0.0.1:{}", free_port())).unwrap();
     let _wedged = wedged_socket(&socket_path(dir.path(), &segment));
-    let t = HybridTransport::new(HybridConfig {
-        tcp: TcpConfig {
-            connect_timeout: Duration::from_secs(1),
-            transfer_timeout: Duration::from_secs(2),
-            connections_per_owner: 1,
-            transfer_threads: 1,
-            dedicated_runtime: false,
-            credential: None,
-        },
-        shared_memory: true,
-        socket_dir: dir.path().to_path_buf(),
-        copy_threads: 1,
-    });
+    let t = hybrid(dir.path().to_path_buf());
     let key = ObjectKey::new("wedged").unwrap();
     let value = payload("wedged", 4096);
     let parts = [&value[..]];
@@ -372,29 +384,11 @@ async fn the_pool_of_an_owner_that_died_is_unmapped_when_its_successor_is_reache
     // A size no other test here uses, to tell these pools' mappings apart.
     const SIZE: u64 = 7 << 20;
     let (_m, rpc, _) = spawn_master(&[]);
-    let t = HybridTransport::new(HybridConfig {
-        tcp: TcpConfig {
-            connect_timeout: Duration::from_secs(1),
-            transfer_timeout: Duration::from_secs(2),
-            connections_per_owner: 1,
-            transfer_threads: 1,
-            dedicated_runtime: false,
-            credential: None,
-        },
-        shared_memory: true,
-        socket_dir: socket_dir(),
-        copy_threads: 1,
-    });
+    let t = hybrid(socket_dir());
     let key = ObjectKey::new("probe").unwrap();
     let value = payload("probe", 4096);
     let parts = [&value[..]];
-    let item = [WriteItem {
-        key: &key,
-        offset: 0,
-        stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
-        seal: Seal::default(),
-        parts: &parts,
-    }];
+    let item = [unsealed(&key, &parts)];
     let (first, seg) = spawn_owner(&rpc, "7MiB", &[]);
     let seg = SegmentName::parse(&seg).unwrap();
     let _ = t.write_batch(&seg, &item).await;
@@ -436,13 +430,7 @@ async fn calls_queued_behind_a_stopped_owner_fail_within_their_own_deadline() {
                 let key = ObjectKey::new(&format!("queued/{i}")).unwrap();
                 let value = payload("queued", 4096);
                 let parts = [&value[..]];
-                let item = [WriteItem {
-                    key: &key,
-                    offset: 0,
-                    stamp: Stamp::new(u64::MAX / 2, &ReplicateConfig::default()),
-                    seal: Seal::default(),
-                    parts: &parts,
-                }];
+                let item = [unsealed(&key, &parts)];
                 let t = Instant::now();
                 let r = local.write_batch(&item).await;
                 (r[0].is_err(), t.elapsed())
