@@ -232,7 +232,7 @@ fn render_segments(out: &mut String, segs: &[SegmentStat]) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
         for s in segs {
             let v = if pick { s.allocated } else { s.capacity };
-            let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", s.name);
+            let _ = writeln!(out, "{name}{{segment=\"{}\"}} {v}", label(s.name.as_str()));
         }
     }
 }
@@ -286,7 +286,12 @@ fn render_ssd(out: &mut String, segs: &[SegmentStat]) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for s in segs {
             if let Some(d) = &s.disk {
-                let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, pick(d));
+                let _ = writeln!(
+                    out,
+                    "{name}{{segment=\"{}\"}} {}",
+                    label(s.name.as_str()),
+                    pick(d)
+                );
             }
         }
     }
@@ -296,7 +301,12 @@ fn render_ssd(out: &mut String, segs: &[SegmentStat]) {
         "# HELP {name} Objects with a disk replica on one segment.\n# TYPE {name} gauge"
     );
     for s in segs.iter().filter(|s| s.disk.is_some()) {
-        let _ = writeln!(out, "{name}{{segment=\"{}\"}} {}", s.name, s.disk_objects);
+        let _ = writeln!(
+            out,
+            "{name}{{segment=\"{}\"}} {}",
+            label(s.name.as_str()),
+            s.disk_objects
+        );
     }
 }
 
@@ -381,5 +391,32 @@ fn render_counters(out: &mut String, c: &Counters) {
         ),
     ] {
         counter(name, help, v);
+    }
+}
+
+/// A label value as the Prometheus text format wants it: backslash, quote and newline escaped
+/// (a segment name is the owner's to choose, and one stray quote would spoil the whole scrape).
+fn label(value: &str) -> std::borrow::Cow<'_, str> {
+    if !value.contains(['\\', '"', '\n']) {
+        return value.into();
+    }
+    let mut out = String::with_capacity(value.len() + 2);
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.into()
+}
+
+#[cfg(test)]
+mod label_tests {
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(super::label("10.0.0.1:7000"), "10.0.0.1:7000");
+        assert_eq!(super::label("a\"b\\c\nd:1"), "a\\\"b\\\\c\\nd:1");
     }
 }

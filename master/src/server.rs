@@ -158,7 +158,7 @@ impl RunningMaster {
         )));
         let stop_rpc = wait_stop(stopped.clone());
         tasks.push(tokio::spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
+            if let Err(e) = grpc_server()
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming(grpc_rx), stop_rpc)
                 .await
@@ -168,7 +168,7 @@ impl RunningMaster {
         }));
         let stop_refusing = wait_stop(stopped.clone());
         tasks.push(tokio::spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
+            if let Err(e) = grpc_server()
                 .add_service(refusing)
                 .serve_with_incoming_shutdown(incoming(refused_rx), stop_refusing)
                 .await
@@ -242,11 +242,18 @@ impl RunningMaster {
         f(&self.shared.state.lock())
     }
 
-    /// Stops serving and waits for every task to end.
+    /// Stops serving and waits for every task to end, at most `SHUTDOWN_GRACE` in all: a peer
+    /// that never closes its connection (silent mid-handshake, or paused) would keep a graceful
+    /// server waiting forever, so what is left then is stopped.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
+        let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for t in self.tasks {
-            let _ = t.await;
+            let abort = t.abort_handle();
+            if tokio::time::timeout_at(deadline, t).await.is_err() {
+                tracing::warn!(grace = ?SHUTDOWN_GRACE, "a server task did not stop in time (a peer kept its connection open); stopping it");
+                abort.abort();
+            }
         }
     }
 
@@ -256,6 +263,17 @@ impl RunningMaster {
         self.shutdown().await;
     }
 }
+
+/// A gRPC server that pings its peers: one that stopped answering (paused, or its host gone)
+/// loses its connection instead of holding it forever.
+fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+}
+
+/// How long a shutdown waits for connections to close (an owner's long poll lasts up to 5 s).
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(6);
 
 /// The cluster's secret, and the tenants whose own token files the master admits.
 fn server_auth(

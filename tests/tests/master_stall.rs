@@ -1,6 +1,6 @@
 //! Real processes on loopback: a master stopped (SIGSTOP) for three client TTLs and then resumed
 //! drops no owner that heartbeats again within one TTL of the resumption, so what the owners hold
-//! in memory stays readable.
+//! in memory stays readable; peers silent mid-handshake do not keep a master from stopping.
 
 use std::time::Duration;
 
@@ -39,4 +39,26 @@ async fn a_master_stopped_for_three_ttls_keeps_the_owners_that_heartbeat_again()
     let mut buf = vec![0u8; v.len()];
     assert_eq!(client.get("stall", &mut buf).await.unwrap(), v.len());
     assert!(buf == v, "the bytes held before the stop come back");
+}
+
+/// Peers that never finish talking (silent mid-handshake on the RPC and HTTP ports) do not keep
+/// a master from stopping: an HA leader that steps down must be able to campaign again, and
+/// SIGTERM must end the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_peers_do_not_keep_a_master_from_stopping() {
+    use tokio::io::AsyncWriteExt;
+    let m = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
+        .await
+        .unwrap();
+    // The start of an HTTP/2 preface on the RPC port (routed to gRPC), one byte of a request on
+    // the HTTP port; then nothing.
+    let mut rpc = tokio::net::TcpStream::connect(m.rpc_addr).await.unwrap();
+    rpc.write_all(b"PRI ").await.unwrap();
+    let mut http = tokio::net::TcpStream::connect(m.http_addr).await.unwrap();
+    http.write_all(b"G").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(Duration::from_secs(30), m.shutdown())
+        .await
+        .expect("the master stopped despite its silent peers");
+    drop((rpc, http));
 }

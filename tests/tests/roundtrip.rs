@@ -255,3 +255,18 @@ async fn a_slow_removal_pattern_does_not_hold_up_other_calls() {
 
 /// Keys the slow pattern is tried on (each costs it about a tenth of a second in a debug build).
 const N_SLOW: usize = 12;
+
+/// A batch whose request would not fit one frame is refused at once with INVALID_PARAMS, before
+/// anything is sent (the master would drop the connection, and a lookup would be sent again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_a_frame_is_refused_at_once() {
+    let c = Cluster::start(&[4 * MIB]).await;
+    let client = c.client().await;
+    // 70,000 keys of 4,000 bytes: about 280 MB, over the 256 MiB frame limit.
+    let keys: Vec<String> = (0..70_000).map(|i| format!("{i:04000}")).collect();
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let e = client.batch_exists(&refs).await.unwrap_err();
+    assert_eq!(e.code().as_i32(), -600, "{e}");
+    assert!(e.to_string().contains("split the batch"), "{e}");
+    c.shutdown().await;
+}

@@ -302,6 +302,16 @@ impl FramedConn {
         spin: Duration,
     ) -> Result<(i32, Vec<u8>), ApiError> {
         let rpc_err = |e: io::Error| ApiError::rpc(format!("master {addr} connection failed: {e}"));
+        if len > rpc_wire::MAX_BODY {
+            // The master would drop the connection (and a retry would send it again).
+            return Err(ApiError::new(
+                Code::InvalidParams,
+                format!(
+                    "a request of {len} bytes exceeds the frame limit of {} bytes: split the batch",
+                    rpc_wire::MAX_BODY
+                ),
+            ));
+        }
         let id = self.next_id;
         self.next_id += 1;
         let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);

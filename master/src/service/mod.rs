@@ -39,6 +39,8 @@ pub struct Shared {
     pub offload_progress: tokio::sync::Notify,
     /// Whether this process may answer (with HA: while its etcd lease is alive).
     pub leadership: Arc<Leadership>,
+    /// Removal patterns matched at a time (each may cost up to its backtracking limit per key).
+    pub matching: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -50,6 +52,7 @@ impl Shared {
             metrics: Metrics::default(),
             owner_work: tokio::sync::Notify::new(),
             offload_progress: tokio::sync::Notify::new(),
+            matching: Arc::new(tokio::sync::Semaphore::new(1)),
         }
     }
 
@@ -63,6 +66,25 @@ impl Shared {
 
 /// How long a put that found no space waits for offloads under way to free memory.
 const OFFLOAD_WAIT: Duration = Duration::from_secs(1);
+
+/// True until dropped: a blocking job stops when the call that started it is gone.
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Default for StopOnDrop {
+    fn default() -> Self {
+        StopOnDrop(Arc::new(std::sync::atomic::AtomicBool::new(true)))
+    }
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Keys a lookup handles per hold of the state's lock: a huge batch lets other calls in between
+/// runs of this many.
+const LOCKED_KEYS: usize = 4096;
 
 pub struct MasterService {
     shared: Arc<Shared>,
@@ -273,7 +295,11 @@ impl MasterService {
             release_own(&mut state, caller, release, now);
             // A read's seal lives as long as the lease the lookup takes.
             let expiry = Self::expiry(state.policy().lease_ttl);
-            for k in keys {
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 && i % LOCKED_KEYS == 0 {
+                    // A huge batch lets waiting calls in between runs of keys.
+                    parking_lot::MutexGuard::bump(&mut state);
+                }
                 let mut found = caller.key(k).and_then(|k| state.get_replicas_str(k, now));
                 failed += usize::from(found.is_err());
                 if let Ok((_, replicas)) = &mut found {
@@ -308,7 +334,11 @@ impl MasterService {
             let rebuilding = state.rebuilding(now);
             let results: Vec<_> = keys
                 .iter()
-                .map(|k| {
+                .enumerate()
+                .map(|(i, k)| {
+                    if i > 0 && i % LOCKED_KEYS == 0 {
+                        parking_lot::MutexGuard::bump(&mut state);
+                    }
                     caller.key(k).and_then(|k| match state.exists(k, now) {
                         // Not known yet is not "missing" while owners may still report it.
                         false if rebuilding => Err(MasterError::Rebuilding(ObjectKey::new(k)?)),
@@ -374,10 +404,22 @@ impl MasterService {
         // caller's time, not every other call's.
         let matched = match regex {
             Some(r) => {
+                // One pattern at a time; a caller that gives up (its deadline, a dropped call)
+                // stops its pattern at the next key.
+                let _slot = self
+                    .shared
+                    .matching
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("never closed");
                 let keys = self.shared.state.lock().keys_where(|k| tenant.owns(k));
                 let scope = tenant.clone();
+                let wanted = StopOnDrop::default();
+                let go_on = wanted.0.clone();
                 let matching = tokio::task::spawn_blocking(move || {
                     keys.into_iter()
+                        .take_while(|_| go_on.load(std::sync::atomic::Ordering::Relaxed))
                         .filter(|k| {
                             // A search that gives up (backtracking limit) matches nothing.
                             scope

@@ -224,9 +224,11 @@ impl MasterService {
             .state
             .lock()
             .catalog_reported(owner, segment, items, done, now);
-        self.shared
-            .metrics
-            .record(Op::ReportCatalog, n.max(1), res.is_err() as usize);
+        self.shared.metrics.record(
+            Op::ReportCatalog,
+            n.max(1),
+            if res.is_err() { n.max(1) } else { 0 },
+        );
         res
     }
 

@@ -89,10 +89,33 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
                 format!("unknown method {method}").into_bytes(),
             ),
         };
-        s.write_all(&rpc_wire::encode_header(out.len(), status as u32, id))
-            .await?;
-        s.write_all(&out).await?;
-        s.flush().await?;
+        let (status, out) = if out.len() > rpc_wire::MAX_BODY {
+            (
+                rpc_wire::STATUS_BAD_REQUEST,
+                format!(
+                    "the answer of {} bytes exceeds the frame limit of {}: ask for fewer keys per call",
+                    out.len(),
+                    rpc_wire::MAX_BODY
+                )
+                .into_bytes(),
+            )
+        } else {
+            (status, out)
+        };
+        // A peer that stops reading its answers does not keep this task (and the state it
+        // holds) past the frame timeout, nor past a stop.
+        let answer = async {
+            s.write_all(&rpc_wire::encode_header(out.len(), status as u32, id))
+                .await?;
+            s.write_all(&out).await?;
+            s.flush().await
+        };
+        tokio::select! {
+            r = tokio::time::timeout(frame_timeout, answer) => r.map_err(|_| {
+                io::Error::new(io::ErrorKind::TimedOut, "peer did not read its answer")
+            })??,
+            _ = stop.changed() => return Ok(()),
+        }
     }
 }
 
