@@ -176,28 +176,45 @@ impl LocalServer {
                     io::Error::new(io::ErrorKind::TimedOut, "peer did not finish a frame")
                 })??;
             let mut r = FrameReader::new(&body);
-            match op {
-                LocalOp::Hello => self.hello(&mut stream, &mut r).await?,
+            let reply = match op {
+                LocalOp::Hello => {
+                    let hello =
+                        tokio::time::timeout(self.frame_timeout, self.hello(&mut stream, &mut r));
+                    hello.await.map_err(|_| not_read())??;
+                    None
+                }
                 LocalOp::BeginWrite => {
-                    let reply = self.begin(&mut r, &mut held, true).await.map_err(invalid)?;
-                    stream.write_all(&reply).await?;
+                    Some(self.begin(&mut r, &mut held, true).await.map_err(invalid)?)
                 }
-                LocalOp::EndWrite => {
-                    let reply = self.end_write(&mut r, &mut held).map_err(invalid)?;
-                    stream.write_all(&reply).await?;
-                }
-                LocalOp::BeginRead => {
-                    let reply = self
-                        .begin(&mut r, &mut held, false)
+                LocalOp::EndWrite => Some(self.end_write(&mut r, &mut held).map_err(invalid)?),
+                LocalOp::BeginRead => Some(
+                    self.begin(&mut r, &mut held, false)
                         .await
-                        .map_err(invalid)?;
-                    stream.write_all(&reply).await?;
-                }
+                        .map_err(invalid)?,
+                ),
                 LocalOp::EndRead => {
                     let n = r.count().map_err(invalid)?;
                     for _ in 0..n {
                         let range = (r.u64().map_err(invalid)?, r.u64().map_err(invalid)?);
                         held.release_read(range);
+                    }
+                    None
+                }
+            };
+            if let Some(reply) = reply {
+                // A client that does not read its reply (stopped before it did) keeps the
+                // ranges it holds no longer than one that does not send.
+                match tokio::time::timeout(self.frame_timeout, stream.write_all(&reply)).await {
+                    Ok(written) => written?,
+                    Err(_) => {
+                        tracing::warn!(
+                            reads = held.reads.len(),
+                            writes = held.writes.len(),
+                            "a same-host client did not read its reply; closing its connection and releasing its ranges"
+                        );
+                        drop(stream);
+                        drop(held);
+                        return Err(not_read());
                     }
                 }
             }
@@ -381,4 +398,8 @@ async fn peek_hello(stream: &UnixStream) -> io::Result<bool> {
         // A proper prefix of the magic: the rest is on its way.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+fn not_read() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "peer did not read its reply")
 }
