@@ -493,6 +493,9 @@ impl SsdStore {
     ) -> Result<DiskValue, SsdError> {
         let loc = match self.ring.lock().by_key.get(key) {
             Some(l) if l.put_id == put_id && l.value_len == value_len => l.clone(),
+            // That version is here, of another length: the request is wrong, not the record
+            // (which must not be reported lost).
+            Some(l) if l.put_id == put_id => return Err(SsdError::NotFound { key: key.clone() }),
             _ => {
                 self.lost.lock().push(Lost {
                     key: key.clone(),

@@ -317,3 +317,24 @@ async fn the_data_file_and_a_new_directory_are_the_owners_only() {
         .unwrap();
     assert_eq!(mode(&data), 0o600);
 }
+
+/// A read of the right version with a wrong length is refused without reporting the record lost
+/// (the master would drop a good disk copy); a read of a version that is not there is reported.
+#[tokio::test]
+async fn a_read_of_the_wrong_length_does_not_report_the_record_lost() {
+    let dir = TempDir::new();
+    let (s, _) = open(&dir, 4 << 20, EngineKind::Pread).await;
+    put(&s, "a", 1, &value(1, 10_000)).await;
+    assert!(matches!(
+        s.read(&k("a"), 1, 9_999).await,
+        Err(SsdError::NotFound { .. })
+    ));
+    assert!(s.take_lost().is_empty());
+    assert!(s.read(&k("a"), 2, 10_000).await.is_err());
+    let lost = s.take_lost();
+    assert_eq!((lost.len(), lost[0].put_id), (1, 2));
+    assert_eq!(
+        &s.read(&k("a"), 1, 10_000).await.unwrap()[..],
+        &value(1, 10_000)[..]
+    );
+}

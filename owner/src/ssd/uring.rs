@@ -470,7 +470,48 @@ impl Drop for Worker {
     fn drop(&mut self) {
         if self.in_kernel > 0 {
             // The kernel may still write into these buffers: leak them rather than free them.
-            std::mem::forget(std::mem::take(&mut self.slots));
+            // Their callers are answered all the same (their reply channels close: an error).
+            for slot in std::mem::take(&mut self.slots).into_iter().flatten() {
+                match slot.req {
+                    Request::Write { buf, reply, .. } | Request::Read { buf, reply, .. } => {
+                        std::mem::forget(buf);
+                        drop(reply);
+                    }
+                    Request::Sync { reply } => drop(reply),
+                }
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ring that failed leaves its thread with requests the kernel may still hold: their
+    /// buffers are leaked, but their callers get an error instead of waiting forever.
+    #[test]
+    fn a_worker_dropped_with_requests_in_the_kernel_answers_their_callers() {
+        let ring = IoUring::new(4).expect("io_uring (the ssd tier's engine) is available");
+        let file = File::open("/dev/null").unwrap();
+        let mut worker = Worker::new(ring, file, 2, Arc::new(Wake::new().unwrap()));
+        let (reply, mut read) = oneshot::channel();
+        worker.admit(Request::Read {
+            buf: AlignedBuf::with_capacity(4096),
+            offset: 0,
+            reply,
+        });
+        let (reply, mut sync) = oneshot::channel();
+        worker.admit(Request::Sync { reply });
+        worker.in_kernel = 2;
+        drop(worker);
+        assert!(matches!(
+            read.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        ));
+        assert!(matches!(
+            sync.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        ));
     }
 }
