@@ -229,6 +229,11 @@ class MooncakeDistributedStore(NativeStore):
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [_INVALID] * len(keys)
         for k, p, n in zip(keys, buffer_ptrs, sizes):
+            # Checked before a byte is read here: a pointer outside registered memory is -600,
+            # as in the native calls, not a crash.
+            if n < 0 or not self._is_registered(p, n):
+                _log.error("put_tensor_from(%r): %d bytes at %#x are not in a registered buffer", k, n, p)
+                return [_INVALID] * len(keys)
             try:
                 _tensor.decode_header(ctypes.string_at(p, min(n, _PEEK)), n)
             except (TensorFormatError, ValueError, OSError) as e:
@@ -315,6 +320,9 @@ class MooncakeDistributedStore(NativeStore):
 
     def _tensor_in(self, key, buffer_ptr, size):
         """The tensor laid out in caller memory as [header][data] (a view), or None (logged)."""
+        if size < 0 or not self._is_registered(buffer_ptr, size):
+            _log.error("%r: %d bytes at %#x are not in a registered buffer", key, size, buffer_ptr)
+            return None
         try:
             code, shape, offset = _tensor.decode_header(ctypes.string_at(buffer_ptr, min(size, _PEEK)), size)
         except (TensorFormatError, ValueError, OSError) as e:

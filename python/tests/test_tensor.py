@@ -78,6 +78,20 @@ def test_zero_copy_tensor_from_and_into_registered_buffers(store):
     assert store.put_tensor_from("tz-bad", src.ctypes.data, total) == -600
 
 
+def test_tensor_from_calls_refuse_memory_that_is_not_registered(store):
+    """A pointer outside registered memory is -600 before a byte is read: unregistered memory is
+    not stored, and a bogus address is not a crash."""
+    a = np.arange(64, dtype=np.float32)
+    blob = MooncakeDistributedStore.tensor_header(a) + a.tobytes()
+    src = np.frombuffer(bytearray(blob), dtype=np.uint8)  # never registered
+    assert store.put_tensor_from("unreg", src.ctypes.data, len(blob)) == -600
+    assert store.batch_put_tensor_from(["unreg"], [src.ctypes.data], [len(blob)]) == [-600]
+    assert store.put_tensor_with_tp_from("unreg", src.ctypes.data, len(blob), tp_size=2) == -600
+    assert store.put_tensor_from("bogus", 0x1000, 64) == -600
+    assert store.put_tensor_with_tp_from("bogus", 0x1000, 64, tp_size=2) == -600
+    assert store.is_exist("unreg") == 0 and store.is_exist("unreg_tp_0") == 0
+
+
 def test_header_format_is_validated():
     h = T.encode_header(0, (2, 3), 24)
     assert len(h) % 64 == 0
