@@ -50,7 +50,7 @@ impl PinnedPool {
     /// `cap` bytes of page-locked memory.
     fn alloc(&self, cap: usize) -> Result<*mut u8, DriverError> {
         // SAFETY: the pool's context is retained until Drop.
-        unsafe { result::ctx::set_current(self.ctx) }?;
+        let _entered = unsafe { Entered::push(self.ctx) }?;
         // SAFETY: a plain host allocation of `cap` bytes, freed with `free_host` only.
         unsafe { result::malloc_host(cap, 0) }.map(|p| p.cast())
     }
@@ -59,7 +59,7 @@ impl PinnedPool {
         // SAFETY: `ptr` came from `alloc` of this pool and is freed once; the context is
         // retained until Drop.
         unsafe {
-            let _ = result::ctx::set_current(self.ctx);
+            let _entered = Entered::push(self.ctx);
             let _ = result::free_host(ptr.cast());
         }
     }
@@ -163,9 +163,12 @@ impl CudaMemory {
         (0..count).filter_map(|i| Self::open(i).ok()).collect()
     }
 
-    fn current(&self) -> Result<(), DeviceError> {
+    /// This device's context, current on this thread until the guard drops; then the thread's
+    /// previous context is current again (the caller's CUDA runtime follows the current context:
+    /// torch's current device would otherwise move to whichever GPU was asked last).
+    fn enter(&self) -> Result<Entered, DeviceError> {
         // SAFETY: `ctx` is this device's primary context, retained until Drop.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| self.error(e))
+        unsafe { Entered::push(self.ctx) }.map_err(|e| self.error(e))
     }
 
     fn error(&self, e: DriverError) -> DeviceError {
@@ -190,15 +193,40 @@ impl CudaMemory {
     }
 }
 
+/// A context made current on this thread, the previous one current again when dropped (on the
+/// same thread: the guard is not Send).
+struct Entered(std::marker::PhantomData<*const ()>);
+
+impl Entered {
+    /// # Safety
+    /// `ctx` must be a live context (retained by the caller for the guard's life).
+    unsafe fn push(ctx: sys::CUcontext) -> Result<Entered, DriverError> {
+        // SAFETY: the caller keeps `ctx` alive.
+        let rc = unsafe { sys::cuCtxPushCurrent_v2(ctx) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(DriverError(rc));
+        }
+        Ok(Entered(std::marker::PhantomData))
+    }
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `enter` pushed on this thread (the guard cannot leave it).
+        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
 impl DeviceMemory for CudaMemory {
     fn name(&self) -> &str {
         &self.name
     }
 
     fn owns(&self, ptr: usize, len: usize) -> bool {
-        if self.current().is_err() {
+        let Ok(_entered) = self.enter() else {
             return false;
-        }
+        };
         let ty = self.attribute(
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             ptr,
@@ -226,14 +254,14 @@ impl DeviceMemory for CudaMemory {
     }
 
     fn copy_to_host(&self, src: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.current()?;
+        let _entered = self.enter()?;
         // SAFETY: the caller checked with `owns` that [src, src + len) is memory of this
         // device; `dst` is host memory of that length.
         unsafe { result::memcpy_dtoh_sync(dst, src as sys::CUdeviceptr) }.map_err(|e| self.error(e))
     }
 
     fn copy_from_host(&self, src: &[u8], dst: usize) -> Result<(), DeviceError> {
-        self.current()?;
+        let _entered = self.enter()?;
         // SAFETY: as in `copy_to_host`, the other way.
         unsafe { result::memcpy_htod_sync(dst as sys::CUdeviceptr, src) }.map_err(|e| self.error(e))
     }
