@@ -26,6 +26,8 @@ pub struct Replies {
     small: Vec<u8>,
     parts: Vec<Part>,
     queued: usize,
+    /// A value read from the SSD is queued: it holds read-budget permits until sent.
+    disk: bool,
 }
 
 impl Replies {
@@ -49,11 +51,14 @@ impl Replies {
     pub fn push_disk(&mut self, value: DiskValue) {
         self.queued += value.len();
         self.parts.push(Part::Disk(value));
+        self.disk = true;
     }
 
-    /// Whether enough is queued to send it without waiting for the requests behind.
+    /// Whether to send what is queued without waiting for the requests behind: enough is
+    /// queued, or a value read from the SSD is (its read-budget permits go back only once it is
+    /// sent, and a disk read behind it in the same batch may need them).
     pub fn full(&self) -> bool {
-        self.queued >= FLUSH_BYTES || self.parts.len() + 3 >= MAX_PARTS
+        self.disk || self.queued >= FLUSH_BYTES || self.parts.len() + 3 >= MAX_PARTS
     }
 
     /// Sends everything queued, in order, then releases the values' ranges.
@@ -83,6 +88,7 @@ impl Replies {
         self.parts.clear();
         self.small.clear();
         self.queued = 0;
+        self.disk = false;
         Ok(())
     }
 }

@@ -338,3 +338,22 @@ async fn a_read_of_the_wrong_length_does_not_report_the_record_lost() {
         &value(1, 10_000)[..]
     );
 }
+
+/// A value read from the SSD and queued as a reply holds read-budget permits until it is sent:
+/// the replies are sent at once, so a disk read behind it in a pipelined batch never waits for
+/// permits its own connection holds.
+#[tokio::test]
+async fn a_queued_disk_value_is_sent_without_waiting_for_the_batch() {
+    let dir = TempDir::new();
+    let (s, _) = open(&dir, 4 << 20, EngineKind::Pread).await;
+    put(&s, "a", 1, &value(1, 10_000)).await;
+    let mut replies = crate::replies::Replies::default();
+    replies.push_bytes(b"header");
+    assert!(!replies.full());
+    replies.push_disk(s.read(&k("a"), 1, 10_000).await.unwrap());
+    assert!(replies.full());
+    let mut sent = Vec::new();
+    replies.flush(&mut sent).await.unwrap();
+    assert_eq!(sent.len(), 6 + 10_000);
+    assert!(!replies.full());
+}
