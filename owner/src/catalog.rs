@@ -110,6 +110,18 @@ impl Catalog {
             Some(e) if e.key == *key && e.len >= len && e.stamp.put_id == put_id)
     }
 
+    /// Forgets the range at `offset` if it holds `key` at version `put_id` (as `holds` says),
+    /// under one lock: a write recorded there in between is never forgotten instead.
+    pub fn forget_if_holds(&self, offset: u64, len: u64, key: &ObjectKey, put_id: u64) -> bool {
+        let mut ranges = self.ranges.lock();
+        let held = matches!(ranges.get(&offset),
+            Some(e) if e.key == *key && e.len >= len && e.stamp.put_id == put_id);
+        if held {
+            ranges.remove(&offset);
+        }
+        held
+    }
+
     /// The newest grant recorded over `[offset, offset + len)` if it is newer than `grant`: a
     /// write under `grant` is stale and must not land.
     pub fn newer_than(&self, offset: u64, len: u64, grant: u64) -> Option<u64> {
@@ -237,5 +249,16 @@ mod tests {
         // holds version 9, which went with it.
         assert!(c.forget_version(0, 11, 12));
         assert!(!c.holds(0, 100, &k("b"), 9));
+    }
+
+    #[test]
+    fn a_range_is_forgotten_only_while_it_holds_that_key_and_version() {
+        let c = Catalog::default();
+        c.record(0, 100, k("a"), v(7), 7);
+        assert!(!c.forget_if_holds(0, 100, &k("b"), 7), "another key");
+        assert!(!c.forget_if_holds(0, 100, &k("a"), 8), "another version");
+        assert!(c.holds(0, 100, &k("a"), 7));
+        assert!(c.forget_if_holds(0, 100, &k("a"), 7));
+        assert!(c.snapshot().is_empty());
     }
 }

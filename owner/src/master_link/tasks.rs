@@ -201,10 +201,10 @@ impl Worker {
                     }
                 }
                 pb::TaskKind::Promote | pb::TaskKind::Copy => {
-                    // Only if the range still holds what the promotion wrote.
-                    if self.catalog.holds(t.offset, t.size, &key, t.put_id) {
-                        self.catalog.forget(t.offset, t.size);
-                    }
+                    // Only if the range still holds what the promotion wrote (checked and
+                    // forgotten under one lock: a new put may record there at any moment).
+                    self.catalog
+                        .forget_if_holds(t.offset, t.size, &key, t.put_id);
                 }
                 pb::TaskKind::Drop => {}
             }
