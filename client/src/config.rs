@@ -45,7 +45,9 @@ pub struct ClientConfig {
     /// Deadline for connecting to an owner.
     #[serde(with = "duration")]
     pub connect_timeout: Duration,
-    /// Deadline of one object's transfer once a connection is in hand.
+    /// Deadline of one transfer call to one owner, from its start: a batch's items for that owner
+    /// (waiting for a connection, connecting and the exchange included) end by it together, so
+    /// size it for the largest batch one owner gets, not for one object.
     #[serde(with = "duration")]
     pub transfer_timeout: Duration,
     /// Connections kept per owner; transfers beyond it queue.
