@@ -254,7 +254,7 @@ async fn a_slow_removal_pattern_does_not_hold_up_other_calls() {
 }
 
 /// Keys the slow pattern is tried on (each costs it about a tenth of a second in a debug build).
-const N_SLOW: usize = 12;
+const N_SLOW: usize = 24;
 
 /// A batch whose request would not fit one frame is refused at once with INVALID_PARAMS, before
 /// anything is sent (the master would drop the connection, and a lookup would be sent again).
