@@ -43,6 +43,52 @@ fn tiered(mem: u64, policy: Policy) -> (MasterState, SegmentId) {
     (s, id)
 }
 
+/// One tiered owner of 4 MiB holding "a" (1 MiB) on disk only: offloaded eagerly, then evicted
+/// (it has a disk copy, so its memory went at once). Promoted after `hits` disk reads.
+fn disk_only_a(hits: u32) -> (MasterState, SegmentId) {
+    let policy = Policy {
+        eager_offload: true,
+        promote_after_hits: hits,
+        ..Policy::default()
+    };
+    let (mut s, id) = tiered(4 * MIB, policy);
+    put(&mut s, "a", MIB, 0).unwrap();
+    owner_works(&mut s, id, true, 1);
+    s.evict(Millis(2), MIB);
+    (s, id)
+}
+
+/// Eager offloads, at most `queue_limit` per SSD tier at a time.
+fn eager(queue_limit: usize) -> Policy {
+    Policy {
+        eager_offload: true,
+        offload_queue_limit: queue_limit,
+        ..Policy::default()
+    }
+}
+
+/// Mounts `seg(i)` for `owner(i)` with `mem` bytes of memory and `disk` of SSD tier (0: none).
+fn mount(s: &mut MasterState, i: u16, mem: u64, disk: u64) -> SegmentId {
+    s.mount_segment(
+        owner(i),
+        seg(i),
+        mem,
+        disk,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    s.owned_segment(owner(i), &seg(i)).unwrap()
+}
+
+/// A put config preferring `seg(i)`.
+fn on(i: u16) -> ReplicateConfig {
+    ReplicateConfig {
+        preferred_segments: vec![seg(i)],
+        ..ReplicateConfig::default()
+    }
+}
+
 fn put(s: &mut MasterState, key: &str, size: u64, now: u64) -> Result<u64, MasterError> {
     let g = s.put_start(&k(key), size, &ReplicateConfig::default(), Millis(now))?;
     s.put_end(key, g.put_id, Millis(now))?;
@@ -118,15 +164,7 @@ fn an_object_with_a_disk_copy_leaves_memory_at_once() {
 
 #[test]
 fn disk_only_objects_are_promoted_after_enough_hits() {
-    let policy = Policy {
-        eager_offload: true,
-        promote_after_hits: 2,
-        ..Policy::default()
-    };
-    let (mut s, id) = tiered(4 * MIB, policy);
-    put(&mut s, "a", MIB, 0).unwrap();
-    owner_works(&mut s, id, true, 1);
-    s.evict(Millis(2), MIB); // has a disk copy: memory freed at once
+    let (mut s, id) = disk_only_a(2);
     assert_eq!(s.allocated(), 0);
     assert_eq!(tiers(&mut s, "a", 3), vec![Tier::Disk]);
     assert!(
@@ -305,12 +343,7 @@ fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
 
 #[test]
 fn eager_offloads_beyond_the_queue_limit_wait_in_a_backlog_and_all_land() {
-    let policy = Policy {
-        eager_offload: true,
-        offload_queue_limit: 2,
-        ..Policy::default()
-    };
-    let (mut s, id) = tiered(16 * MIB, policy);
+    let (mut s, id) = tiered(16 * MIB, eager(2));
     for i in 0..5 {
         put(&mut s, &format!("k{i}"), MIB, i).unwrap();
     }
@@ -427,21 +460,8 @@ fn a_soft_pinned_object_met_twice_in_a_round_is_offloaded_not_dropped() {
 #[test]
 fn an_offload_report_for_a_segment_that_is_gone_or_has_no_tier_is_refused() {
     let (mut s, id) = tiered(4 * MIB, Policy::default());
-    s.mount_segment(
-        owner(1),
-        seg(1),
-        4 * MIB,
-        0,
-        MountReport::default(),
-        Millis(0),
-    )
-    .unwrap();
-    let plain = s.owned_segment(owner(1), &seg(1)).unwrap();
-    let config = ReplicateConfig {
-        preferred_segments: vec![seg(1)],
-        ..ReplicateConfig::default()
-    };
-    let g = s.put_start(&k("k"), MIB, &config, Millis(0)).unwrap();
+    let plain = mount(&mut s, 1, 4 * MIB, 0);
+    let g = s.put_start(&k("k"), MIB, &on(1), Millis(0)).unwrap();
     s.put_end("k", g.put_id, Millis(0)).unwrap();
     // No SSD tier on seg1: nothing to record.
     assert!(s
@@ -466,26 +486,8 @@ fn an_offload_report_for_a_segment_that_is_gone_or_has_no_tier_is_refused() {
 /// queue is full, and the full tier's keys start as its offloads land, oldest first.
 #[test]
 fn eager_backlogs_are_per_tier() {
-    let policy = Policy {
-        eager_offload: true,
-        offload_queue_limit: 1,
-        ..Policy::default()
-    };
-    let (mut s, busy) = tiered(16 * MIB, policy);
-    s.mount_segment(
-        owner(1),
-        seg(1),
-        16 * MIB,
-        1 << 30,
-        MountReport::default(),
-        Millis(0),
-    )
-    .unwrap();
-    let idle = s.disk_segment(owner(1), &seg(1)).unwrap();
-    let on = |i: u16| ReplicateConfig {
-        preferred_segments: vec![seg(i)],
-        ..ReplicateConfig::default()
-    };
+    let (mut s, busy) = tiered(16 * MIB, eager(1));
+    let idle = mount(&mut s, 1, 16 * MIB, 1 << 30);
     for i in 0..4 {
         let key = format!("busy{i}");
         let g = s.put_start(&k(&key), MIB, &on(0), Millis(1)).unwrap();
@@ -511,15 +513,7 @@ fn eager_backlogs_are_per_tier() {
 /// land gives its range back (and its owner forgets it).
 #[test]
 fn a_promotion_and_a_copy_to_one_segment_leave_one_replica_there() {
-    let policy = Policy {
-        eager_offload: true,
-        promote_after_hits: 2,
-        ..Policy::default()
-    };
-    let (mut s, id) = tiered(4 * MIB, policy);
-    put(&mut s, "a", MIB, 0).unwrap();
-    owner_works(&mut s, id, true, 1);
-    s.evict(Millis(2), MIB);
+    let (mut s, id) = disk_only_a(2);
     tiers(&mut s, "a", 3);
     tiers(&mut s, "a", 4);
     let promote = s.take_tasks(id, 10, Millis(0));
