@@ -141,6 +141,10 @@ const NAMES: [&str; 7] = [
     "master_server_addr",
 ];
 
+/// Mooncake's defaults for `setup()`'s arguments left out.
+const DEFAULT_SEGMENT_SIZE: u64 = 16 << 20;
+const DEFAULT_MASTER: &str = "127.0.0.1:50051";
+
 /// The keyword naming the client's tenant (see `mooncake_common::tenant`).
 const TENANT_ID: &str = "tenant_id";
 
@@ -197,11 +201,24 @@ impl SetupArgs {
                 PyTypeError::new_err(format!("setup() missing required argument '{}'", NAMES[i]))
             })
         };
+        // The last five have Mooncake's defaults (16 MiB, 16 MiB, "tcp", "", its default master).
+        let global_segment_size = match &values[2] {
+            Some(v) => int_arg(v, NAMES[2])?,
+            None => DEFAULT_SEGMENT_SIZE,
+        };
+        let protocol = match &values[4] {
+            Some(v) => v.extract()?,
+            None => "tcp".to_string(),
+        };
+        let master_server_addr = match &values[6] {
+            Some(v) => v.extract()?,
+            None => DEFAULT_MASTER.to_string(),
+        };
         Ok(SetupArgs {
             local_hostname: get(0)?.extract()?,
-            global_segment_size: int_arg(&get(2)?, NAMES[2])?,
-            protocol: get(4)?.extract()?,
-            master_server_addr: get(6)?.extract()?,
+            global_segment_size,
+            protocol,
+            master_server_addr,
             tenant_id,
         })
     }

@@ -132,8 +132,9 @@ impl NativeStore {
         }
     }
 
-    /// `setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
-    /// rdma_devices, master_server_addr)` or `setup(config: dict)`; returns 0 or a negative code.
+    /// `setup(local_hostname, metadata_server, global_segment_size=16 MiB, local_buffer_size=16 MiB,
+    /// protocol="tcp", rdma_devices="", master_server_addr="127.0.0.1:50051")` (Mooncake's
+    /// defaults) or `setup(config: dict)`; returns 0 or a negative code.
     #[pyo3(signature = (*args, **kwargs))]
     fn setup(
         &self,

@@ -35,8 +35,11 @@ def test_setup_forms_and_their_errors(cluster):
     s.close()
     with pytest.raises(ValueError, match="unknown config key 'colour'"):
         s.setup({**cfg, "colour": "blue"})
-    with pytest.raises(TypeError, match="missing required argument 'master_server_addr'"):
-        s.setup("127.0.0.1", "", 0, 0, "tcp", "")
+    with pytest.raises(TypeError, match="missing required argument 'local_hostname'"):
+        s.setup()
+    # Mooncake's defaults for the last five arguments (protocol "tcp" among them).
+    assert s.setup("127.0.0.1", "", 0, master_server_addr=cluster.master) == 0
+    s.close()
     with pytest.raises(ValueError, match="invalid size"):
         s.setup("127.0.0.1", "", "lots", 0, "tcp", "", cluster.master)
     with pytest.raises(TypeError):
