@@ -680,20 +680,8 @@ impl MasterState {
         matches: impl Fn(&str) -> bool,
         now: Millis,
     ) -> u64 {
-        let keys: Vec<ObjectKey> = self
-            .objects
-            .iter()
-            .filter(|o| force || (o.phase.is_complete() && !o.is_leased(now)))
-            .filter(|o| matches(o.key().as_str()))
-            .map(|o| o.key().clone())
-            .collect();
-        let mut removed = 0;
-        for key in keys {
-            if self.remove(&key, force, now).is_ok() {
-                removed += 1;
-            }
-        }
-        removed
+        let keys = self.keys_where(matches);
+        self.remove_listed(force, &keys, now)
     }
 
     /// Frees the memory replicas of version `put_id` of an object that is gone, and tells their
