@@ -123,8 +123,10 @@ async fn a_killed_wrapper_takes_its_owner_down() {
     let master = mooncake_master::RunningMaster::start(master_config())
         .await
         .unwrap();
+    // Its traps never run, so its work directory stays: put it where this test removes it.
+    let tmp = mooncake_tests::TempDir::new("killed-wrapper");
     let mut cmd = wrapper(&master.rpc_addr.to_string(), &["sleep", "30"]);
-    cmd.stderr(Stdio::null());
+    cmd.stderr(Stdio::null()).env("TMPDIR", tmp.path());
     let w = ChildGuard::spawn_interruptible(&mut cmd);
     let mounted = mooncake_tests::eventually(Duration::from_secs(20), async || {
         master.with_state(|s| s.segment_stats().len()) == 1
