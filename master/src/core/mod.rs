@@ -127,6 +127,21 @@ struct DiskTier {
     stats: DiskStats,
     /// Offloads queued or taken by the owner and not yet reported.
     offloads: usize,
+    /// Objects with a disk copy here, kept as copies come and go so that stats never walk
+    /// the object table.
+    objects: u64,
+}
+
+/// Counts a disk copy on `segment` that appeared (`added`) or went. Copies sit only on
+/// segments with an SSD tier (an invariant), and go with their segment when it unmounts.
+fn count_disk_copy(segments: &mut BTreeMap<SegmentId, Segment>, segment: SegmentId, added: bool) {
+    if let Some(d) = segments.get_mut(&segment).and_then(|s| s.disk.as_mut()) {
+        if added {
+            d.objects += 1;
+        } else {
+            d.objects = d.objects.saturating_sub(1);
+        }
+    }
 }
 
 struct Owner {
@@ -381,17 +396,9 @@ impl MasterState {
     }
 
     pub fn segment_stats(&self) -> Vec<SegmentStat> {
-        let mut disk_objects: HashMap<SegmentId, u64> = HashMap::new();
-        if self.segments.values().any(|s| s.disk.is_some()) {
-            for obj in self.objects.iter() {
-                for seg in obj.disk() {
-                    *disk_objects.entry(*seg).or_default() += 1;
-                }
-            }
-        }
         self.segments
-            .iter()
-            .map(|(id, s)| SegmentStat {
+            .values()
+            .map(|s| SegmentStat {
                 name: s.name.clone(),
                 capacity: s.allocator.capacity(),
                 allocated: s.allocator.allocated(),
@@ -399,7 +406,7 @@ impl MasterState {
                     capacity: d.capacity,
                     ..d.stats
                 }),
-                disk_objects: disk_objects.get(id).copied().unwrap_or(0),
+                disk_objects: s.disk.as_ref().map_or(0, |d| d.objects),
             })
             .collect()
     }
@@ -409,6 +416,7 @@ impl MasterState {
     /// distinct live segments, and no two live ranges overlap.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut per_segment: HashMap<SegmentId, Vec<(u64, u64)>> = HashMap::new();
+        let mut disk_copies: HashMap<SegmentId, u64> = HashMap::new();
         for obj in self.objects.iter() {
             let key = obj.key();
             if let Some(started) = obj.phase.started() {
@@ -444,12 +452,22 @@ impl MasterState {
             }
             for d in obj.disk() {
                 match self.segments.get(d) {
-                    Some(s) if s.disk.is_some() => {}
+                    Some(s) if s.disk.is_some() => *disk_copies.entry(*d).or_default() += 1,
                     _ => return Err(format!("{key}: disk replica on a segment without SSD tier")),
                 }
             }
             if obj.replicas.is_empty() && obj.disk().is_empty() {
                 return Err(format!("{key}: object without any replica"));
+            }
+        }
+        for (id, s) in &self.segments {
+            let counted = s.disk.as_ref().map_or(0, |d| d.objects);
+            let held = disk_copies.get(id).copied().unwrap_or(0);
+            if counted != held {
+                return Err(format!(
+                    "segment {}: {counted} disk copies counted, {held} held by objects",
+                    s.name
+                ));
             }
         }
         for (segment, allocation) in self.replica_tasks.reserved() {

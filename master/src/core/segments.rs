@@ -83,6 +83,7 @@ impl MasterState {
                         ..DiskStats::default()
                     },
                     offloads: 0,
+                    objects: 0,
                 }),
                 report: None,
                 tasks: VecDeque::new(),

@@ -9,6 +9,7 @@ use mooncake_common::ObjectKey;
 use serde::{Deserialize, Serialize};
 
 use super::{
+    count_disk_copy,
     objects::{Object, Offload, Phase, Pin, Promotion, Replica, Replicas},
     DiskTier, MasterState, SegmentId,
 };
@@ -87,6 +88,7 @@ impl MasterState {
         let key = obj.key();
         self.forget_offload(&tier.offload);
         for seg in &tier.disk {
+            count_disk_copy(&mut self.segments, *seg, false);
             self.queue_task(
                 *seg,
                 OwnerTask {
@@ -488,6 +490,7 @@ impl MasterState {
                 let tier = obj.tier_mut();
                 if !tier.disk.contains(&segment) {
                     tier.disk.push(segment);
+                    count_disk_copy(&mut self.segments, segment, true);
                 }
                 let free_now = evict_after && !obj.is_leased(now) && !obj.pin.is_hard();
                 let freed = if free_now {
@@ -545,6 +548,7 @@ impl MasterState {
         }
         obj.tier_mut().disk.retain(|s| *s != segment);
         obj.tidy_tier();
+        count_disk_copy(&mut self.segments, segment, false);
         self.counters.disk_dropped += 1;
         if obj.replicas.is_empty() && obj.disk().is_empty() {
             let obj = self.objects.remove(key).expect("checked above");
@@ -580,6 +584,7 @@ impl MasterState {
                 let tier = obj.tier_mut();
                 if !tier.disk.contains(&segment) {
                     tier.disk.push(segment);
+                    count_disk_copy(&mut self.segments, segment, true);
                 }
                 return Ok(put_id);
             }
@@ -594,6 +599,7 @@ impl MasterState {
             Pin::NONE,
         );
         obj.tier_mut().disk.push(segment);
+        count_disk_copy(&mut self.segments, segment, true);
         self.objects.insert(obj);
         self.counters.disk_registered += 1;
         Ok(put_id)
