@@ -24,7 +24,7 @@ use std::{
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{Credential, Keyring, MAX_IDENTITY};
+use super::{Credential, Key, Keyring, MAX_IDENTITY};
 use crate::Code;
 
 /// The first bytes of a hello; no protocol of this project starts with them.
@@ -91,11 +91,17 @@ pub async fn admit<S: AsyncRead + AsyncWrite + Unpin>(
             stream.flush().await?;
             return Ok(Admission::Open);
         };
-        let Some(key) = keyring.key(&identity) else {
-            let why = format!("unknown identity {identity:?}");
-            stream.write_all(&refusal(&why)).await?;
-            stream.flush().await?;
-            return Err(refused(peer, &why));
+        // An unknown identity goes through the same exchange with a key nobody holds, so that
+        // the answers do not tell which tenant names exist; only this server's log says why.
+        let known = keyring.key(&identity);
+        let unknown = known.is_none();
+        let key = known.unwrap_or_else(decoy_key);
+        let reason = |fallback: String| {
+            if unknown {
+                format!("unknown identity {identity:?}")
+            } else {
+                fallback
+            }
         };
         let server_nonce = nonce()?;
         let mut challenge = Vec::with_capacity(4 + NONCE + PROOF);
@@ -116,9 +122,9 @@ pub async fn admit<S: AsyncRead + AsyncWrite + Unpin>(
         if let Err(e) = stream.read_exact(&mut proof).await {
             return Err(refused(
                 peer,
-                &format!(
+                &reason(format!(
                     "it hung up instead of proving ({e}): its secret differs from this server's"
-                ),
+                )),
             ));
         }
         let expected = key.mac(&[
@@ -128,11 +134,16 @@ pub async fn admit<S: AsyncRead + AsyncWrite + Unpin>(
             &server_nonce,
         ]);
         // `blake3::Hash` compares in constant time.
-        if expected != blake3::Hash::from_bytes(proof) {
-            let why = format!("wrong secret for identity {identity:?}");
-            stream.write_all(&refusal(&why)).await?;
+        if unknown || expected != blake3::Hash::from_bytes(proof) {
+            // The same words to the peer either way.
+            stream
+                .write_all(&refusal(&format!("wrong secret for identity {identity:?}")))
+                .await?;
             stream.flush().await?;
-            return Err(refused(peer, &why));
+            return Err(refused(
+                peer,
+                &reason(format!("wrong secret for identity {identity:?}")),
+            ));
         }
         stream.write_all(&verdict_ok()).await?;
         stream.flush().await?;
@@ -157,7 +168,7 @@ pub enum AuthError {
     Io(#[from] io::Error),
     #[error("the server refused this client's credential: {0}")]
     Refused(String),
-    #[error("the server did not prove it holds the secret: it is not the peer it claims to be, or it has another secret")]
+    #[error("the server did not prove it holds this peer's secret: it has another secret, it does not know this peer's identity (tenant name), or it is not the peer it claims to be")]
     BadServer,
     #[error("the server runs open (it has no auth token) while this peer has one: refused, since an open server proves nothing and anyone could be answering; give the server the same auth_token_file, or take this peer's away")]
     OpenServer,
@@ -306,6 +317,20 @@ fn refused(peer: &(dyn fmt::Display + Sync), why: &str) -> io::Error {
     )
 }
 
+/// A key for identities a server does not know: random, made once per process, never sent.
+fn decoy_key() -> Key {
+    static DECOY: std::sync::OnceLock<Key> = std::sync::OnceLock::new();
+    DECOY
+        .get_or_init(|| {
+            let mut secret = [0u8; 32];
+            // An unknown identity is refused whatever it proves, so even a decoy made without
+            // random bytes lets nobody in; it would only tell unknown names from known ones.
+            let _ = getrandom::fill(&mut secret);
+            Key::for_connections(&[b"mooncake-rs decoy ".as_slice(), &secret].concat())
+        })
+        .clone()
+}
+
 fn nonce() -> io::Result<[u8; NONCE]> {
     let mut n = [0u8; NONCE];
     getrandom::fill(&mut n).map_err(|e| io::Error::other(format!("no random bytes: {e}")))?;
@@ -369,16 +394,62 @@ mod tests {
         assert_eq!(c.code(), Code::Unauthenticated);
     }
 
+    /// The server's log names the reason; the peer learns no more than from a wrong secret, so
+    /// probing does not tell which tenant names exist.
     #[tokio::test]
-    async fn an_unknown_identity_is_refused_with_a_reason() {
-        let cred = Some(Credential::new("tenant-x", SECRET).unwrap());
-        let (s, c) = exchange(Some(Keyring::cluster(SECRET)), cred).await;
-        assert!(s.unwrap_err().to_string().contains("unknown identity"));
-        let c = c.unwrap().unwrap_err();
-        assert!(
-            c.to_string().contains("unknown identity \"tenant-x\""),
-            "{c}"
+    async fn an_unknown_identity_is_refused_like_a_wrong_secret() {
+        let mut keyring = Keyring::cluster(SECRET);
+        keyring
+            .insert("tenant-a", b"tenant a's secret, long enough")
+            .unwrap();
+        let unknown = Some(Credential::new("tenant-x", SECRET).unwrap());
+        let (s, c) = exchange(Some(keyring.clone()), unknown).await;
+        assert!(s
+            .unwrap_err()
+            .to_string()
+            .contains("unknown identity \"tenant-x\""));
+        let unknown = c.unwrap().unwrap_err();
+        let wrong = Some(Credential::new("tenant-a", SECRET).unwrap());
+        let (s, c) = exchange(Some(keyring.clone()), wrong).await;
+        assert!(!s.unwrap_err().to_string().contains("unknown identity"));
+        let wrong = c.unwrap().unwrap_err();
+        assert!(matches!(unknown, AuthError::BadServer), "{unknown}");
+        assert_eq!(unknown.to_string(), wrong.to_string());
+        assert!(unknown.to_string().contains("identity"), "{unknown}");
+
+        // A peer that goes on and proves anyway (here: one that skips checking the server's
+        // proof) is refused with the words a wrong secret gets, and never let in.
+        let (mut c, mut srv) = tokio::io::duplex(4096);
+        let server = tokio::spawn(async move {
+            admit(
+                &mut srv,
+                true,
+                Some(&keyring),
+                &"test-peer",
+                Duration::from_secs(5),
+            )
+            .await
+        });
+        let cred = Credential::new("tenant-x", SECRET).unwrap();
+        let client_nonce = [7u8; NONCE];
+        c.write_all(&hello(&cred, &client_nonce)).await.unwrap();
+        let mut challenge = [0u8; 4 + NONCE + PROOF];
+        c.read_exact(&mut challenge).await.unwrap();
+        assert_eq!(
+            i32::from_le_bytes(challenge[..4].try_into().unwrap()),
+            PROVE
         );
+        let server_nonce = &challenge[4..4 + NONCE];
+        let proof = cred
+            .key
+            .mac(&[CLIENT_LABEL, b"tenant-x", &client_nonce, server_nonce]);
+        c.write_all(proof.as_bytes()).await.unwrap();
+        let mut status = [0u8; 4];
+        c.read_exact(&mut status).await.unwrap();
+        assert_ne!(i32::from_le_bytes(status), 0);
+        let message = read_message(&mut c).await.unwrap();
+        assert_eq!(message, "wrong secret for identity \"tenant-x\"");
+        assert!(server.await.unwrap().is_err());
     }
 
     #[tokio::test]
