@@ -30,11 +30,13 @@ impl Patient {
     }
 
     /// Runs `call` until `pending` says no answer asks to wait, or until waiting more would
-    /// pass the deadline (then the last answer stands).
+    /// pass the deadline (then the last answer stands). Before each retry, the holds that
+    /// `hits` names in the answer it replaces go back: nobody reads under them.
     fn until_definite<'a, T: Send + 'a>(
         &'a self,
         call: impl Fn() -> Call<'a, T> + Send + 'a,
         pending: impl Fn(&T) -> bool + Send + 'a,
+        hits: impl Fn(&T) -> (Vec<&'a str>, u64) + Send + 'a,
     ) -> Call<'a, T> {
         Box::pin(async move {
             let give_up = Instant::now() + self.deadline;
@@ -51,6 +53,14 @@ impl Patient {
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(LONGEST_PAUSE);
+                if let Ok(replaced) = &answer {
+                    let (keys, epoch) = hits(replaced);
+                    if !keys.is_empty() {
+                        // Best effort: a hold not handed back ends at its TTL.
+                        let release = self.inner.release_leases(Releases { keys: &keys, epoch });
+                        let _ = tokio::time::timeout_at(give_up, release).await;
+                    }
+                }
                 // A retry gets only what is left of the deadline (each try on its own could take
                 // a whole RPC timeout); past it the last answer stands.
                 match tokio::time::timeout_at(give_up, call()).await {
@@ -64,6 +74,15 @@ impl Patient {
 
 fn not_yet(code: &Code) -> bool {
     *code == Code::UnavailableInCurrentStatus
+}
+
+/// The keys whose answer `held` says took a hold (a lookup's or existence check's hits).
+fn hits_of<'a, R>(keys: &[&'a str], answers: &[R], held: impl Fn(&R) -> bool) -> Vec<&'a str> {
+    keys.iter()
+        .zip(answers)
+        .filter(|(_, a)| held(a))
+        .map(|(k, _)| *k)
+        .collect()
 }
 
 impl MasterApi for Patient {
@@ -89,6 +108,7 @@ impl MasterApi for Patient {
         self.until_definite(
             move || self.inner.get_replicas(keys, first_try(&first, release)),
             |l: &Lookup| l.results().iter().any(|r| r.as_ref().is_err_and(not_yet)),
+            move |l: &Lookup| (hits_of(keys, l.results(), Result::is_ok), l.epoch),
         )
     }
 
@@ -97,6 +117,7 @@ impl MasterApi for Patient {
         self.until_definite(
             move || self.inner.exists(keys, first_try(&first, release)),
             |e: &Existence| e.found.iter().any(|r| r.as_ref().is_err_and(not_yet)),
+            move |e: &Existence| (hits_of(keys, &e.found, |r| *r == Ok(true)), e.epoch),
         )
     }
 
@@ -137,14 +158,31 @@ impl MasterApi for Patient {
 mod tests {
     use super::*;
 
-    /// A master rebuilding its catalog for `rebuilding`, then silent (paused, or its host gone):
-    /// each call's own deadline is left to the wire adapter, so here a silent call never ends.
-    struct RebuildingThenSilent {
+    /// A master rebuilding its catalog for `rebuilding`: it knows only `known` keys yet (and
+    /// leases them), the others answer "not yet". Then it knows every key, or with `silent` it
+    /// goes silent (paused, or its host gone): each call's own deadline is left to the wire
+    /// adapter, so here a silent call never ends. Holds handed back are kept in `released`.
+    struct Rebuilding {
         started: Instant,
         rebuilding: Duration,
+        known: &'static [&'static str],
+        silent: bool,
+        released: std::sync::Mutex<Vec<(Vec<String>, u64)>>,
     }
 
-    impl MasterApi for RebuildingThenSilent {
+    impl Rebuilding {
+        fn new(rebuilding: Duration, known: &'static [&'static str], silent: bool) -> Self {
+            Rebuilding {
+                started: Instant::now(),
+                rebuilding,
+                known,
+                silent,
+                released: Default::default(),
+            }
+        }
+    }
+
+    impl MasterApi for Rebuilding {
         fn put_start<'a>(
             &'a self,
             _: &'a [(&'a str, u64)],
@@ -163,14 +201,19 @@ mod tests {
         }
         fn exists<'a>(&'a self, keys: &'a [&'a str], _: Releases<'a>) -> Call<'a, Existence> {
             Box::pin(async move {
-                if self.started.elapsed() >= self.rebuilding {
+                let rebuilt = self.started.elapsed() >= self.rebuilding;
+                if rebuilt && self.silent {
                     std::future::pending::<()>().await;
                 }
+                let answer = |k: &&str| {
+                    if rebuilt || self.known.contains(k) {
+                        Ok(true)
+                    } else {
+                        Err(Code::UnavailableInCurrentStatus)
+                    }
+                };
                 Ok(Existence {
-                    found: keys
-                        .iter()
-                        .map(|_| Err(Code::UnavailableInCurrentStatus))
-                        .collect(),
+                    found: keys.iter().map(answer).collect(),
                     lease_ttl: Duration::from_secs(10),
                     epoch: 1,
                 })
@@ -185,8 +228,10 @@ mod tests {
         fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
             unreachable!("only lookups are asked")
         }
-        fn release_leases<'a>(&'a self, _: Releases<'a>) -> Call<'a, ()> {
-            unreachable!("only lookups are asked")
+        fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
+            let keys = release.keys.iter().map(|k| k.to_string()).collect();
+            self.released.lock().unwrap().push((keys, release.epoch));
+            Box::pin(async { Ok(()) })
         }
         fn create_replica_task<'a>(&'a self, _: &'a str, _: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
             unreachable!("only lookups are asked")
@@ -208,12 +253,9 @@ mod tests {
     #[tokio::test]
     async fn a_retry_that_meets_a_silent_master_ends_at_the_deadline() {
         let deadline = Duration::from_millis(300);
+        // Tries at 0, 20, 60 and 140 ms: the last meets the silence.
         let patient = Patient::new(
-            Arc::new(RebuildingThenSilent {
-                started: Instant::now(),
-                // Tries at 0, 20, 60 and 140 ms: the last meets the silence.
-                rebuilding: Duration::from_millis(100),
-            }),
+            Arc::new(Rebuilding::new(Duration::from_millis(100), &[], true)),
             deadline,
         );
         let asked = Instant::now();
@@ -228,5 +270,18 @@ mod tests {
             answer.unwrap().found,
             vec![Err(Code::UnavailableInCurrentStatus)]
         );
+    }
+
+    /// A retry's answer replaces the one before, so the hits of that one (leased for nobody)
+    /// are handed back, each time: only the last answer's holds stay with the caller.
+    #[tokio::test]
+    async fn a_retry_hands_back_the_holds_of_the_answer_it_replaces() {
+        let master = Arc::new(Rebuilding::new(Duration::from_millis(50), &["a"], false));
+        let patient = Patient::new(master.clone(), Duration::from_secs(5));
+        // Tries at 0, 20 and 60 ms: "b" is known at the third.
+        let answer = patient.exists(&["a", "b"], Releases::NONE).await.unwrap();
+        assert_eq!(answer.found, vec![Ok(true), Ok(true)]);
+        let released = master.released.lock().unwrap().clone();
+        assert_eq!(released, vec![(vec!["a".to_string()], 1); 2]);
     }
 }
