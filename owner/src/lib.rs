@@ -13,6 +13,7 @@ pub mod local;
 pub mod master_link;
 #[allow(unsafe_code)]
 pub mod pool;
+mod ranges;
 mod replies;
 pub mod seals;
 pub mod ssd;

@@ -149,7 +149,7 @@ impl LocalServer {
                 _ = stop.changed() => false,
                 () = sleep_or_never(limit) => {
                     tracing::warn!(
-                        reads = held.reads.len(),
+                        read_ranges = held.reads.len(),
                         writes = held.writes.len(),
                         after = ?self.frame_timeout,
                         "a same-host client holding ranges went silent; closing its connection and releasing them"
@@ -208,7 +208,7 @@ impl LocalServer {
                     Ok(written) => written?,
                     Err(_) => {
                         tracing::warn!(
-                            reads = held.reads.len(),
+                            read_ranges = held.reads.len(),
                             writes = held.writes.len(),
                             "a same-host client did not read its reply; closing its connection and releasing its ranges"
                         );
@@ -298,7 +298,7 @@ impl LocalServer {
                 Ok(key) => match self.pool.lock_range(offset, len) {
                     Err(e) => e.code(),
                     Ok(lock) if self.catalog.holds(offset, len, &key, item.grant) => {
-                        held.reads.push(((offset, len), lock));
+                        held.hold_read((offset, len), lock);
                         Code::Ok
                     }
                     Ok(_) => Code::ObjectNotFound,
@@ -351,7 +351,8 @@ impl LocalServer {
 #[derive(Default)]
 struct Held {
     writes: HashMap<(u64, u64), (RangeLock, ObjectKey, Stamp)>,
-    reads: Vec<((u64, u64), RangeLock)>,
+    /// Per range, a lock for each read of it begun and not ended.
+    reads: HashMap<(u64, u64), Vec<RangeLock>>,
 }
 
 impl Held {
@@ -359,9 +360,16 @@ impl Held {
         self.reads.is_empty() && self.writes.is_empty()
     }
 
+    fn hold_read(&mut self, range: (u64, u64), lock: RangeLock) {
+        self.reads.entry(range).or_default().push(lock);
+    }
+
     fn release_read(&mut self, range: (u64, u64)) {
-        if let Some(i) = self.reads.iter().position(|(r, _)| *r == range) {
-            self.reads.swap_remove(i);
+        if let Some(locks) = self.reads.get_mut(&range) {
+            locks.pop();
+            if locks.is_empty() {
+                self.reads.remove(&range);
+            }
         }
     }
 }

@@ -21,6 +21,8 @@ use std::{
 };
 
 use memmap2::{MmapMut, MmapOptions};
+
+use crate::ranges::{ActiveRanges, Holders};
 use parking_lot::Mutex;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -59,7 +61,7 @@ pub struct MemoryPool {
     base: NonNull<u8>,
     len: u64,
     locked: bool,
-    active: Mutex<Vec<Active>>,
+    active: Mutex<ActiveRanges>,
     /// Wakes writes waiting for a range (`write_range_granted`) when any range is released.
     released: tokio::sync::Notify,
     /// Writes waiting in `write_range_granted`: releases notify only while there are some.
@@ -71,23 +73,6 @@ pub struct MemoryPool {
     // Keeps the mapping alive; `base` points into it.
     _map: MmapMut,
     file: File,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Active {
-    start: u64,
-    end: u64,
-    write: bool,
-    /// The write's grant (0 for reads and for writes without one).
-    grant: u64,
-    /// A newer grant's write waits for this one to let go.
-    superseded: bool,
-}
-
-impl Active {
-    fn overlaps(&self, start: u64, end: u64) -> bool {
-        self.start < end && start < self.end
-    }
 }
 
 // SAFETY: the pool is a fixed mapping that lives as long as the struct; all access to its bytes
@@ -144,7 +129,7 @@ impl MemoryPool {
             base,
             len: size,
             locked,
-            active: Mutex::new(Vec::new()),
+            active: Mutex::new(ActiveRanges::default()),
             released: tokio::sync::Notify::new(),
             waiting: std::sync::atomic::AtomicUsize::new(0),
             superseding: tokio::sync::Notify::new(),
@@ -241,8 +226,8 @@ impl MemoryPool {
                     let by_write = self
                         .active
                         .lock()
-                        .iter()
-                        .any(|a| a.write && a.overlaps(offset, offset + len));
+                        .overlapping(offset, offset + len)
+                        .any(|(_, h)| h.is_write());
                     return Err(RangeError::Busy {
                         offset,
                         len,
@@ -261,21 +246,21 @@ impl MemoryPool {
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
         let (mut older, mut readers) = (false, false);
-        for a in active.iter().filter(|a| a.overlaps(start, end)) {
-            if !a.write {
+        for (_, holders) in active.overlapping(start, end) {
+            let Holders::Writer { grant: theirs, .. } = holders else {
                 readers = true;
                 continue;
-            }
-            if a.grant > grant {
+            };
+            if theirs > grant {
                 return Err(RangeError::Stale {
                     offset,
                     len,
                     grant,
-                    newer: a.grant,
+                    newer: theirs,
                 });
             }
             // The same grant twice (or two writes without one) is a conflict, not a supersession.
-            if a.grant == grant {
+            if theirs == grant {
                 return Err(RangeError::Busy {
                     offset,
                     len,
@@ -285,10 +270,7 @@ impl MemoryPool {
             older = true;
         }
         if older {
-            active
-                .iter_mut()
-                .filter(|a| a.overlaps(start, end))
-                .for_each(|a| a.superseded = true);
+            active.supersede(start, end);
             self.supersessions
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             drop(active);
@@ -298,13 +280,7 @@ impl MemoryPool {
         if readers {
             return Ok(false);
         }
-        active.push(Active {
-            start,
-            end,
-            write: true,
-            grant,
-            superseded: false,
-        });
+        active.add_writer(start, end, grant);
         Ok(true)
     }
 
@@ -371,36 +347,28 @@ impl MemoryPool {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
-        if let Some(a) = active
-            .iter()
-            .find(|a| a.overlaps(start, end) && (write || a.write))
+        if let Some((_, holders)) = active
+            .overlapping(start, end)
+            .find(|(_, h)| write || h.is_write())
         {
             return Err(RangeError::Busy {
                 offset,
                 len,
-                by_write: a.write,
+                by_write: holders.is_write(),
             });
         }
-        active.push(Active {
-            start,
-            end,
-            write,
-            grant: 0,
-            superseded: false,
-        });
+        if write {
+            active.add_writer(start, end, 0);
+        } else {
+            active.add_reader(start, end);
+        }
         Ok(())
     }
 
     fn release(&self, offset: u64, len: u64, write: bool, grant: u64) {
-        let mut active = self.active.lock();
-        let (start, end) = (offset, offset + len);
-        if let Some(i) = active
-            .iter()
-            .position(|a| (a.start, a.end, a.write, a.grant) == (start, end, write, grant))
-        {
-            active.swap_remove(i);
-        }
-        drop(active);
+        self.active
+            .lock()
+            .remove(offset, offset + len, write, grant);
         // Pairs with the waiter's increment before it tries (both SeqCst): a waiter that tried
         // before this release was counted, so it is woken.
         if self.waiting.load(std::sync::atomic::Ordering::SeqCst) > 0 {
@@ -477,12 +445,10 @@ impl Supersession<'_> {
         {
             return false;
         }
-        let me = (self.start, self.end, true, self.grant);
         self.pool
             .active
             .lock()
-            .iter()
-            .any(|a| (a.start, a.end, a.write, a.grant) == me && a.superseded)
+            .is_superseded(self.start, self.end, self.grant)
     }
 
     /// Finishes once the write is superseded (never, for a write that is not).
