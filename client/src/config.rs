@@ -42,12 +42,14 @@ pub struct ClientConfig {
     /// Deadline of each master call.
     #[serde(with = "duration")]
     pub rpc_timeout: Duration,
-    /// Deadline for connecting to an owner.
+    /// Deadline for connecting to an owner (and, on the same-host path, for its answer to a
+    /// new connection).
     #[serde(with = "duration")]
     pub connect_timeout: Duration,
     /// Deadline of one transfer call to one owner, from its start: a batch's items for that owner
     /// (waiting for a connection, connecting and the exchange included) end by it together, so
-    /// size it for the largest batch one owner gets, not for one object.
+    /// size it for the largest batch one owner gets, not for one object. The same on the
+    /// same-host path, copies included.
     #[serde(with = "duration")]
     pub transfer_timeout: Duration,
     /// Connections kept per owner; transfers beyond it queue.

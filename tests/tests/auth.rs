@@ -6,7 +6,11 @@
 use std::{os::unix::fs::PermissionsExt, path::Path, sync::Arc, time::Duration};
 
 use mooncake_client::{
-    transport::{local::LocalOwner, tcp::TcpConfig, TcpTransport},
+    transport::{
+        local::{Deadlines, LocalOwner},
+        tcp::TcpConfig,
+        TcpTransport,
+    },
     Client, ClientConfig, MasterProtocol, ReplicateConfig,
 };
 use mooncake_common::{
@@ -167,7 +171,14 @@ async fn every_port_refuses_a_peer_without_the_token() {
         (op, status),
         (LocalOp::Hello, Code::Unauthenticated.as_i32())
     );
-    let local = LocalOwner::connect(&path, &seg, Duration::from_secs(3), 1, 1, None);
+    let local = LocalOwner::connect(
+        &path,
+        &seg,
+        Deadlines::both(Duration::from_secs(3)),
+        1,
+        1,
+        None,
+    );
     let err = local.err().expect("no memfd without the token");
     assert!(err.to_string().contains("auth_token_file"), "{err}");
 
@@ -211,7 +222,15 @@ async fn a_wrong_token_is_refused_on_every_port() {
     );
     let seg = SegmentName::parse(&g.segments[0]).unwrap();
     let path = socket_path(&mooncake_tests::socket_dir(), &seg);
-    assert!(LocalOwner::connect(&path, &seg, Duration::from_secs(3), 1, 1, Some(wrong)).is_err());
+    assert!(LocalOwner::connect(
+        &path,
+        &seg,
+        Deadlines::both(Duration::from_secs(3)),
+        1,
+        1,
+        Some(wrong)
+    )
+    .is_err());
     // The right one passes the same doors, to meet the next check: a read the master did not
     // seal moves no byte.
     let right = credential(&g.token);
@@ -219,7 +238,15 @@ async fn a_wrong_token_is_refused_on_every_port() {
         read_code(&tcp(Some(right.clone())), &g.segments[0], "k").await,
         Some(Code::PermissionDenied)
     );
-    assert!(LocalOwner::connect(&path, &seg, Duration::from_secs(3), 1, 1, Some(right)).is_ok());
+    assert!(LocalOwner::connect(
+        &path,
+        &seg,
+        Deadlines::both(Duration::from_secs(3)),
+        1,
+        1,
+        Some(right)
+    )
+    .is_ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +370,7 @@ async fn an_open_cluster_serves_peers_without_a_token_and_those_with_one_refuse_
     let err = LocalOwner::connect(
         &path,
         &seg,
-        Duration::from_secs(3),
+        Deadlines::both(Duration::from_secs(3)),
         1,
         1,
         Some(credential(&token)),

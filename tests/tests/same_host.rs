@@ -9,7 +9,11 @@ use std::{
 };
 
 use mooncake_client::{
-    transport::{local::LocalOwner, tcp::TcpConfig, HybridConfig, HybridTransport},
+    transport::{
+        local::{Deadlines, LocalOwner},
+        tcp::TcpConfig,
+        HybridConfig, HybridTransport,
+    },
     Client, ClientConfig, ReplicateConfig,
 };
 use mooncake_common::{
@@ -156,6 +160,68 @@ async fn a_stopped_or_killed_local_owner_is_an_error_within_the_deadline() {
     );
 }
 
+/// A same-host exchange has the transfer deadline, as a TCP one does: an owner that answers
+/// after the connect timeout but within the transfer timeout (here: stopped for longer than
+/// the first) serves the calls waiting on it, and nothing falls back or fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_exchange_has_the_transfer_deadline_not_the_connect_one() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (owner, _seg) = spawn_owner(&rpc, "16MiB", &[]);
+    let cfg = ClientConfig {
+        connect_timeout: Duration::from_secs(1),
+        transfer_timeout: Duration::from_secs(30),
+        rpc_timeout: Duration::from_secs(5),
+        ..ClientConfig::new(&rpc)
+    };
+    let transport = Client::default_transport(&cfg).unwrap();
+    let c = std::sync::Arc::new(Client::connect_with(cfg, None, transport).await.unwrap());
+    let v = payload("slow-owner", 1 << 20);
+    c.put("slow-owner", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let local = c.transfer_stats().local_bytes;
+    assert!(local > 0, "the same-host path was not taken");
+
+    // One call at a time, so that each finds the connection already open (a new one has the
+    // connect timeout to be answered, and a stopped owner answers none).
+    let slow_owner = async |call: tokio::task::JoinHandle<_>| {
+        owner.stop();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        owner.signal(libc::SIGCONT);
+        call.await.unwrap()
+    };
+    let get = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 1 << 20];
+            c.get("slow-owner", &mut buf).await.map(|_| buf)
+        })
+    };
+    let got: Vec<u8> = slow_owner(get)
+        .await
+        .expect("the get waits for a slow owner");
+    assert!(got == v, "wrong bytes");
+    let w = payload("slow-owner-2", 1 << 20);
+    let put = {
+        let (c, w) = (c.clone(), w.clone());
+        tokio::spawn(async move {
+            c.put("slow-owner-2", &w, &ReplicateConfig::default())
+                .await
+                .map(|_| Vec::new())
+        })
+    };
+    slow_owner(put)
+        .await
+        .expect("the put waits for a slow owner");
+    let mut buf = vec![0u8; w.len()];
+    c.get("slow-owner-2", &mut buf).await.unwrap();
+    assert!(buf == w, "wrong bytes");
+    assert!(
+        c.transfer_stats().local_bytes >= local + 3 * (1 << 20),
+        "not all same-host"
+    );
+}
+
 /// A same-host route made before its owner restarted (on a fixed port: the same segment and
 /// socket) never copies through the old owner's pool: a new connection to the new owner, which
 /// sends another memory file, fails as a connection error (so the route is made again) instead
@@ -188,7 +254,7 @@ async fn a_route_to_an_owner_that_restarted_never_copies_through_the_old_pool() 
     let path = socket_path(&socket_dir(), &segment);
     let (p, s) = (path.clone(), segment.clone());
     let local = tokio::task::spawn_blocking(move || {
-        LocalOwner::connect(&p, &s, Duration::from_secs(3), 1, 1, None)
+        LocalOwner::connect(&p, &s, Deadlines::both(Duration::from_secs(3)), 1, 1, None)
     })
     .await
     .unwrap()
@@ -443,7 +509,14 @@ async fn calls_queued_behind_a_stopped_owner_fail_within_their_own_deadline() {
     let s = seg.clone();
     let local = std::sync::Arc::new(
         tokio::task::spawn_blocking(move || {
-            LocalOwner::connect(&path, &s, Duration::from_secs(1), 1, 1, None)
+            LocalOwner::connect(
+                &path,
+                &s,
+                Deadlines::both(Duration::from_secs(1)),
+                1,
+                1,
+                None,
+            )
         })
         .await
         .unwrap()

@@ -8,7 +8,11 @@ use std::{os::unix::fs::PermissionsExt, path::Path, time::Duration};
 
 use mooncake_client::{
     master::FramedMaster,
-    transport::{local::LocalOwner, tcp::TcpConfig, TcpTransport},
+    transport::{
+        local::{Deadlines, LocalOwner},
+        tcp::TcpConfig,
+        TcpTransport,
+    },
     Client, ClientConfig, ReplicateConfig,
 };
 use mooncake_common::{
@@ -267,7 +271,7 @@ async fn forged_widened_or_misused_seals_move_no_byte() {
         LocalOwner::connect(
             &path,
             &segment,
-            Duration::from_secs(3),
+            Deadlines::both(Duration::from_secs(3)),
             1,
             1,
             Some(credential),

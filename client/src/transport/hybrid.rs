@@ -20,7 +20,11 @@ use mooncake_common::{
 };
 use parking_lot::Mutex;
 
-use super::{local::LocalOwner, tcp::TcpConfig, TcpTransport};
+use super::{
+    local::{Deadlines, LocalOwner},
+    tcp::TcpConfig,
+    TcpTransport,
+};
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -79,9 +83,13 @@ impl HybridTransport {
         if !path.exists() {
             return Route::Tcp;
         }
-        let (seg, timeout, conns, threads, credential) = (
+        let timeout = self.config.tcp.connect_timeout;
+        let deadlines = Deadlines {
+            connect: timeout,
+            transfer: self.config.tcp.transfer_timeout,
+        };
+        let (seg, conns, threads, credential) = (
             target.clone(),
-            self.config.tcp.connect_timeout,
             self.config.tcp.connections_per_owner,
             self.config.copy_threads,
             self.config.tcp.credential.clone(),
@@ -90,7 +98,7 @@ impl HybridTransport {
         // past any socket timeout: the probe gives up after the connect timeout (its thread
         // ends when the connect does).
         let connecting = tokio::task::spawn_blocking(move || {
-            LocalOwner::connect(&path, &seg, timeout, conns, threads, credential)
+            LocalOwner::connect(&path, &seg, deadlines, conns, threads, credential)
         });
         let Ok(connected) = tokio::time::timeout(timeout, connecting).await else {
             tracing::warn!(segment = %target, ?timeout, "the same-host owner did not answer a connection in time; using TCP");

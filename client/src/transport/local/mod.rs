@@ -102,13 +102,32 @@ fn copy_out_all(
     }
 }
 
+/// How long a same-host owner may take, as over TCP: to answer a new connection (the proof
+/// and hello included), and to finish one batch's exchange (the wait for a connection and the
+/// copies included).
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    pub connect: Duration,
+    pub transfer: Duration,
+}
+
+impl Deadlines {
+    /// The same deadline for both.
+    pub fn both(d: Duration) -> Deadlines {
+        Deadlines {
+            connect: d,
+            transfer: d,
+        }
+    }
+}
+
 pub struct LocalOwner {
     segment: SegmentName,
     path: std::path::PathBuf,
     pool: SharedPool,
     idle: Mutex<Vec<UnixStream>>,
     permits: Arc<Semaphore>,
-    timeout: Duration,
+    deadlines: Deadlines,
     /// Threads a large batch's copies may use (1: the calling thread only).
     copy_threads: usize,
     /// Proved on every new connection to the owner's socket.
@@ -121,12 +140,12 @@ impl LocalOwner {
     pub fn connect(
         path: &Path,
         segment: &SegmentName,
-        timeout: Duration,
+        deadlines: Deadlines,
         conns: usize,
         copy_threads: usize,
         credential: Option<Credential>,
     ) -> io::Result<LocalOwner> {
-        let (stream, fd, size) = hello(path, segment, timeout, credential.as_ref())?;
+        let (stream, fd, size) = hello(path, segment, deadlines.connect, credential.as_ref())?;
         let fd =
             fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
         let pool = SharedPool::map(fd, size)?;
@@ -137,7 +156,7 @@ impl LocalOwner {
             pool,
             idle: Mutex::new(vec![first]),
             permits: Arc::new(Semaphore::new(conns.max(1))),
-            timeout,
+            deadlines,
             copy_threads,
             credential,
         })
@@ -165,11 +184,12 @@ impl LocalOwner {
     ) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
         // Every connection busy (an owner that stopped answering holds them all): waiting for
         // one is bounded like an exchange.
-        let permit = tokio::time::timeout(self.timeout, self.permits.clone().acquire_owned())
+        let transfer = self.deadlines.transfer;
+        let permit = tokio::time::timeout(transfer, self.permits.clone().acquire_owned())
             .await
             .map_err(|_| TransferError::Timeout {
                 target: self.segment.clone(),
-                after: self.timeout,
+                after: transfer,
             })?
             .expect("semaphore never closed");
         let pooled = self.idle.lock().pop();
@@ -179,7 +199,7 @@ impl LocalOwner {
                 let (path, segment, timeout, credential) = (
                     self.path.clone(),
                     self.segment.clone(),
-                    self.timeout,
+                    self.deadlines.connect,
                     self.credential.clone(),
                 );
                 // A connect to an owner that accepts nothing blocks past the socket's timeouts;
@@ -187,14 +207,23 @@ impl LocalOwner {
                 let connecting = tokio::task::spawn_blocking(move || {
                     hello(&path, &segment, timeout, credential.as_ref())
                 });
-                let (std_stream, fd, size) = tokio::time::timeout(self.timeout, connecting)
+                let (std_stream, fd, size) = tokio::time::timeout(timeout, connecting)
                     .await
                     .map_err(|_| TransferError::Timeout {
                         target: self.segment.clone(),
-                        after: self.timeout,
+                        after: timeout,
                     })?
                     .map_err(|e| self.io_err(io::Error::other(e)))?
-                    .map_err(|e| self.io_err(e))?;
+                    .map_err(|e| match e.kind() {
+                        // A socket read past its timeout: the owner did not answer in time.
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                            TransferError::Timeout {
+                                target: self.segment.clone(),
+                                after: timeout,
+                            }
+                        }
+                        _ => self.io_err(e),
+                    })?;
                 // The owner at this socket may have restarted since the pool was mapped (a fixed
                 // port gives the new one the same segment and socket): its pool is another
                 // memory file, and copies through the old mapping would miss it.
@@ -283,7 +312,7 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        let outcome = tokio::time::timeout(self.timeout, exchange).await;
+        let outcome = tokio::time::timeout(self.deadlines.transfer, exchange).await;
         self.settle(stream, outcome, all)
     }
 
@@ -345,7 +374,7 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        let outcome = tokio::time::timeout(self.timeout, exchange).await;
+        let outcome = tokio::time::timeout(self.deadlines.transfer, exchange).await;
         self.settle(stream, outcome, all)
     }
 
@@ -368,7 +397,7 @@ impl LocalOwner {
             Ok(Err(e)) => all(&e),
             Err(_) => all(&TransferError::Timeout {
                 target: self.segment.clone(),
-                after: self.timeout,
+                after: self.deadlines.transfer,
             }),
         }
     }
