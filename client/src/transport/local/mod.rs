@@ -179,17 +179,19 @@ impl LocalOwner {
         }
     }
 
+    /// A connection to the owner, by `deadline` (the call's): an idle one, or a new one that
+    /// the owner answers within the connect timeout too.
     async fn checkout(
         &self,
+        deadline: tokio::time::Instant,
     ) -> Result<(tokio::sync::OwnedSemaphorePermit, UnixStream), TransferError> {
         // Every connection busy (an owner that stopped answering holds them all): waiting for
         // one is bounded like an exchange.
-        let transfer = self.deadlines.transfer;
-        let permit = tokio::time::timeout(transfer, self.permits.clone().acquire_owned())
+        let permit = tokio::time::timeout_at(deadline, self.permits.clone().acquire_owned())
             .await
             .map_err(|_| TransferError::Timeout {
                 target: self.segment.clone(),
-                after: transfer,
+                after: self.deadlines.transfer,
             })?
             .expect("semaphore never closed");
         let pooled = self.idle.lock().pop();
@@ -207,23 +209,24 @@ impl LocalOwner {
                 let connecting = tokio::task::spawn_blocking(move || {
                     hello(&path, &segment, timeout, credential.as_ref())
                 });
-                let (std_stream, fd, size) = tokio::time::timeout(timeout, connecting)
-                    .await
-                    .map_err(|_| TransferError::Timeout {
+                let (std_stream, fd, size) = tokio::time::timeout_at(
+                    deadline.min(tokio::time::Instant::now() + timeout),
+                    connecting,
+                )
+                .await
+                .map_err(|_| TransferError::Timeout {
+                    target: self.segment.clone(),
+                    after: timeout,
+                })?
+                .map_err(|e| self.io_err(io::Error::other(e)))?
+                .map_err(|e| match e.kind() {
+                    // A socket read past its timeout: the owner did not answer in time.
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransferError::Timeout {
                         target: self.segment.clone(),
                         after: timeout,
-                    })?
-                    .map_err(|e| self.io_err(io::Error::other(e)))?
-                    .map_err(|e| match e.kind() {
-                        // A socket read past its timeout: the owner did not answer in time.
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                            TransferError::Timeout {
-                                target: self.segment.clone(),
-                                after: timeout,
-                            }
-                        }
-                        _ => self.io_err(e),
-                    })?;
+                    },
+                    _ => self.io_err(e),
+                })?;
                 // The owner at this socket may have restarted since the pool was mapped (a fixed
                 // port gives the new one the same segment and socket): its pool is another
                 // memory file, and copies through the old mapping would miss it.
@@ -252,7 +255,8 @@ impl LocalOwner {
     /// Begin, copy, end: one exchange per batch in each direction. Results per item, in order.
     pub async fn write_batch(&self, items: &[WriteItem<'_>]) -> Vec<Result<(), TransferError>> {
         let all = |e: &TransferError| items.iter().map(|_| Err(e.duplicate())).collect::<Vec<_>>();
-        let (_permit, mut stream) = match self.checkout().await {
+        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
+        let (_permit, mut stream) = match self.checkout(deadline).await {
             Ok(c) => c,
             Err(e) => return all(&e),
         };
@@ -312,7 +316,7 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        let outcome = tokio::time::timeout(self.deadlines.transfer, exchange).await;
+        let outcome = tokio::time::timeout_at(deadline, exchange).await;
         self.settle(stream, outcome, all)
     }
 
@@ -322,7 +326,8 @@ impl LocalOwner {
     ) -> Vec<Result<(), TransferError>> {
         let n = items.len();
         let all = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect::<Vec<_>>();
-        let (_permit, mut stream) = match self.checkout().await {
+        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
+        let (_permit, mut stream) = match self.checkout(deadline).await {
             Ok(c) => c,
             Err(e) => return all(&e),
         };
@@ -374,7 +379,7 @@ impl LocalOwner {
             }
             Ok::<_, TransferError>(results)
         };
-        let outcome = tokio::time::timeout(self.deadlines.transfer, exchange).await;
+        let outcome = tokio::time::timeout_at(deadline, exchange).await;
         self.settle(stream, outcome, all)
     }
 
