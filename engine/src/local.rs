@@ -325,12 +325,19 @@ pub struct SameHost {
 
 /// How a same-host attempt ended: done, or not usable (the caller's uses come back for TCP).
 pub enum Outcome {
-    /// Copied; `mapped` when through a mapping of the target's memory file.
+    /// Copied; `mapped` when through a mapping of the target's memory file. The uses come back
+    /// too, held until the copy ended.
     Done {
         mapped: bool,
+        uses: Vec<Use>,
     },
     NotLocal(Vec<Use>),
 }
+
+/// The most ranges one grant lists: its answer (32 bytes a range) stays well under the 1 MiB
+/// a caller takes, and the request (16 bytes a range) under the target's `MAX_GRANT`. A batch
+/// of more goes in several grants, one after another.
+pub const GRANT_RANGES: usize = 16 << 10;
 
 impl SameHost {
     pub fn new(timeout: Duration, mappings: Arc<Mutex<Mappings>>) -> Self {
@@ -374,6 +381,41 @@ impl SameHost {
     /// both held until the copy has ended. Only the exchanges with the target are timed: they
     /// end by `deadline` (a release that misses it closes the connection, which releases too).
     pub async fn transfer(
+        &self,
+        target: &str,
+        hello: &Hello,
+        read: bool,
+        mut pairs: Vec<(u64, u64, u64)>,
+        mut uses: Vec<Use>,
+        deadline: Instant,
+    ) -> Result<Outcome, EngineError> {
+        let mut all_mapped = true;
+        loop {
+            let rest = pairs.split_off(pairs.len().min(GRANT_RANGES));
+            // A part that cannot go this way sends the whole batch over TCP: copying the parts
+            // done so far again moves the same bytes to the same places.
+            match self
+                .transfer_granted(target, hello, read, pairs, uses, deadline)
+                .await?
+            {
+                Outcome::Done { mapped, uses: back } => {
+                    all_mapped &= mapped;
+                    uses = back;
+                }
+                not_local => return Ok(not_local),
+            }
+            if rest.is_empty() {
+                return Ok(Outcome::Done {
+                    mapped: all_mapped,
+                    uses,
+                });
+            }
+            pairs = rest;
+        }
+    }
+
+    /// `transfer` of at most `GRANT_RANGES` pairs: one grant, the copy, the release.
+    async fn transfer_granted(
         &self,
         target: &str,
         hello: &Hello,
@@ -469,7 +511,7 @@ impl SameHost {
                 .push(s);
         }
         match copied {
-            Ok(()) => Ok(Outcome::Done { mapped }),
+            Ok(()) => Ok(Outcome::Done { mapped, uses }),
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 tracing::info!(%target, "the OS refuses same-host copies with this peer; using TCP");
                 self.copy_refused.lock().insert(target.to_string());

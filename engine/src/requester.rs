@@ -324,7 +324,7 @@ impl Requester {
                 .transfer(target, hello, op == TransferOp::Read, pairs, uses, deadline)
                 .await?
             {
-                Outcome::Done { mapped } => {
+                Outcome::Done { mapped, .. } => {
                     self.counters.same_host.fetch_add(1, Ordering::Relaxed);
                     if mapped {
                         self.counters.mapped.fetch_add(1, Ordering::Relaxed);
