@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     time::Duration,
@@ -27,8 +27,9 @@ struct Region {
     file: Option<MemoryFile>,
     users: AtomicUsize,
     idle: Notify,
-    /// Being unregistered: new uses are refused, the range still counts as taken.
-    withdrawing: AtomicBool,
+    /// Unregisters under way: while any is, new uses are refused and the range still counts as
+    /// taken. A count, so that one giving up does not let uses in under another still waiting.
+    withdrawing: AtomicUsize,
 }
 
 /// The memory file behind a region: the descriptor this process holds it by, and a number no
@@ -50,18 +51,14 @@ pub struct FileRange {
 }
 
 /// An unregister under way: if it ends without removing the region (it gave up, or its caller
-/// stopped waiting), the region takes new uses again.
+/// stopped waiting) and no other is under way, the region takes new uses again.
 struct Withdrawal<'a> {
     region: &'a Region,
-    owner: bool,
-    done: bool,
 }
 
 impl Drop for Withdrawal<'_> {
     fn drop(&mut self) {
-        if self.owner && !self.done {
-            self.region.withdrawing.store(false, Ordering::Release);
-        }
+        self.region.withdrawing.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -169,7 +166,7 @@ impl Regions {
                 device,
                 file,
                 users: AtomicUsize::new(0),
-                withdrawing: AtomicBool::new(false),
+                withdrawing: AtomicUsize::new(0),
                 idle: Notify::new(),
             }),
         );
@@ -182,7 +179,7 @@ impl Regions {
         let end = addr.checked_add(len).ok_or_else(refused)?;
         let map = self.by_addr.read();
         let (_, r) = map.range(..=addr).next_back().ok_or_else(refused)?;
-        if end > r.addr + r.len || r.withdrawing.load(Ordering::Acquire) {
+        if end > r.addr + r.len || r.withdrawing.load(Ordering::Acquire) > 0 {
             return Err(refused());
         }
         r.users.fetch_add(1, Ordering::AcqRel);
@@ -201,45 +198,44 @@ impl Regions {
         // Marked under the write lock: a lookup either came before (and is waited for) or sees
         // the mark. The region stays in the map meanwhile, so the range is still taken and a
         // second unregister finds it.
-        let (region, first) = {
+        let region = {
             let map = self.by_addr.write();
             let r = map
                 .get(&addr)
                 .cloned()
                 .ok_or(EngineError::NotRegistered { addr, len: 0 })?;
-            let first = !r.withdrawing.swap(true, Ordering::AcqRel);
-            (r, first)
+            r.withdrawing.fetch_add(1, Ordering::AcqRel);
+            r
         };
         // If this call is dropped before the end (its caller gave up), the region is usable
-        // again rather than stuck half-withdrawn.
-        let guard = Withdrawal {
-            region: &region,
-            owner: first,
-            done: false,
-        };
-        let idle = async {
+        // again rather than stuck half-withdrawn, unless another unregister still waits.
+        let _withdrawal = Withdrawal { region: &region };
+        let withdrawn = async {
             loop {
                 let notified = region.idle.notified();
-                if region.users.load(Ordering::Acquire) == 0 {
-                    return;
+                if region.users.load(Ordering::Acquire) != 0 {
+                    notified.await;
+                    continue;
                 }
-                notified.await;
+                // Removed only if still idle under the write lock, which every lookup takes
+                // the read side of.
+                let mut map = self.by_addr.write();
+                if region.users.load(Ordering::Acquire) != 0 {
+                    continue;
+                }
+                if map.get(&addr).is_some_and(|r| Arc::ptr_eq(r, &region)) {
+                    self.removed(&region);
+                    map.remove(&addr);
+                }
+                return;
             }
         };
-        if tokio::time::timeout(patience, idle).await.is_err() {
-            return Err(EngineError::Busy {
+        tokio::time::timeout(patience, withdrawn)
+            .await
+            .map_err(|_| EngineError::Busy {
                 addr,
                 after: patience,
-            });
-        }
-        let mut map = self.by_addr.write();
-        if map.get(&addr).is_some_and(|r| Arc::ptr_eq(r, &region)) {
-            self.removed(&region);
-            map.remove(&addr);
-        }
-        let mut guard = guard;
-        guard.done = true;
-        Ok(())
+            })
     }
 
     /// Unregisters the region at `addr` at once if no transfer uses it; false (and left as it
@@ -389,5 +385,33 @@ mod tests {
         assert!(matches!(e, EngineError::Busy { .. }));
         assert_eq!(e.code(), -4);
         assert_eq!(r.list(), vec![(0x1000, 0x1000)]);
+    }
+
+    /// Of two unregisters waiting on one use, the first giving up does not let new uses in
+    /// under the second: that one would then remove a region a transfer still uses.
+    #[tokio::test]
+    async fn an_unregister_giving_up_leaves_the_region_closed_while_another_waits() {
+        let r = Arc::new(Regions::default());
+        r.register(0x1000, 0x1000, None).unwrap();
+        let held = r.lookup(0x1000, 0x10).unwrap();
+        let (r1, r2) = (r.clone(), r.clone());
+        let impatient =
+            tokio::spawn(async move { r1.unregister(0x1000, Duration::from_millis(100)).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let patient =
+            tokio::spawn(async move { r2.unregister(0x1000, Duration::from_secs(10)).await });
+        let gave_up = impatient.await.unwrap();
+        assert!(
+            matches!(gave_up, Err(EngineError::Busy { .. })),
+            "{gave_up:?}"
+        );
+        assert!(
+            r.lookup(0x1000, 0x10).is_err(),
+            "a new use while an unregister still waits"
+        );
+        assert!(!patient.is_finished());
+        drop(held);
+        patient.await.unwrap().unwrap();
+        assert!(r.list().is_empty());
     }
 }
