@@ -20,6 +20,8 @@ use crate::EngineError;
 struct Region {
     addr: u64,
     len: u64,
+    /// Its place in the order of registration (as Mooncake lists a segment's buffers).
+    seq: u64,
     /// The device whose memory this is (a GPU's): its bytes move only through the device's own
     /// copies and host staging, never as host memory.
     device: Option<Arc<dyn DeviceMemory>>,
@@ -117,6 +119,8 @@ pub struct Regions {
     files_removed: AtomicU64,
     /// The last `MemoryFile::id` given.
     last_file_id: AtomicU64,
+    /// Regions registered so far (each region's `seq`).
+    registered: AtomicU64,
 }
 
 impl Regions {
@@ -158,11 +162,13 @@ impl Regions {
         if before.is_some_and(|(_, r)| r.addr + r.len > addr) {
             return Err(EngineError::Overlapped { addr, len });
         }
+        let seq = self.registered.fetch_add(1, Ordering::Relaxed);
         map.insert(
             addr,
             Arc::new(Region {
                 addr,
                 len,
+                seq,
                 device,
                 file,
                 users: AtomicUsize::new(0),
@@ -258,13 +264,17 @@ impl Regions {
         }
     }
 
-    /// Every region, (address, length), by address.
+    /// Every region, (address, length), in the order they were registered: a peer's first
+    /// buffer is the first of its live regions it registered, as with Mooncake.
     pub fn list(&self) -> Vec<(u64, u64)> {
-        self.by_addr
+        let mut regions: Vec<(u64, u64, u64)> = self
+            .by_addr
             .read()
             .values()
-            .map(|r| (r.addr, r.len))
-            .collect()
+            .map(|r| (r.seq, r.addr, r.len))
+            .collect();
+        regions.sort_unstable();
+        regions.into_iter().map(|(_, a, l)| (a, l)).collect()
     }
 }
 
@@ -413,5 +423,25 @@ mod tests {
         drop(held);
         patient.await.unwrap().unwrap();
         assert!(r.list().is_empty());
+    }
+
+    /// Listed in the order of registration, not of address: a peer's first buffer is the one
+    /// it registered first (large mappings often lie below earlier ones).
+    #[test]
+    fn regions_are_listed_in_the_order_they_were_registered() {
+        let r = Regions::default();
+        r.register(0x9000, 0x100, None).unwrap();
+        r.register(0x1000, 0x100, None).unwrap();
+        r.register(0x5000, 0x100, None).unwrap();
+        assert_eq!(
+            r.list(),
+            vec![(0x9000, 0x100), (0x1000, 0x100), (0x5000, 0x100)]
+        );
+        assert!(r.remove_if_idle(0x9000));
+        r.register(0x9000, 0x100, None).unwrap();
+        assert_eq!(
+            r.list(),
+            vec![(0x1000, 0x100), (0x5000, 0x100), (0x9000, 0x100)]
+        );
     }
 }
