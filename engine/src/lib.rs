@@ -18,6 +18,7 @@
 mod directory;
 mod engine;
 mod error;
+mod idle;
 mod local;
 mod memory;
 mod peers;

@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use tokio::{net::TcpStream, time::Instant};
 
 use crate::{
+    idle::IdleConns,
     memory::{self, Mapping, Pidfd},
     peers::{self, Hello},
     regions::{FileRange, MemoryFile, Use},
@@ -319,7 +320,7 @@ pub struct SameHost {
     /// Peers the OS refused copies with: TCP from then on.
     copy_refused: Mutex<HashSet<String>>,
     /// Idle control connections per peer.
-    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    idle: IdleConns<TcpStream>,
     mappings: Arc<Mutex<Mappings>>,
 }
 
@@ -345,7 +346,7 @@ impl SameHost {
             identity: host_identity(),
             timeout,
             copy_refused: Mutex::new(HashSet::new()),
-            idle: Mutex::new(HashMap::new()),
+            idle: IdleConns::default(),
             mappings,
         }
     }
@@ -355,7 +356,7 @@ impl SameHost {
     }
 
     async fn connect(&self, target: &str) -> std::io::Result<TcpStream> {
-        if let Some(s) = self.idle.lock().get_mut(target).and_then(Vec::pop) {
+        if let Some(s) = self.idle.take(target) {
             return Ok(s);
         }
         let s = TcpStream::connect(target).await?;
@@ -454,11 +455,7 @@ impl SameHost {
             },
             // Device memory on the target: over TCP, where the target stages it.
             Err((status, _)) if status == Code::UnavailableInCurrentStatus.as_i32() => {
-                self.idle
-                    .lock()
-                    .entry(target.to_string())
-                    .or_default()
-                    .push(s);
+                self.idle.put(target, s);
                 return Ok(Outcome::NotLocal(uses));
             }
             Err((code, refused)) => return Err(peers::refused(target, code, &refused)),
@@ -504,11 +501,7 @@ impl SameHost {
         .await
         .map_err(timed("the release"));
         if matches!(released, Ok(Ok(Ok(_)))) {
-            self.idle
-                .lock()
-                .entry(target.to_string())
-                .or_default()
-                .push(s);
+            self.idle.put(target, s);
         }
         match copied {
             Ok(()) => Ok(Outcome::Done { mapped, uses }),

@@ -4,16 +4,14 @@
 //! microseconds it takes to arrive instead of after a wake-up through the runtime.
 
 use std::{
-    collections::HashMap,
     io::{self, Read, Write},
     net::TcpStream,
     time::{Duration, Instant},
 };
 
 use mooncake_common::wire::{self, Op, RequestHeader, ResponseHeader};
-use parking_lot::Mutex;
 
-use crate::{peers, EngineError};
+use crate::{idle::IdleConns, peers, EngineError};
 
 /// Transfers at most this long take this path.
 pub const MAX: u64 = 64 << 10;
@@ -28,14 +26,14 @@ pub enum Dir<'a> {
 
 pub struct Small {
     timeout: Duration,
-    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    idle: IdleConns<TcpStream>,
 }
 
 impl Small {
     pub fn new(timeout: Duration) -> Self {
         Small {
             timeout,
-            idle: Mutex::new(HashMap::new()),
+            idle: IdleConns::default(),
         }
     }
 
@@ -57,7 +55,7 @@ impl Small {
             incarnation,
             remote,
         };
-        let pooled = self.idle.lock().get_mut(target).and_then(Vec::pop);
+        let pooled = self.idle.take(target);
         let (mut s, reused) = match pooled {
             Some(s) => (s, true),
             None => (
@@ -84,20 +82,12 @@ impl Small {
         }
         match outcome {
             Ok(Ok(())) => {
-                self.idle
-                    .lock()
-                    .entry(target.to_string())
-                    .or_default()
-                    .push(s);
+                self.idle.put(target, s);
                 Ok(())
             }
             // Refused: the stream is at a frame boundary and stays usable.
             Ok(Err((code, refused))) => {
-                self.idle
-                    .lock()
-                    .entry(target.to_string())
-                    .or_default()
-                    .push(s);
+                self.idle.put(target, s);
                 Err(peers::refused(target, code, &refused))
             }
             Err(e) => Err(Self::fail(target, e)),

@@ -1,0 +1,116 @@
+//! Idle connections kept per peer for the next call. A peer that restarts comes back under
+//! another session name (a new port), so the connections to the old one would stay open (the
+//! peer closed its end) for the life of the engine: whenever a peer not seen before is added,
+//! the connections their peers closed are dropped, and with them the names of peers that have
+//! none left.
+
+use std::{collections::HashMap, io};
+
+use parking_lot::Mutex;
+
+/// A connection that can tell, without waiting, whether its peer closed it.
+pub trait Probe {
+    /// False once the peer closed its end (or sent bytes nobody asked for, which leaves the
+    /// stream out of step).
+    fn is_open(&self) -> bool;
+}
+
+impl Probe for std::net::TcpStream {
+    fn is_open(&self) -> bool {
+        let mut byte = [0u8; 1];
+        if self.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let peeked = self.peek(&mut byte);
+        let restored = self.set_nonblocking(false).is_ok();
+        restored && matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
+impl Probe for tokio::net::TcpStream {
+    fn is_open(&self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(self.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
+pub struct IdleConns<S> {
+    by_peer: Mutex<HashMap<String, Vec<S>>>,
+}
+
+impl<S> Default for IdleConns<S> {
+    fn default() -> Self {
+        IdleConns {
+            by_peer: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<S: Probe> IdleConns<S> {
+    /// An idle connection to `peer`, if one is kept.
+    pub fn take(&self, peer: &str) -> Option<S> {
+        self.by_peer.lock().get_mut(peer).and_then(Vec::pop)
+    }
+
+    /// Keeps `conn` for the next call to `peer`.
+    pub fn put(&self, peer: &str, conn: S) {
+        let mut by_peer = self.by_peer.lock();
+        if let Some(conns) = by_peer.get_mut(peer) {
+            conns.push(conn);
+            return;
+        }
+        by_peer.retain(|_, conns| {
+            conns.retain(Probe::is_open);
+            !conns.is_empty()
+        });
+        by_peer.insert(peer.to_string(), vec![conn]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    fn count<S>(idle: &IdleConns<S>) -> usize {
+        idle.by_peer.lock().values().map(Vec::len).sum()
+    }
+
+    /// A connection to a listener on loopback, with the listener's end.
+    fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
+        let near = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (far, _) = listener.accept().unwrap();
+        (near, far)
+    }
+
+    #[test]
+    fn a_new_peer_sweeps_out_the_connections_closed_by_theirs() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let idle = IdleConns::default();
+        let (gone, gone_far) = pair(&listener);
+        let (kept, _kept_far) = pair(&listener);
+        idle.put("peer-a:1", gone);
+        idle.put("peer-b:1", kept);
+        drop(gone_far);
+        // Until a peer not seen before comes, nothing is looked at.
+        let (again, _again_far) = pair(&listener);
+        idle.put("peer-b:1", again);
+        assert_eq!(count(&idle), 3);
+        // Give the close time to arrive (loopback: at once, but the test must not race it).
+        let probe = idle.by_peer.lock()["peer-a:1"][0].try_clone().unwrap();
+        for _ in 0..100 {
+            if !probe.is_open() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        drop(probe);
+        let (new, _new_far) = pair(&listener);
+        idle.put("peer-c:1", new);
+        assert_eq!(count(&idle), 3, "the closed connection went");
+        assert!(idle.take("peer-a:1").is_none());
+        assert!(idle.take("peer-b:1").is_some_and(|s| s.is_open()));
+        assert!(idle.take("peer-c:1").is_some());
+    }
+}
