@@ -1,7 +1,8 @@
 //! Real processes on loopback: an owner killed with SIGKILL loses its objects after the client
 //! TTL, new puts go to the surviving owner, and calls in flight finish (with errors) within their
 //! deadlines. A stopped (SIGSTOP) owner turns reads into errors within the transfer timeout, and
-//! a key repeated in a batch whose write failed reports the failure for every occurrence.
+//! a key repeated in a batch whose write failed reports the failure for every occurrence. The
+//! idle connections to an owner that went are dropped once a new owner is met.
 
 use std::time::{Duration, Instant};
 
@@ -233,4 +234,53 @@ async fn a_stopped_owner_in_a_batch_does_not_make_other_owners_reads_late() {
     assert!(ba == va);
     assert_eq!(get_code(&r[1]), -800, "{r:?}");
     b.signal(libc::SIGCONT);
+}
+
+/// An owner restarted on another port is another target: the idle connections to the one
+/// that went, which it closed, are dropped once the client meets a new owner, instead of
+/// staying open for the life of the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_to_an_owner_that_went_are_dropped_when_a_new_one_is_met() {
+    let (_master, rpc, _http) = spawn_master(&[]);
+    let (mut owner_a, seg_a) = spawn_owner(&rpc, "16MiB", &[]);
+    let cfg = client_config(&rpc);
+    let tcp = std::sync::Arc::new(mooncake_client::transport::TcpTransport::new(
+        mooncake_client::transport::tcp::TcpConfig {
+            connect_timeout: cfg.connect_timeout,
+            transfer_timeout: cfg.transfer_timeout,
+            connections_per_owner: 2,
+            transfer_threads: 1,
+            dedicated_runtime: false,
+            credential: None,
+        },
+    ));
+    let client = Client::connect_with(cfg, None, tcp.clone()).await.unwrap();
+    let v = payload("went/a", 64 << 10);
+    client
+        .put("went/a", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let seg_a = SegmentName::parse(&seg_a).unwrap();
+    assert_eq!(tcp.idle_connections(&seg_a), 1);
+
+    owner_a.signal(libc::SIGTERM);
+    assert!(owner_a.wait_exit(Duration::from_secs(10)).is_some());
+    let (_owner_b, seg_b) = spawn_owner(&rpc, "16MiB", &[]);
+    let w = payload("went/b", 64 << 10);
+    client
+        .put("went/b", &w, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; w.len()];
+    client.get("went/b", &mut buf).await.unwrap();
+    assert!(buf == w, "wrong bytes");
+    assert_eq!(
+        tcp.idle_connections(&SegmentName::parse(&seg_b).unwrap()),
+        1
+    );
+    assert_eq!(
+        tcp.idle_connections(&seg_a),
+        0,
+        "a connection to the owner that went"
+    );
 }

@@ -72,6 +72,16 @@ struct Conn {
     rend: usize,
 }
 
+impl Conn {
+    /// False once the owner closed it, or sent bytes nobody asked for (an idle connection
+    /// holds none, so the stream would be out of step).
+    fn is_open(&self) -> bool {
+        let mut byte = [0u8; 1];
+        self.rpos == self.rend
+            && matches!(self.stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
 /// Size of a connection's receive buffer; reads at least half as large bypass it.
 const RECV_BUF: usize = 64 << 10;
 
@@ -101,17 +111,25 @@ impl TcpTransport {
     }
 
     fn owner(&self, target: &SegmentName) -> Arc<OwnerConns> {
-        self.owners
-            .lock()
-            .entry(target.clone())
-            .or_insert_with(|| {
-                Arc::new(OwnerConns {
-                    permits: Arc::new(Semaphore::new(self.config.connections_per_owner)),
-                    idle: Mutex::new(Vec::new()),
-                    same_host: AtomicBool::new(false),
-                })
-            })
-            .clone()
+        let mut owners = self.owners.lock();
+        if let Some(o) = owners.get(target) {
+            return o.clone();
+        }
+        // An owner not met before is often an old one restarted on another port: the idle
+        // connections their owners closed go now, and the owners nothing is left of and no call
+        // holds, so that departed owners do not keep sockets for the life of the client.
+        owners.retain(|_, o| {
+            let mut idle = o.idle.lock();
+            idle.retain(Conn::is_open);
+            !idle.is_empty() || Arc::strong_count(o) > 1
+        });
+        let o = Arc::new(OwnerConns {
+            permits: Arc::new(Semaphore::new(self.config.connections_per_owner)),
+            idle: Mutex::new(Vec::new()),
+            same_host: AtomicBool::new(false),
+        });
+        owners.insert(target.clone(), o.clone());
+        o
     }
 
     /// Connections to `target` open and waiting in the pool now (every connection of a
