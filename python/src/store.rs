@@ -801,12 +801,30 @@ fn task_created(key: &str, created: Result<u64, ClientError>) -> ((u64, u64), i3
     }
 }
 
+/// A store dropped without `close()` is dropped by Python's deallocation: with the GIL held,
+/// and maybe on one of the session's own I/O threads (the cyclic collector runs wherever Python
+/// code allocates). Closing waits for the network (the embedded owners unmount) and for those
+/// threads, so it runs on a thread of its own, waited for without the GIL, and not waited for
+/// on a runtime thread (which it would wait for).
 impl Drop for NativeStore {
     fn drop(&mut self) {
-        if let Some(session) = self.session.get_mut().take() {
-            if let Ok(s) = Arc::try_unwrap(session) {
-                s.close();
+        let Some(session) = self.session.get_mut().take() else {
+            return;
+        };
+        let Ok(session) = Arc::try_unwrap(session) else {
+            return;
+        };
+        let closing = std::thread::Builder::new()
+            .name("mooncake-close".into())
+            .spawn(move || session.close());
+        match closing {
+            Ok(closing) if tokio::runtime::Handle::try_current().is_err() => {
+                Python::attach(|py| py.detach(|| closing.join()))
+                    .unwrap_or_else(|_| tracing::warn!("closing a dropped store panicked"));
             }
+            Ok(_) => {}
+            // The session went with the closure: its own drop stops what it can.
+            Err(e) => tracing::warn!(error = %e, "cannot start a thread to close a dropped store"),
         }
     }
 }

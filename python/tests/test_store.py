@@ -243,6 +243,43 @@ def test_an_embedded_owner_contributes_memory_and_serves_others(cluster, store):
     assert store.is_exist("emb") == 0
 
 
+def test_a_store_dropped_without_close_lets_other_threads_run_while_it_closes():
+    """Closing a dropped store waits for the network (its embedded owner unmounts, here from a
+    stopped master, until the unmount's deadline): other Python threads run meanwhile."""
+    import signal
+    import threading
+
+    from conftest import start_master
+
+    m, rpc = start_master()
+    try:
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 16 << 20, 0, "tcp", "", rpc) == 0
+        ticks, stop = [], threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.01)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        os.kill(m.p.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            del s
+            took = time.monotonic() - start
+        finally:
+            os.kill(m.p.pid, signal.SIGCONT)
+            stop.set()
+            ticker.join()
+        assert took > 0.5, f"the close did not wait for the stopped master ({took:.2f}s)"
+        during = [t for t in ticks if start < t < start + took]
+        assert len(during) > took / 0.01 / 4, f"{len(during)} ticks in {took:.2f}s: the GIL was held"
+    finally:
+        m.stop()
+
+
 def test_two_processes_share_objects_through_one_owner(store, cluster):
     payload = os.urandom(300_000)
     assert store.put("shared/from-parent", payload) == 0
