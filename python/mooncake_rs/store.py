@@ -257,6 +257,11 @@ class MooncakeDistributedStore(NativeStore):
     def _tensor_at(self, key, buffer_ptr, n):
         if n < 0:
             return None
+        # Only host memory can be viewed as an array here: device memory (a GPU's) would fault.
+        if not self._is_registered(buffer_ptr, n):
+            _log.error("get_tensor_into(%r): the %d bytes at %#x are not registered host memory; "
+                       "read device memory with get_into and view it with the device's library", key, n, buffer_ptr)
+            return None
         try:
             code, shape, offset = _tensor.decode_header(ctypes.string_at(buffer_ptr, min(n, _PEEK)), n)
         except TensorFormatError as e:

@@ -42,6 +42,14 @@ def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
     assert store.batch_get_into_multi_buffers(["gpu/kv"], [[dst[1], dst[2]]], [[100, 200]]) == [300]
     assert dev.read(dst[1], 100) == data[0][:100] and dev.read(dst[2], 200) == data[1][:200]
 
+    # A tensor read into device memory lands there, but is not viewed as a host array (that
+    # would read device addresses): None, not a crash.
+    assert store.put_tensor("gpu/tensor", np.arange(64, dtype=np.float32)) == 0
+    assert store.get_tensor_into("gpu/tensor", dst[3], size) is None
+    assert store.batch_get_tensor_into(["gpu/tensor"], [dst[4]], [size]) == [None]
+    raw = store.get("gpu/tensor")
+    assert dev.read(dst[3], len(raw)) == raw and dev.read(dst[4], len(raw)) == raw
+
     # Device memory that was never registered, and device memory mixed with host memory in one
     # key, are refused, never touched.
     stray = dev.alloc(4096)
