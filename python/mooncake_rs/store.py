@@ -668,17 +668,34 @@ class MooncakeDistributedStoreAsync(MooncakeDistributedStore):
     def __getattr__(self, name):
         if not name.startswith("async_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        sync_method = getattr(self, name[len("async_"):], None)
-        if sync_method is None or not callable(sync_method):
+        sync_name = name[len("async_"):]
+        if not callable(getattr(self, sync_name, None)):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        async_method = self._make_async_wrapper(sync_method)
-        setattr(self, name, async_method)
-        return async_method
 
-    def _make_async_wrapper(self, sync_method):
-        @functools.wraps(sync_method)
-        async def wrapper(*args, **kwargs):
+        # Made once, on the class: kept on the instance, it would hold the instance in a cycle
+        # (freed only by the cyclic collector, on whatever thread that runs).
+        async def method(self, *args, **kwargs):
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, functools.partial(sync_method, *args, **kwargs))
+            call = functools.partial(getattr(self, sync_name), *args, **kwargs)
+            return await loop.run_in_executor(None, call)
 
-        return wrapper
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = f"`{sync_name}` run in the event loop's default executor."
+        setattr(type(self), name, method)
+        return getattr(self, name)
+
+
+def _coroutine_of(native):
+    """A native async call as a coroutine function, as Mooncake's wrapper has them: one can
+    `create_task` it or hand it to another thread's loop, and the call starts when awaited."""
+
+    @functools.wraps(native)
+    async def call(self, *args, **kwargs):
+        return await native(self, *args, **kwargs)
+
+    return call
+
+
+for _name in dir(NativeStore):
+    if _name.startswith("async_") and _name not in vars(MooncakeDistributedStoreAsync):
+        setattr(MooncakeDistributedStoreAsync, _name, _coroutine_of(getattr(NativeStore, _name)))

@@ -2,9 +2,15 @@
 //! caller's running event loop, spawns its work as a task of the runtime (no thread per call:
 //! many calls in flight share the runtime's few threads and overlap their transfers), and the
 //! task hands the result to the loop with `call_soon_threadsafe`. A call the caller cancelled
-//! meanwhile is finished and its result dropped.
+//! meanwhile is finished and its result dropped. A call that panics resolves with a
+//! RuntimeError instead of leaving its awaitable pending forever.
 
-use std::future::Future;
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    task::{Context, Poll},
+};
 
 use pyo3::{exceptions::PyRuntimeError, prelude::*, sync::PyOnceLock, types::PyCFunction};
 use tokio::runtime::{Handle, RuntimeFlavor};
@@ -26,9 +32,17 @@ where
     let future = event_loop.call_method0("create_future")?;
     let (loop_ref, future_ref) = (event_loop.unbind(), future.clone().unbind());
     rt.spawn(async move {
-        let out = work.await;
+        let out = CatchPanic(Box::pin(work)).await;
         Python::attach(|py| {
-            let (value, error) = match finish(py, out) {
+            let result = match out {
+                Ok(out) => finish(py, out),
+                Err(panic) => {
+                    let why = panic_message(panic.as_ref());
+                    tracing::error!("an async call panicked: {why}");
+                    Err(PyRuntimeError::new_err(format!("the call failed inside: {why}")))
+                }
+            };
+            let (value, error) = match result {
                 Ok(v) => (v, py.None().into_bound(py)),
                 Err(e) => (
                     py.None().into_bound(py),
@@ -49,6 +63,28 @@ where
         });
     });
     Ok(future.unbind())
+}
+
+/// `work`'s output, or the panic it ended in.
+struct CatchPanic<W>(Pin<Box<W>>);
+
+impl<W: Future> Future for CatchPanic<W> {
+    type Output = std::thread::Result<W::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // A future that panicked is not polled again: its output is the panic.
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.0.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
 }
 
 /// The `resolve` function as a Python callable, made once per process.

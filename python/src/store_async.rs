@@ -412,6 +412,16 @@ impl NativeStore {
         }
     }
 
+    /// For tests: an async call whose work panics (its awaitable must still resolve).
+    fn _async_call_that_panics(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.spawn(
+            py,
+            INVALID,
+            |_| async { panic!("on purpose, for a test") },
+            |py, v: i32| v.into_bound_py_any(py),
+        )
+    }
+
     fn async_is_exist(&self, py: Python<'_>, key: String) -> PyResult<Py<PyAny>> {
         self.async_exists(py, vec![key], true)
     }

@@ -110,8 +110,43 @@ def test_async_misuse_answers_clearly(cluster):
             sync.close()
 
     asyncio.run(main())
-    with pytest.raises(RuntimeError, match="running event loop|no running"):
-        MooncakeDistributedStoreAsync().async_put("k", b"v")
+
+
+def test_async_calls_are_coroutines_as_in_mooncakes_wrapper(astore):
+    """Scheduled with create_task, run by asyncio.run, or handed to a loop on another thread."""
+    import inspect
+    import threading
+
+    assert inspect.iscoroutinefunction(MooncakeDistributedStoreAsync.async_put)
+    assert asyncio.run(astore.async_put("coro/1", b"one")) == 0
+
+    async def main():
+        task = asyncio.create_task(astore.async_get("coro/1"))
+        assert await task == b"one"
+        async with asyncio.TaskGroup() as tg:
+            put = tg.create_task(astore.async_put_batch(["coro/2", "coro/3"], [b"two", b"three"]))
+        assert put.result() == 0
+
+    asyncio.run(main())
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever)
+    runner.start()
+    try:
+        done = asyncio.run_coroutine_threadsafe(astore.async_get_batch(["coro/2", "coro/3"]), loop)
+        assert done.result(timeout=20) == [b"two", b"three"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join()
+        loop.close()
+
+
+def test_an_async_call_that_panics_resolves_with_an_error(astore):
+    async def main():
+        with pytest.raises(RuntimeError, match="failed inside"):
+            await asyncio.wait_for(astore._async_call_that_panics(), 20)
+        assert await astore.async_put("after/panic", b"still serving") == 0
+
+    asyncio.run(main())
 
 
 def test_close_with_calls_in_flight_resolves_every_one(cluster):
