@@ -684,6 +684,17 @@ class MooncakeDistributedStoreAsync(MooncakeDistributedStore):
         setattr(type(self), name, method)
         return getattr(self, name)
 
+    def _make_async_wrapper(self, sync_method):
+        """An awaitable form of `sync_method`, run in the event loop's default executor
+        (Mooncake's helper; `async_<name>` use their own, made once per class)."""
+
+        @functools.wraps(sync_method)
+        async def wrapper(*args, **kwargs):
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, functools.partial(sync_method, *args, **kwargs))
+
+        return wrapper
+
 
 def _coroutine_of(native):
     """A native async call as a coroutine function, as Mooncake's wrapper has them: one can
