@@ -39,7 +39,9 @@ where
                 Err(panic) => {
                     let why = panic_message(panic.as_ref());
                     tracing::error!("an async call panicked: {why}");
-                    Err(PyRuntimeError::new_err(format!("the call failed inside: {why}")))
+                    Err(PyRuntimeError::new_err(format!(
+                        "the call failed inside: {why}"
+                    )))
                 }
             };
             let (value, error) = match result {
