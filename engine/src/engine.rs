@@ -18,7 +18,7 @@ use crate::{
     local, memory,
     peers::{self, Peers},
     regions::Regions,
-    requester::{Counters, Requester, Shared},
+    requester::{Counters, MetPeer, Requester, Shared},
     server::{self, Served},
     EngineError,
 };
@@ -329,6 +329,23 @@ impl TransferEngine {
         batch: &[TransferRequest],
     ) -> Result<(), EngineError> {
         self.requester.transfer(target, op, batch).await
+    }
+
+    /// `target` as this engine knows it now: a call made now and run later names it
+    /// (`transfer_as`).
+    pub fn met(&self, target: &str) -> Option<MetPeer> {
+        self.requester.met(target)
+    }
+
+    /// `transfer` of a call made when `target` was known as `met`. See `Requester::transfer_as`.
+    pub async fn transfer_as(
+        &self,
+        target: &str,
+        op: TransferOp,
+        batch: &[TransferRequest],
+        met: Option<MetPeer>,
+    ) -> Result<(), EngineError> {
+        self.requester.transfer_as(target, op, batch, met).await
     }
 
     /// Another requester of this engine's (its regions, its counters), with connections of its

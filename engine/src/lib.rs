@@ -31,4 +31,4 @@ pub use engine::{
     Devices, EngineConfig, EngineStats, Metadata, TransferEngine, TransferOp, TransferRequest,
 };
 pub use error::EngineError;
-pub use requester::Requester;
+pub use requester::{MetPeer, Requester};

@@ -114,6 +114,11 @@ impl Peers {
             .clone())
     }
 
+    /// The peer `name` as met, if this engine has met it (and not forgotten it since).
+    pub fn known(&self, name: &str) -> Option<Arc<Hello>> {
+        self.known.lock().get(name).cloned()
+    }
+
     /// Forgets `name` if it is still known as `incarnation` (after that one refused a call).
     pub fn forget(&self, name: &str, incarnation: u64) {
         let mut known = self.known.lock();

@@ -32,6 +32,10 @@ use crate::{
 /// costs more than the socket copies.
 const SAME_HOST_MIN: u64 = 128 << 10;
 
+/// A peer as an engine knew it when a call was made (see `Requester::transfer_as`).
+#[derive(Clone)]
+pub struct MetPeer(Arc<Hello>);
+
 /// Batches this engine moved, by path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -158,10 +162,30 @@ impl Requester {
         op: TransferOp,
         batch: &[TransferRequest],
     ) -> Result<(), EngineError> {
+        self.transfer_as(target, op, batch, self.met(target)).await
+    }
+
+    /// `target` as this engine knows it now, for a call made now and run later (`transfer_as`).
+    pub fn met(&self, target: &str) -> Option<MetPeer> {
+        self.peers.known(target).map(MetPeer)
+    }
+
+    /// `transfer` of a call made when `target` was known as `met` (None: not met yet). Every
+    /// try names that incarnation, so a call made before the peer restarted never moves bytes
+    /// with its successor, even when another call's refusal has made this engine forget the
+    /// predecessor before this one ran. Not met yet, the peer is met by the first try.
+    pub async fn transfer_as(
+        &self,
+        target: &str,
+        op: TransferOp,
+        batch: &[TransferRequest],
+        met: Option<MetPeer>,
+    ) -> Result<(), EngineError> {
         let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
+        let mut met = met.map(|m| m.0);
         let mut r = self
-            .transfer_to_session(target, &session, op, batch, deadline)
+            .transfer_to_session(target, &session, op, batch, deadline, &mut met)
             .await;
         if let (Err(_), Some(d)) = (&r, &self.directory) {
             // The name may have moved (its engine restarted on another port): looked up again,
@@ -171,7 +195,7 @@ impl Requester {
             if let Ok(now) = d.resolve(target).await {
                 if now != session {
                     r = self
-                        .transfer_to_session(target, &now, op, batch, deadline)
+                        .transfer_to_session(target, &now, op, batch, deadline, &mut met)
                         .await;
                 }
             }
@@ -252,8 +276,9 @@ impl Requester {
         .map_err(device_err)
     }
 
-    /// `transfer` to the peer the caller names `name`, now at `session`. A peer that refuses the
-    /// call for naming an earlier incarnation is forgotten (see `peers`).
+    /// `transfer` to the peer the caller names `name`, now at `session`, as `met` (the peer as
+    /// this call met it before; set here when it had not). A peer that refuses the call for
+    /// naming an earlier incarnation is forgotten (see `peers`).
     async fn transfer_to_session(
         &self,
         name: &str,
@@ -261,6 +286,7 @@ impl Requester {
         op: TransferOp,
         batch: &[TransferRequest],
         deadline: Instant,
+        met: &mut Option<Arc<Hello>>,
     ) -> Result<(), EngineError> {
         let addressed = peer(session)?;
         // Hold every local range for the whole call: unregistering waits for it.
@@ -274,7 +300,12 @@ impl Requester {
                 r.local
             )));
         }
-        let hello = self.peers.hello(name, session, deadline).await?;
+        let hello = match met {
+            Some(h) => h.clone(),
+            None => met
+                .insert(self.peers.hello(name, session, deadline).await?)
+                .clone(),
+        };
         let r = self
             .move_bytes(addressed, &hello, op, batch, uses, deadline)
             .await;

@@ -136,8 +136,10 @@ impl NativeEngine {
         };
         let engine = r.engine.clone();
         let target = target.to_string();
+        // The call names the peer as known now, when it is made, not when its task runs.
+        let met = engine.met(&target);
         let handle =
-            r.rt.spawn(async move { engine.transfer(&target, op, &batch).await });
+            r.rt.spawn(async move { engine.transfer_as(&target, op, &batch, met).await });
         let mut next = self.next_batch.lock();
         *next += 1;
         self.batches.lock().insert(*next, handle);
