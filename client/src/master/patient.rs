@@ -30,8 +30,8 @@ impl Patient {
     }
 
     /// Runs `call` until `pending` says no answer asks to wait, or until waiting more would
-    /// pass the deadline (then the last answer stands). Before each retry, the holds that
-    /// `hits` names in the answer it replaces go back: nobody reads under them.
+    /// pass the deadline (then the last answer stands). Once a retry's answer replaces one,
+    /// the holds that `hits` names in the replaced answer go back: nobody reads under them.
     fn until_definite<'a, T: Send + 'a>(
         &'a self,
         call: impl Fn() -> Call<'a, T> + Send + 'a,
@@ -53,19 +53,21 @@ impl Patient {
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(LONGEST_PAUSE);
-                if let Ok(replaced) = &answer {
+                // A retry gets only what is left of the deadline (each try on its own could take
+                // a whole RPC timeout); past it the last answer stands, with its holds.
+                let next = match tokio::time::timeout_at(give_up, call()).await {
+                    Ok(next) => next,
+                    Err(_) => return answer,
+                };
+                let replaced = std::mem::replace(&mut answer, next);
+                // Only once replaced: the caller reads under the new answer's holds.
+                if let Ok(replaced) = &replaced {
                     let (keys, epoch) = hits(replaced);
                     if !keys.is_empty() {
                         // Best effort: a hold not handed back ends at its TTL.
                         let release = self.inner.release_leases(Releases { keys: &keys, epoch });
                         let _ = tokio::time::timeout_at(give_up, release).await;
                     }
-                }
-                // A retry gets only what is left of the deadline (each try on its own could take
-                // a whole RPC timeout); past it the last answer stands.
-                match tokio::time::timeout_at(give_up, call()).await {
-                    Ok(next) => answer = next,
-                    Err(_) => return answer,
                 }
             }
         })
@@ -168,6 +170,8 @@ mod tests {
         known: &'static [&'static str],
         silent: bool,
         released: std::sync::Mutex<Vec<(Vec<String>, u64)>>,
+        /// Calls answered (not met by the silence).
+        answered: std::sync::atomic::AtomicUsize,
     }
 
     impl Rebuilding {
@@ -178,6 +182,7 @@ mod tests {
                 known,
                 silent,
                 released: Default::default(),
+                answered: Default::default(),
             }
         }
     }
@@ -205,6 +210,8 @@ mod tests {
                 if rebuilt && self.silent {
                     std::future::pending::<()>().await;
                 }
+                self.answered
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let answer = |k: &&str| {
                     if rebuilt || self.known.contains(k) {
                         Ok(true)
@@ -283,5 +290,29 @@ mod tests {
         assert_eq!(answer.found, vec![Ok(true), Ok(true)]);
         let released = master.released.lock().unwrap().clone();
         assert_eq!(released, vec![(vec!["a".to_string()], 1); 2]);
+    }
+
+    /// An answer goes back only once another has replaced it: a retry that meets the deadline
+    /// leaves the caller the last answer with its holds, which the caller reads under and
+    /// hands back itself (handed back here too, one would take another reader's hold).
+    #[tokio::test]
+    async fn the_answer_a_retry_could_not_replace_keeps_its_holds() {
+        // Tries at 0, 20, 60 and 140 ms (later on a loaded machine): the last meets the
+        // silence, at the deadline.
+        let master = Arc::new(Rebuilding::new(Duration::from_millis(100), &["a"], true));
+        let patient = Patient::new(master.clone(), Duration::from_millis(300));
+        let answer = patient.exists(&["a", "b"], Releases::NONE).await.unwrap();
+        assert_eq!(
+            answer.found,
+            vec![Ok(true), Err(Code::UnavailableInCurrentStatus)]
+        );
+        let answered = master.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let released = master.released.lock().unwrap().clone();
+        assert!(answered >= 1);
+        assert_eq!(
+            released,
+            vec![(vec!["a".to_string()], 1); answered - 1],
+            "each answer replaced, and not the last"
+        );
     }
 }
