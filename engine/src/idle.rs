@@ -1,8 +1,8 @@
 //! Idle connections kept per peer for the next call. A peer that restarts comes back under
 //! another session name (a new port), so the connections to the old one would stay open (the
 //! peer closed its end) for the life of the engine: whenever a peer not seen before is added,
-//! the connections their peers closed are dropped, and with them the names of peers that have
-//! none left.
+//! the connections their peers closed are dropped. The names stay (a few bytes each), so that
+//! a peer whose connections are all out on loan is not taken for a new one.
 
 use std::{collections::HashMap, io};
 
@@ -59,10 +59,9 @@ impl<S: Probe> IdleConns<S> {
             conns.push(conn);
             return;
         }
-        by_peer.retain(|_, conns| {
+        for conns in by_peer.values_mut() {
             conns.retain(Probe::is_open);
-            !conns.is_empty()
-        });
+        }
         by_peer.insert(peer.to_string(), vec![conn]);
     }
 }
@@ -110,6 +109,8 @@ mod tests {
         idle.put("peer-c:1", new);
         assert_eq!(count(&idle), 3, "the closed connection went");
         assert!(idle.take("peer-a:1").is_none());
+        // A peer whose connections were all taken stays known (a new one would sweep again).
+        assert!(idle.by_peer.lock().contains_key("peer-a:1"));
         assert!(idle.take("peer-b:1").is_some_and(|s| s.is_open()));
         assert!(idle.take("peer-c:1").is_some());
     }

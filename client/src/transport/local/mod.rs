@@ -209,24 +209,30 @@ impl LocalOwner {
                 let connecting = tokio::task::spawn_blocking(move || {
                     hello(&path, &segment, timeout, credential.as_ref())
                 });
-                let (std_stream, fd, size) = tokio::time::timeout_at(
-                    deadline.min(tokio::time::Instant::now() + timeout),
-                    connecting,
-                )
-                .await
-                .map_err(|_| TransferError::Timeout {
-                    target: self.segment.clone(),
-                    after: timeout,
-                })?
-                .map_err(|e| self.io_err(io::Error::other(e)))?
-                .map_err(|e| match e.kind() {
-                    // A socket read past its timeout: the owner did not answer in time.
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransferError::Timeout {
+                // By the connect timeout, or the call's deadline if that comes first.
+                let connect_by = tokio::time::Instant::now() + timeout;
+                let (by, limit) = if deadline < connect_by {
+                    (deadline, self.deadlines.transfer)
+                } else {
+                    (connect_by, timeout)
+                };
+                let (std_stream, fd, size) = tokio::time::timeout_at(by, connecting)
+                    .await
+                    .map_err(|_| TransferError::Timeout {
                         target: self.segment.clone(),
-                        after: timeout,
-                    },
-                    _ => self.io_err(e),
-                })?;
+                        after: limit,
+                    })?
+                    .map_err(|e| self.io_err(io::Error::other(e)))?
+                    .map_err(|e| match e.kind() {
+                        // A socket read past its timeout: the owner did not answer in time.
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                            TransferError::Timeout {
+                                target: self.segment.clone(),
+                                after: timeout,
+                            }
+                        }
+                        _ => self.io_err(e),
+                    })?;
                 // The owner at this socket may have restarted since the pool was mapped (a fixed
                 // port gives the new one the same segment and socket): its pool is another
                 // memory file, and copies through the old mapping would miss it.

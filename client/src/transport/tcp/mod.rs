@@ -116,13 +116,11 @@ impl TcpTransport {
             return o.clone();
         }
         // An owner not met before is often an old one restarted on another port: the idle
-        // connections their owners closed go now, and the owners nothing is left of and no call
-        // holds, so that departed owners do not keep sockets for the life of the client.
-        owners.retain(|_, o| {
-            let mut idle = o.idle.lock();
-            idle.retain(Conn::is_open);
-            !idle.is_empty() || Arc::strong_count(o) > 1
-        });
+        // connections their owners closed go now, so that departed owners do not keep sockets
+        // for the life of the client. The entries stay (their slots and what they learned).
+        for o in owners.values() {
+            o.idle.lock().retain(Conn::is_open);
+        }
         let o = Arc::new(OwnerConns {
             permits: Arc::new(Semaphore::new(self.config.connections_per_owner)),
             idle: Mutex::new(Vec::new()),
