@@ -335,10 +335,12 @@ pub enum Outcome {
     NotLocal(Vec<Use>),
 }
 
-/// The most ranges one grant lists: its answer (32 bytes a range) stays well under the 1 MiB
+/// The most ranges one grant lists: its answer (16 + 32 bytes a range) stays under the 1 MiB
 /// a caller takes, and the request (16 bytes a range) under the target's `MAX_GRANT`. A batch
-/// of more goes in several grants, one after another.
-pub const GRANT_RANGES: usize = 16 << 10;
+/// of more goes in several grants, one after another (under the call's one deadline, which
+/// only the exchanges count).
+pub const GRANT_RANGES: usize = 30 << 10;
+const _: () = assert!(16 + 32 * GRANT_RANGES < 1 << 20);
 
 impl SameHost {
     pub fn new(timeout: Duration, mappings: Arc<Mutex<Mappings>>) -> Self {
