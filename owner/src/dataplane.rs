@@ -118,8 +118,6 @@ struct Connection {
     ssd: Option<Arc<SsdStore>>,
     /// The master's seals every access must carry (a cluster with a secret).
     gate: Option<Arc<Gate>>,
-    /// The time seals are checked against, read when a batch of requests arrives.
-    seal_now: u64,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
 }
@@ -168,7 +166,6 @@ impl Connection {
             catalog,
             ssd,
             gate,
-            seal_now: 0,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
         }
@@ -185,9 +182,6 @@ impl Connection {
                         Err(e) => return Err(e),
                     },
                     _ = stop.changed() => return Ok(()),
-                }
-                if self.gate.is_some() {
-                    self.seal_now = Seals::now();
                 }
             } else if stop.has_changed().unwrap_or(true) {
                 return Ok(());
@@ -403,7 +397,9 @@ impl Connection {
                 h.length,
                 h.grant,
                 &h.seal,
-                self.seal_now,
+                // Read per frame: a peer that never lets the read buffer run empty must not
+                // keep the clock where its connection started.
+                Seals::now(),
             )
             .map_err(|Denied(code, message)| Refusal { code, message })
     }

@@ -351,3 +351,64 @@ async fn a_lapsed_seal_moves_no_byte() {
     let again = s.looked_up("lapsing").await;
     assert!(s.read("lapsing", &again, 8192, again.seal).await.unwrap() == value);
 }
+
+/// Each seal is checked against the clock when its frame arrives: a connection that never lets
+/// the owner's read buffer run empty (the start of its next frame always sent with the last)
+/// does not keep the clock where the connection started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_seal_is_refused_on_a_connection_that_never_goes_quiet() {
+    use std::io::{Read, Write};
+
+    use mooncake_common::wire::{Op, RequestHeader, ResponseHeader, RESPONSE_HEADER_LEN};
+
+    let s = start(&["--default_kv_lease_ttl", "100"]);
+    let client = s.client().await;
+    let value = payload("unquiet", 4096);
+    client
+        .put("unquiet", &value, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let at = s.looked_up("unquiet").await;
+    let credential = Credential::cluster_from_file(Path::new(&s.token)).unwrap();
+    let addr = s.segment.as_str().to_string();
+    let skew = Duration::from_micros(mooncake_owner::seals::CLOCK_SKEW_US);
+    let status = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        mooncake_common::auth::authenticate_blocking(&mut conn, &credential).unwrap();
+        let header = |op, key_len: usize, request_id| RequestHeader {
+            op,
+            key_len: key_len as u16,
+            flags: 0,
+            request_id,
+            offset: at.offset,
+            length: if op == Op::Read { 4096 } else { 0 },
+            grant: at.put_id,
+            seal: if op == Op::Read {
+                at.seal
+            } else {
+                Seal::default()
+            },
+        };
+        let ping = header(Op::Ping, 0, 1).encode();
+        let mut read = header(Op::Read, "unquiet".len(), 2).encode().to_vec();
+        read.extend_from_slice(b"unquiet");
+        let answer = |conn: &mut std::net::TcpStream| {
+            let mut h = [0u8; RESPONSE_HEADER_LEN];
+            conn.read_exact(&mut h).unwrap();
+            ResponseHeader::decode(&h).unwrap()
+        };
+        // A ping, and the first byte of the read after it (the owner answers the ping with
+        // the read: it sends answers once no request is waiting).
+        conn.write_all(&[&ping[..], &read[..1]].concat()).unwrap();
+        // The rest of the read once its seal has lapsed.
+        std::thread::sleep(Duration::from_millis(100) + skew + Duration::from_millis(500));
+        conn.write_all(&read[1..]).unwrap();
+        assert_eq!(answer(&mut conn).code(), Code::Ok, "the ping");
+        answer(&mut conn).code()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, Code::PermissionDenied);
+}
