@@ -395,7 +395,8 @@ impl MasterLink {
                     registered += 1;
                 } else {
                     // The key exists with other bytes, or this version was removed: drop it.
-                    store.delete(&r.key, r.put_id, None).await;
+                    // A header left behind is logged; the master refuses it again next time.
+                    let _ = store.delete(&r.key, r.put_id, None).await;
                     refused += 1;
                 }
             }

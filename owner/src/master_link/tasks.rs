@@ -136,7 +136,8 @@ impl Worker {
         }
         for l in lost {
             if let Some(seq) = l.corrupt_seq {
-                store.delete(&l.key, l.put_id, Some(seq)).await;
+                // A header left behind is logged; the master already dropped this copy.
+                let _ = store.delete(&l.key, l.put_id, Some(seq)).await;
             }
         }
     }
@@ -197,7 +198,7 @@ impl Worker {
             match t.kind() {
                 pb::TaskKind::Offload => {
                     if let Some(store) = &self.store {
-                        store.delete(&key, t.put_id, None).await;
+                        let _ = store.delete(&key, t.put_id, None).await;
                     }
                 }
                 pb::TaskKind::Promote | pb::TaskKind::Copy => {
@@ -225,10 +226,15 @@ impl Worker {
         };
         match t.kind() {
             pb::TaskKind::Offload => self.offload(store, &key, t).await,
-            pb::TaskKind::Drop => {
-                store.delete(&key, t.put_id, None).await;
-                Ok(())
-            }
+            // Reported failed when the header may still be on disk: the master then keeps the
+            // removal's tombstone, which refuses the record should a restart find it.
+            pb::TaskKind::Drop => match store.delete(&key, t.put_id, None).await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(Failure(
+                    Code::InternalError,
+                    format!("cannot zero the dropped record's header: {e}"),
+                )),
+            },
             pb::TaskKind::Promote => {
                 let value = store.read(&key, t.put_id, t.size).await?;
                 self.fill(&key, t, &value).await

@@ -9,6 +9,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    io,
     ops::Range,
     os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
@@ -461,26 +462,29 @@ impl SsdStore {
             }
         };
         if let Some(at) = zero {
-            self.zero_header(at).await;
+            // The older record's header left behind is logged; recovery takes the newer one.
+            let _ = self.zero_header(at).await;
         }
         Ok(())
     }
 
     /// Zeroes the header block at `at` of a record that no longer counts, unless newer data is
-    /// being written or lives there (then its header is gone or going anyway).
-    async fn zero_header(&self, at: u64) {
+    /// being written or lives there (then its header is gone or going anyway). An error means
+    /// the header may still be on disk: a restart could bring the record back.
+    async fn zero_header(&self, at: u64) -> io::Result<()> {
         {
             let mut ring = self.ring.lock();
             if ring.busy(at, ALIGN as u64) {
-                return;
+                return Ok(());
             }
             ring.inflight.insert(at, ALIGN as u64);
         }
         let (_, res) = self.engine.write_at(zeroed(ALIGN), at).await;
         self.ring.lock().inflight.remove(&at);
-        if let Err(e) = res {
+        if let Err(e) = &res {
             tracing::warn!(error = %e, offset = at, "cannot zero a dropped record's header");
         }
+        res.map(|_| ())
     }
 
     /// Reads and verifies version `put_id` of `key`, of `value_len` bytes. A record that is
@@ -573,19 +577,20 @@ impl SsdStore {
 
     /// Drops version `put_id` of `key` (only the record with sequence number `seq`, if given)
     /// and zeroes its header on disk, so a restart does not bring it back. Returns whether there
-    /// was such a record.
-    pub async fn delete(&self, key: &ObjectKey, put_id: u64, seq: Option<u64>) -> bool {
+    /// was such a record; an error when its header could not be zeroed (the record is dropped
+    /// here all the same, but a restart could bring it back: the master keeps its tombstone).
+    pub async fn delete(&self, key: &ObjectKey, put_id: u64, seq: Option<u64>) -> io::Result<bool> {
         let at = {
             let mut ring = self.ring.lock();
             match ring.by_key.get(key) {
                 Some(l) if l.put_id == put_id && seq.is_none_or(|s| s == l.seq) => {
                     ring.unindex(key).expect("checked above").offset
                 }
-                _ => return false,
+                _ => return Ok(false),
             }
         };
-        self.zero_header(at).await;
-        true
+        self.zero_header(at).await?;
+        Ok(true)
     }
 
     /// Records reads found missing or corrupt since the last call (each once).
