@@ -21,7 +21,7 @@ use super::{
 use crate::{
     catalog::Catalog,
     pool::MemoryPool,
-    ssd::{SsdError, SsdStore},
+    ssd::{Dropped, SsdError, SsdStore},
 };
 
 /// How long one poll may wait at the master for work.
@@ -226,10 +226,16 @@ impl Worker {
         };
         match t.kind() {
             pb::TaskKind::Offload => self.offload(store, &key, t).await,
-            // Reported failed when the header may still be on disk: the master then keeps the
+            // Reported failed while the header may still be on disk: the master then keeps the
             // removal's tombstone, which refuses the record should a restart find it.
             pb::TaskKind::Drop => match store.delete(&key, t.put_id, None).await {
-                Ok(_) => Ok(()),
+                Ok(Dropped::NotFound | Dropped::Gone) => Ok(()),
+                Ok(Dropped::Overwriting) => Err(Failure(
+                    Code::InternalError,
+                    "the dropped record's header lies under a write in flight; until that lands \
+                     a restart could find it"
+                        .into(),
+                )),
                 Err(e) => Err(Failure(
                     Code::InternalError,
                     format!("cannot zero the dropped record's header: {e}"),

@@ -28,4 +28,4 @@ pub mod store;
 #[cfg(test)]
 mod store_tests;
 
-pub use store::{DiskValue, Lost, Recovered, SsdError, SsdStore, Victim};
+pub use store::{DiskValue, Dropped, Lost, Recovered, SsdError, SsdStore, Victim};

@@ -109,6 +109,18 @@ impl Ring {
     }
 }
 
+/// What `SsdStore::delete` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// No such record.
+    NotFound,
+    /// Its header is gone from disk.
+    Gone,
+    /// Its header lies under a write in flight, which overwrites it (or zeroes it, if given
+    /// up); until then a crash could bring the record back.
+    Overwriting,
+}
+
 /// A live record in the way of a reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Victim {
@@ -469,13 +481,16 @@ impl SsdStore {
     }
 
     /// Zeroes the header block at `at` of a record that no longer counts, unless newer data is
-    /// being written or lives there (then its header is gone or going anyway). An error means
-    /// the header may still be on disk: a restart could bring the record back.
-    async fn zero_header(&self, at: u64) -> io::Result<()> {
+    /// being written or lives there (then its header is gone, or going: `Dropped::Overwriting`).
+    /// An error means the header may still be on disk: a restart could bring the record back.
+    async fn zero_header(&self, at: u64) -> io::Result<Dropped> {
         {
             let mut ring = self.ring.lock();
+            if overlaps(&ring.inflight, at, ALIGN as u64, |l| *l) {
+                return Ok(Dropped::Overwriting);
+            }
             if ring.busy(at, ALIGN as u64) {
-                return Ok(());
+                return Ok(Dropped::Gone);
             }
             ring.inflight.insert(at, ALIGN as u64);
         }
@@ -484,7 +499,7 @@ impl SsdStore {
         if let Err(e) = &res {
             tracing::warn!(error = %e, offset = at, "cannot zero a dropped record's header");
         }
-        res.map(|_| ())
+        res.map(|_| Dropped::Gone)
     }
 
     /// Reads and verifies version `put_id` of `key`, of `value_len` bytes. A record that is
@@ -576,21 +591,25 @@ impl SsdStore {
     }
 
     /// Drops version `put_id` of `key` (only the record with sequence number `seq`, if given)
-    /// and zeroes its header on disk, so a restart does not bring it back. Returns whether there
-    /// was such a record; an error when its header could not be zeroed (the record is dropped
-    /// here all the same, but a restart could bring it back: the master keeps its tombstone).
-    pub async fn delete(&self, key: &ObjectKey, put_id: u64, seq: Option<u64>) -> io::Result<bool> {
+    /// and zeroes its header on disk, so a restart does not bring it back. An error when its
+    /// header could not be zeroed: the record is dropped here all the same, but a restart could
+    /// bring it back.
+    pub async fn delete(
+        &self,
+        key: &ObjectKey,
+        put_id: u64,
+        seq: Option<u64>,
+    ) -> io::Result<Dropped> {
         let at = {
             let mut ring = self.ring.lock();
             match ring.by_key.get(key) {
                 Some(l) if l.put_id == put_id && seq.is_none_or(|s| s == l.seq) => {
                     ring.unindex(key).expect("checked above").offset
                 }
-                _ => return Ok(false),
+                _ => return Ok(Dropped::NotFound),
             }
         };
-        self.zero_header(at).await?;
-        Ok(true)
+        self.zero_header(at).await
     }
 
     /// Records reads found missing or corrupt since the last call (each once).

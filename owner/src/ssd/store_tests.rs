@@ -6,7 +6,7 @@ use std::io::{Seek, SeekFrom, Write};
 
 use mooncake_common::{Code, ObjectKey};
 
-use super::{store::DATA_FILE, test_dir::TempDir, EngineKind, SsdError, SsdStore};
+use super::{store::DATA_FILE, test_dir::TempDir, Dropped, EngineKind, SsdError, SsdStore};
 
 fn k(s: &str) -> ObjectKey {
     ObjectKey::new(s).unwrap()
@@ -69,9 +69,9 @@ async fn round_trip_wrap_and_recover(kind: EngineKind) {
     assert!(s.read(&k("k0"), 100, 65536).await.is_err());
     assert_eq!(s.stats().records, 15);
     assert_eq!(s.stats().evicted_records, 1);
-    assert!(s.delete(&k("k5"), 105, None).await.unwrap());
+    assert_eq!(s.delete(&k("k5"), 105, None).await.unwrap(), Dropped::Gone);
     assert!(
-        !s.delete(&k("k6"), 1, None).await.unwrap(),
+        s.delete(&k("k6"), 1, None).await.unwrap() == Dropped::NotFound,
         "another version"
     );
     s.sync().await.unwrap();
@@ -239,7 +239,7 @@ async fn versions_and_races_on_the_ring_survive_a_reopen() {
     // y v1 at 8-12, y v2 at 0-4 (wrapped; x v5 there was garbage), then v2 deleted.
     assert!(put(&s, "y", 1, &v(1)).await.is_empty());
     assert!(put(&s, "y", 2, &v(2)).await.is_empty());
-    assert!(s.delete(&k("y"), 2, None).await.unwrap());
+    assert_eq!(s.delete(&k("y"), 2, None).await.unwrap(), Dropped::Gone);
     // z goes to 4-8 where x v9 lives: evicted, then the reservation is given up.
     let mut r = s.reserve(&k("z"), LEN as u64).unwrap();
     assert_eq!(r.victims.len(), 1);
@@ -268,7 +268,12 @@ async fn versions_and_races_on_the_ring_survive_a_reopen() {
     put(&s, "r", 5, &v(5)).await;
     let mut r = s.reserve(&k("q"), LEN as u64).unwrap();
     assert_eq!(r.victims.len(), 1);
-    assert!(s.delete(&k("w"), 3, None).await.unwrap());
+    // Its header lies under q's write: not gone until that lands (the master keeps its
+    // tombstone meanwhile).
+    assert_eq!(
+        s.delete(&k("w"), 3, None).await.unwrap(),
+        Dropped::Overwriting
+    );
     s.evict_victims(&mut r);
     let b = s.encode(&r, &k("q"), 6, &v(6));
     s.write(r, b, &k("q"), 6, LEN as u64).await.unwrap();
@@ -288,7 +293,10 @@ async fn versions_and_races_on_the_ring_survive_a_reopen() {
     let r = s.reserve(&k("x"), LEN as u64).unwrap();
     let victims: Vec<_> = r.victims.iter().map(|v| v.key.clone()).collect();
     assert_eq!(victims, vec![k("p")]);
-    assert!(s.delete(&k("p"), 4, None).await.unwrap());
+    assert_eq!(
+        s.delete(&k("p"), 4, None).await.unwrap(),
+        Dropped::Overwriting
+    );
     s.abandon(r).await;
     s.sync().await.unwrap();
     drop(s);
