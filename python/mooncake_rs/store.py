@@ -524,6 +524,9 @@ class MooncakeDistributedStore(NativeStore):
             block.close()
             return 0
         self.__dict__.setdefault("_pool_blocks", []).append(block)
+        # A store freed without close() clears its attributes before its native part goes:
+        # the native side keeps the block mapped until no call in flight can write into it.
+        self._keep_alive(block)
         return ptr
 
     def close(self):

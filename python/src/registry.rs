@@ -14,6 +14,10 @@ use parking_lot::{lock_api::ArcRwLockReadGuard, RawRwLock, RwLock, RwLockReadGua
 pub struct Ranges {
     host: BTreeMap<usize, usize>,
     device: BTreeMap<usize, (usize, Arc<dyn DeviceMemory>)>,
+    /// Python objects that own registered memory (the store's own pool blocks): they live as
+    /// long as the registry, so a call still in flight when the store is freed without
+    /// `close()` never writes into memory unmapped under it.
+    owners: Vec<pyo3::Py<pyo3::PyAny>>,
 }
 
 #[derive(Default)]
@@ -80,6 +84,12 @@ impl Registry {
         } else {
             Err(RegistryError::NotRegistered)
         }
+    }
+
+    /// Keeps `owner` (the object whose memory was registered) alive as long as the registry,
+    /// which outlives every call still pinning it.
+    pub fn keep_alive(&self, owner: pyo3::Py<pyo3::PyAny>) {
+        self.ranges.write().owners.push(owner);
     }
 
     /// Holds registrations stable while memory is in use.

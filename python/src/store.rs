@@ -311,6 +311,13 @@ impl NativeStore {
         })
     }
 
+    /// Keeps `owner` (a pool block the store allocated and registered) alive until no call can
+    /// use its memory any more, even when the store is freed without `close()`.
+    fn _keep_alive(&self, py: Python<'_>, owner: Py<PyAny>) {
+        // Waited for without the GIL (see `NativeStore::pin`).
+        py.detach(|| self.registry.keep_alive(owner));
+    }
+
     /// Whether `[ptr, ptr + size)` lies inside registered host memory (for the Python layer's
     /// own copies into caller buffers).
     fn _is_registered(&self, py: Python<'_>, ptr: usize, size: usize) -> bool {

@@ -165,3 +165,31 @@ def test_close_with_calls_in_flight_resolves_every_one(cluster):
         assert all(d == value or d == b"" or isinstance(d, Exception) for d in done), done
 
     asyncio.run(main())
+
+
+def test_a_store_freed_with_a_call_in_flight_keeps_its_pool_memory_mapped_until_the_call_ends(cluster):
+    """The native awaitable does not hold the store: freed without close() while the call
+    writes into its pool memory, the store's attributes (the pool's blocks) go first. The
+    blocks stay mapped until the call is over."""
+    import gc
+
+    from mooncake_rs._native import NativeStore
+
+    s = MooncakeDistributedStoreAsync()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    value = os.urandom(8 << 20)
+    assert s.put("freed/k", value) == 0
+    p = s.alloc_from_mem_pool(len(value))
+
+    async def main():
+        nonlocal s
+        native = NativeStore.async_get_into(s, "freed/k", p, len(value))
+        del s
+        gc.collect()
+        return await asyncio.wait_for(native, 20)
+
+    assert asyncio.run(main()) == len(value)
+    checker = MooncakeDistributedStore()
+    assert checker.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    assert checker.remove("freed/k", True) == 0
+    checker.close()
