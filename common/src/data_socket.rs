@@ -45,6 +45,13 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether an idle connection is still usable: its peer has not closed it and sent nothing
+/// nobody asked for (which would leave the stream out of step). Never waits.
+pub fn idle_and_open(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
 /// Whether the peer is this host: a loopback address, or the socket's own address.
 pub fn same_host(stream: &TcpStream) -> bool {
     match (stream.local_addr(), stream.peer_addr()) {

@@ -29,8 +29,7 @@ impl Probe for std::net::TcpStream {
 
 impl Probe for tokio::net::TcpStream {
     fn is_open(&self) -> bool {
-        let mut byte = [0u8; 1];
-        matches!(self.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        mooncake_common::data_socket::idle_and_open(self)
     }
 }
 

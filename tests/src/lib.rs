@@ -159,6 +159,11 @@ impl Cluster {
 
 /// The TCP transport a client built from `config` would use.
 pub fn transport(config: &ClientConfig) -> Arc<dyn mooncake_common::transport::DataTransport> {
+    tcp_transport(config)
+}
+
+/// `transport`, as the TCP transport itself (for tests that look into its connections).
+pub fn tcp_transport(config: &ClientConfig) -> Arc<mooncake_client::transport::TcpTransport> {
     Arc::new(mooncake_client::transport::TcpTransport::new(
         mooncake_client::transport::tcp::TcpConfig {
             connect_timeout: config.connect_timeout,

@@ -243,17 +243,12 @@ async fn a_stopped_owner_in_a_batch_does_not_make_other_owners_reads_late() {
 async fn connections_to_an_owner_that_went_are_dropped_when_a_new_one_is_met() {
     let (_master, rpc, _http) = spawn_master(&[]);
     let (mut owner_a, seg_a) = spawn_owner(&rpc, "16MiB", &[]);
-    let cfg = client_config(&rpc);
-    let tcp = std::sync::Arc::new(mooncake_client::transport::TcpTransport::new(
-        mooncake_client::transport::tcp::TcpConfig {
-            connect_timeout: cfg.connect_timeout,
-            transfer_timeout: cfg.transfer_timeout,
-            connections_per_owner: 2,
-            transfer_threads: 1,
-            dedicated_runtime: false,
-            credential: None,
-        },
-    ));
+    let cfg = ClientConfig {
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        ..client_config(&rpc)
+    };
+    let tcp = mooncake_tests::tcp_transport(&cfg);
     let client = Client::connect_with(cfg, None, tcp.clone()).await.unwrap();
     let v = payload("went/a", 64 << 10);
     client

@@ -76,9 +76,7 @@ impl Conn {
     /// False once the owner closed it, or sent bytes nobody asked for (an idle connection
     /// holds none, so the stream would be out of step).
     fn is_open(&self) -> bool {
-        let mut byte = [0u8; 1];
-        self.rpos == self.rend
-            && matches!(self.stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        self.rpos == self.rend && data_socket::idle_and_open(&self.stream)
     }
 }
 
