@@ -50,3 +50,55 @@ async fn owners_remount_after_a_master_restart() {
     assert!(buf == v);
     c.shutdown().await;
 }
+
+/// A mount whose answer was lost is retried after the master merged the catalog its owner
+/// reported: the retry is told there is nothing to report, and the owner takes the master's
+/// epoch. Before, the retry's report was refused ("not reporting a catalog"), the mount failed,
+/// and the owner, never taking the epoch, remounted at every heartbeat, dropping the notes of
+/// what to forget each brought.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_mount_after_a_merged_report_succeeds() {
+    use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
+    use mooncake_owner::{catalog::Catalog, master_link::MasterLink};
+    use std::sync::Arc;
+
+    let master = RunningMaster::start(master_config()).await.unwrap();
+    let catalog = Arc::new(Catalog::default());
+    let stamp = Stamp {
+        put_id: 7,
+        replica_num: 1,
+        ..Stamp::default()
+    };
+    catalog.record(0, 4096, ObjectKey::new("kept").unwrap(), stamp, 7);
+    catalog.saw_grant(7);
+    let link = MasterLink::new(
+        &master.rpc_addr.to_string(),
+        mooncake_common::leader::DEFAULT_CLUSTER_ID,
+        ClientId::from_u128(42),
+        SegmentName::parse("127.0.0.1:1").unwrap(),
+        1 << 20,
+        Duration::from_secs(3),
+        None,
+        catalog,
+        None,
+        None,
+    )
+    .unwrap();
+    link.mount().await.unwrap();
+    let epoch = link.epoch();
+    assert_ne!(epoch, 0);
+    // The same mount again, as after a lost answer.
+    link.mount().await.expect("a retried mount succeeds");
+    assert_eq!(link.epoch(), epoch);
+    assert!(
+        !link.heartbeat(Duration::from_secs(2)).await.unwrap(),
+        "the master knows the owner: no remount"
+    );
+    let stats = master.with_state(|s| s.segment_stats());
+    assert_eq!(stats.len(), 1);
+    assert_eq!(
+        stats[0].allocated, 4096,
+        "the reported object, laid out once"
+    );
+    master.shutdown().await;
+}

@@ -39,7 +39,7 @@ pub use order::{EvictionPolicy, OrderStats};
 pub use placement::AllocationStrategy;
 pub use rebuild::{ReportOutcome, Reported};
 pub use replica_tasks::{TaskInfo, TaskRequest};
-pub use segments::{HeartbeatReply, MountReport};
+pub use segments::{HeartbeatReply, MountReport, Mounted};
 pub use table::TenantUsage;
 pub use tiers::{CopyFrom, DiskStats, OwnerTask, TaskKind, WhenDiskBehind};
 

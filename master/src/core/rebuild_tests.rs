@@ -242,8 +242,10 @@ fn a_newer_version_reported_after_an_older_one_replaces_it() {
 #[test]
 fn a_report_may_not_lay_out_what_cannot_be() {
     let mut s = fresh();
-    s.mount_segment(owner(0), seg(0), MIB, 0, returning(10, 4), Millis(0))
-        .unwrap();
+    let mounted = s.mount_segment(owner(0), seg(0), MIB, 0, returning(10, 4), Millis(0));
+    assert_eq!(mounted, Ok(Mounted::AwaitingReport));
+    let retried = s.mount_segment(owner(0), seg(0), MIB, 0, returning(10, 4), Millis(1));
+    assert_eq!(retried, Ok(Mounted::AwaitingReport), "nothing laid out yet");
     let done = s
         .catalog_reported(
             owner(0),
@@ -267,6 +269,9 @@ fn a_report_may_not_lay_out_what_cannot_be() {
     assert!(s
         .catalog_reported(owner(0), &seg(0), vec![], true, Millis(20))
         .is_err());
+    // A mount retried after the merge (its answer lost) has nothing to report.
+    let retried = s.mount_segment(owner(0), seg(0), MIB, 0, returning(10, 4), Millis(30));
+    assert_eq!(retried, Ok(Mounted::Ready));
 }
 
 #[test]

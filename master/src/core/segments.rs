@@ -28,6 +28,16 @@ pub struct MountReport {
     pub objects: u64,
 }
 
+/// What a mount asks of its owner next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mounted {
+    /// Report the pool's catalog (`catalog_reported`); the segment takes no allocation until
+    /// the report is in.
+    AwaitingReport,
+    /// Nothing to report: an empty pool, or a retried mount whose report was merged already.
+    Ready,
+}
+
 impl MasterState {
     /// Mounts `name` for `owner`, with an SSD tier of `disk_capacity` bytes (0: none). Mounting a
     /// name already held by another owner replaces it: the new owner is bound to that host:port,
@@ -41,7 +51,7 @@ impl MasterState {
         disk_capacity: u64,
         report: MountReport,
         now: Millis,
-    ) -> Result<(), MasterError> {
+    ) -> Result<Mounted, MasterError> {
         // Above every grant the owner has seen, so none of its ranges' writes looks newer.
         self.grants.next = self.grants.next.max(report.newest_grant + 1);
         self.owner_mounted(report.newest_grant > 0, now);
@@ -56,13 +66,17 @@ impl MasterState {
                 && seg.allocator.capacity() == size / GRANULE * GRANULE
                 && seg.disk.as_ref().map_or(0, |d| d.capacity) == disk_capacity
             {
-                // A retried mount: a report may start over as long as nothing was laid out yet.
+                // A retried mount (its answer was lost): a report may start over as long as
+                // nothing was laid out yet. Once one was merged, there is nothing to report, and
+                // the owner is told so: a second report would be refused, and the owner, taking
+                // that as a failed mount, would remount at every heartbeat.
                 let restart_report = report.objects > 0 && seg.allocator.live_allocations() == 0;
                 self.touch(owner, now);
-                if restart_report {
-                    self.expect_report(id);
+                if !restart_report {
+                    return Ok(Mounted::Ready);
                 }
-                return Ok(());
+                self.expect_report(id);
+                return Ok(Mounted::AwaitingReport);
             }
             tracing::warn!(segment = %name, old_owner = %seg.owner, new_owner = %owner,
                 "segment remounted by a new owner incarnation; dropping the old one's replicas");
@@ -89,11 +103,13 @@ impl MasterState {
                 tasks: VecDeque::new(),
             },
         );
-        if report.objects > 0 {
+        let mounted = if report.objects > 0 {
             self.expect_report(id);
+            Mounted::AwaitingReport
         } else {
             self.reported(&name);
-        }
+            Mounted::Ready
+        };
         self.by_name.insert(name.clone(), id);
         self.owners
             .entry(owner)
@@ -106,7 +122,7 @@ impl MasterState {
             .push(id);
         self.touch(owner, now);
         tracing::info!(segment = %name, %owner, size, disk_capacity, "segment mounted");
-        Ok(())
+        Ok(mounted)
     }
 
     pub fn unmount_segment(

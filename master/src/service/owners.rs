@@ -9,7 +9,9 @@ use mooncake_common::{ClientId, DiskStats, ObjectKey, SegmentName};
 
 use super::MasterService;
 use crate::{
-    core::{Freed, HeartbeatReply, MountReport, OwnerTask, ReportOutcome, Reported, TaskKind},
+    core::{
+        Freed, HeartbeatReply, MountReport, Mounted, OwnerTask, ReportOutcome, Reported, TaskKind,
+    },
     error::MasterError,
     metrics::Op,
 };
@@ -47,7 +49,7 @@ impl MasterService {
         size: u64,
         disk_capacity: u64,
         report: MountReport,
-    ) -> Result<(), MasterError> {
+    ) -> Result<Mounted, MasterError> {
         let now = self.shared.clock.now();
         let res = self.shared.state.lock().mount_segment(
             owner,

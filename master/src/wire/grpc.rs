@@ -13,7 +13,7 @@ use super::{
     BadRequest,
 };
 use crate::{
-    core::{HeartbeatReply, MountReport, OwnerTask, Reported, TaskKind, TaskRequest},
+    core::{HeartbeatReply, MountReport, Mounted, OwnerTask, Reported, TaskKind, TaskRequest},
     error::MasterError,
     service::{Caller, MasterService, TaskReport},
 };
@@ -119,16 +119,15 @@ impl pb::master_server::Master for GrpcMaster {
             newest_grant: r.newest_grant,
             objects: r.catalog_objects,
         };
-        let (code, message) =
-            code_and_message(
-                &self
-                    .0
-                    .mount_segment(owner, name, r.size, r.disk_capacity, report),
-            );
+        let mounted = self
+            .0
+            .mount_segment(owner, name, r.size, r.disk_capacity, report);
+        let (code, message) = code_and_message(&mounted);
         Ok(Response::new(pb::MountSegmentResponse {
             code,
             message,
             epoch: self.0.epoch(),
+            report_catalog: mounted == Ok(Mounted::AwaitingReport),
         }))
     }
 

@@ -182,7 +182,7 @@ impl MasterLink {
                 message: resp.message,
             });
         }
-        if !entries.is_empty() {
+        if resp.report_catalog {
             self.report_catalog(&entries).await?;
         }
         self.epoch
