@@ -206,14 +206,23 @@ impl MasterState {
             .expect("ranges were checked to be sorted, aligned, apart and inside");
         seg.allocator = allocator;
         for (item, allocation) in items.into_iter().zip(allocations) {
+            let put_id = item.stamp.put_id;
             match self.adopt(segment, item, allocation, now) {
                 Ok(()) => outcome.registered += 1,
                 Err(allocation) => {
+                    // The owner forgets it too, as when a newer version replaces an adopted one:
+                    // kept there, it would come back at the next rebuild once the version that
+                    // won is gone.
+                    let replica = Replica {
+                        segment,
+                        allocation,
+                    };
+                    self.note_freed(&replica, put_id);
                     self.segments
                         .get_mut(&segment)
                         .expect("still mounted")
                         .allocator
-                        .free(allocation);
+                        .free(replica.allocation);
                     outcome.refused += 1;
                 }
             }

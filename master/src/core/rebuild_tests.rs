@@ -157,6 +157,16 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
         .unwrap()
         .unwrap();
     assert_eq!((done.registered, done.refused), (1, 1));
+    let freed: Vec<(u64, u64)> = s
+        .take_freed(owner(1))
+        .iter()
+        .map(|f| (f.offset, f.put_id))
+        .collect();
+    assert_eq!(
+        freed,
+        vec![(8192, 850)],
+        "the refused older version's owner forgets it"
+    );
     assert_eq!(lookup(&mut s, "a", 2_900), Ok(2));
     assert_eq!(lookup(&mut s, "c", 2_900), Ok(1));
     assert!(matches!(
