@@ -209,3 +209,49 @@ async fn a_hold_from_before_a_restart_leaves_the_new_masters_leases_alone() {
         "the new master's lease was ended by a hold the old one granted: {err}"
     );
 }
+
+/// A removal asked of a restarted master before the owner holding the key has reported waits
+/// for the report and removes it: before, the master answered "not found", the caller took the
+/// key as gone, and the report brought it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_during_the_rebuild_waits_for_the_report() {
+    let port = free_port();
+    let rpc = format!("127.0.0.1:{port}");
+    let mut master = master_on(port);
+    let (owner, _seg) = spawn_owner(&rpc, "16MiB", &["--heartbeat-interval", "200ms"]);
+    let client = Client::connect(ClientConfig {
+        rpc_timeout: Duration::from_secs(8),
+        ..ClientConfig::new(&rpc)
+    })
+    .await
+    .unwrap();
+    let keys = vec!["gone/0".to_string()];
+    put_payloads(&client, &keys, SIZE, &ReplicateConfig::default()).await;
+
+    // The owner cannot report until it is let go on.
+    owner.signal(libc::SIGSTOP);
+    master.signal(libc::SIGKILL);
+    master.wait_exit(Duration::from_secs(5));
+    let _master = master_on(port);
+    // The client's connection went with the old master: a call that changes nothing finds the
+    // new one (a removal is not asked twice after a broken connection).
+    let mut reconnected = false;
+    for _ in 0..50 {
+        if client.list_segments().await.is_ok() {
+            reconnected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(reconnected);
+    let removal = tokio::spawn(async move {
+        let r = client.remove("gone/0", false).await;
+        (client, r)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    owner.signal(libc::SIGCONT);
+    let (client, removed) = removal.await.unwrap();
+    removed.expect("removed once its owner reported it");
+    let mut buf = vec![0u8; SIZE];
+    assert_eq!(get_code(&client.get("gone/0", &mut buf).await), -704);
+}

@@ -2,9 +2,10 @@
 //! owners' reports answers UNAVAILABLE_IN_CURRENT_STATUS for keys it does not know yet, and a
 //! restarted one refuses the connections of its predecessor. A lookup that gets either answer
 //! (for any key, or for the call) is asked again, with a growing pause, until the answer is
-//! definite or the caller's deadline (the RPC timeout) would pass. Only lookups (`get_replicas`,
-//! `exists`) are retried: they change nothing, so asking twice is safe. The other calls pass
-//! through.
+//! definite or the caller's deadline (the RPC timeout) would pass. Lookups (`get_replicas`,
+//! `exists`) are retried: they change nothing, so asking twice is safe. So are removals, but only
+//! what the master answered "not known yet" (it removed nothing of that): the keys of a `remove`
+//! so answered, a `remove_all` refused as a whole. The other calls pass through.
 
 use std::{sync::Arc, time::Duration};
 
@@ -123,12 +124,50 @@ impl MasterApi for Patient {
         )
     }
 
+    // Only the keys answered "not known yet" are asked again: the others' answers stand (a
+    // removed key asked again would read "not found").
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
-        self.inner.remove(keys, force)
+        Box::pin(async move {
+            let give_up = Instant::now() + self.deadline;
+            let mut pause = FIRST_PAUSE;
+            let mut answers = self.inner.remove(keys, force).await?;
+            loop {
+                let waiting: Vec<usize> = (0..answers.len())
+                    .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
+                    .collect();
+                if waiting.is_empty() || Instant::now() + pause >= give_up {
+                    return Ok(answers);
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(LONGEST_PAUSE);
+                let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
+                let Ok(Ok(next)) =
+                    tokio::time::timeout_at(give_up, self.inner.remove(&again, force)).await
+                else {
+                    return Ok(answers);
+                };
+                for (i, a) in waiting.into_iter().zip(next) {
+                    answers[i] = a;
+                }
+            }
+        })
     }
 
+    // Refused as a whole while the master rebuilds (nothing was removed): asked again.
     fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
-        self.inner.remove_all(force, key_regex)
+        Box::pin(async move {
+            let give_up = Instant::now() + self.deadline;
+            let mut pause = FIRST_PAUSE;
+            loop {
+                let answer = self.inner.remove_all(force, key_regex).await;
+                let again = answer.as_ref().is_err_and(|e| not_yet(&e.code));
+                if !again || Instant::now() + pause >= give_up {
+                    return answer;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(LONGEST_PAUSE);
+            }
+        })
     }
 
     fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
@@ -159,6 +198,7 @@ impl MasterApi for Patient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mooncake_common::master_api::ApiError;
 
     /// A master rebuilding its catalog for `rebuilding`: it knows only `known` keys yet (and
     /// leases them), the others answer "not yet". Then it knows every key, or with `silent` it
@@ -172,6 +212,7 @@ mod tests {
         released: std::sync::Mutex<Vec<(Vec<String>, u64)>>,
         /// Calls answered (not met by the silence).
         answered: std::sync::atomic::AtomicUsize,
+        removed: std::sync::Mutex<Vec<String>>,
     }
 
     impl Rebuilding {
@@ -183,6 +224,7 @@ mod tests {
                 silent,
                 released: Default::default(),
                 answered: Default::default(),
+                removed: Default::default(),
             }
         }
     }
@@ -226,11 +268,38 @@ mod tests {
                 })
             })
         }
-        fn remove<'a>(&'a self, _: &'a [&'a str], _: bool) -> Call<'a, Vec<Result<(), Code>>> {
-            unreachable!("only lookups are asked")
+        // Every key exists once: a removal of one known (or, once rebuilt, of any) takes it.
+        fn remove<'a>(&'a self, keys: &'a [&'a str], _: bool) -> Call<'a, Vec<Result<(), Code>>> {
+            Box::pin(async move {
+                let rebuilt = self.started.elapsed() >= self.rebuilding;
+                let mut removed = self.removed.lock().unwrap();
+                Ok(keys
+                    .iter()
+                    .map(|k| {
+                        if removed.iter().any(|r| r == k) {
+                            Err(Code::ObjectNotFound)
+                        } else if rebuilt || self.known.contains(k) {
+                            removed.push(k.to_string());
+                            Ok(())
+                        } else {
+                            Err(Code::UnavailableInCurrentStatus)
+                        }
+                    })
+                    .collect())
+            })
         }
         fn remove_all<'a>(&'a self, _: bool, _: Option<&'a str>) -> Call<'a, u64> {
-            unreachable!("only lookups are asked")
+            Box::pin(async move {
+                self.answered
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if self.started.elapsed() < self.rebuilding {
+                    return Err(ApiError::new(
+                        Code::UnavailableInCurrentStatus,
+                        "rebuilding",
+                    ));
+                }
+                Ok(3)
+            })
         }
         fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
             unreachable!("only lookups are asked")
@@ -253,6 +322,33 @@ mod tests {
         ) -> Call<'a, Vec<Result<(), Code>>> {
             unreachable!("only lookups are asked")
         }
+    }
+
+    /// Keys a rebuilding master does not know yet are asked again until it does; keys it removed
+    /// at the first try keep that answer (asked again, they would read "not found").
+    #[tokio::test]
+    async fn a_removal_asks_again_only_for_keys_not_known_yet() {
+        let master = Arc::new(Rebuilding::new(Duration::from_millis(50), &["a"], false));
+        let patient = Patient::new(master.clone(), Duration::from_secs(5));
+        let answer = patient.remove(&["a", "b"], false).await.unwrap();
+        assert_eq!(answer, vec![Ok(()), Ok(())]);
+        assert_eq!(*master.removed.lock().unwrap(), vec!["a", "b"]);
+        let answer = patient.remove(&["a"], false).await.unwrap();
+        assert_eq!(answer, vec![Err(Code::ObjectNotFound)]);
+    }
+
+    /// A removal of everything refused while the master rebuilds is asked again; past the
+    /// deadline the refusal stands.
+    #[tokio::test]
+    async fn remove_all_waits_out_a_rebuild_within_the_deadline() {
+        let master = Arc::new(Rebuilding::new(Duration::from_millis(50), &[], false));
+        let patient = Patient::new(master.clone(), Duration::from_secs(5));
+        assert_eq!(patient.remove_all(false, None).await.unwrap(), 3);
+        assert!(master.answered.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+        let master = Arc::new(Rebuilding::new(Duration::from_secs(60), &[], false));
+        let patient = Patient::new(master, Duration::from_millis(100));
+        let refused = patient.remove_all(false, None).await.unwrap_err();
+        assert_eq!(refused.code, Code::UnavailableInCurrentStatus);
     }
 
     /// A retry gets only what is left of the deadline: a master that goes silent late in a

@@ -625,11 +625,15 @@ impl MasterState {
     /// it the space is free at once: a reader still inside its lease cannot get another key's
     /// bytes, because owners refuse a read of a range being rewritten or no longer holding the
     /// key (the reader gets an error instead).
+    /// A key not known while owners may still report it is "not known yet", as for a lookup:
+    /// answered "not found", the caller would take it as gone, and the report bring it back.
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
-        let obj = self
-            .objects
-            .get(key)
-            .ok_or_else(|| MasterError::NotFound(key.clone()))?;
+        let Some(obj) = self.objects.get(key) else {
+            if self.rebuilding(now) {
+                return Err(MasterError::Rebuilding(key.clone()));
+            }
+            return Err(MasterError::NotFound(key.clone()));
+        };
         if !force {
             if !obj.phase.is_complete() {
                 return Err(MasterError::NotReady(key.clone()));

@@ -443,6 +443,15 @@ impl MasterService {
         let now = self.shared.clock.now();
         let removed = {
             let mut state = self.shared.state.lock();
+            if state.rebuilding(now) {
+                drop(state);
+                self.shared.metrics.record(Op::RemoveAll, 1, 1);
+                return Err(MasterError::Busy(
+                    "the master is rebuilding its catalog from the owners' reports, and objects \
+                     not reported yet cannot be removed: retry shortly"
+                        .into(),
+                ));
+            }
             let removed = match &matched {
                 Some(keys) => state.remove_listed(force, keys, now),
                 None if tenant.is_default() && state.tenant_usage().len() <= 1 => {
