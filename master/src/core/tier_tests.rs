@@ -305,13 +305,15 @@ fn the_owner_dropping_a_record_removes_a_disk_only_object() {
 #[test]
 fn records_found_after_a_restart_are_registered_unless_the_key_is_taken() {
     let (mut s, id) = tiered(2 * MIB, Policy::default());
-    let v = s.register_disk(id, &k("a"), 1000, 77).unwrap();
+    let v = s.register_disk(id, &k("a"), 1000, 77, Millis(0)).unwrap();
     assert_eq!(tiers(&mut s, "a", 1), vec![Tier::Disk]);
     // The same version again (a remount) is fine; another one is not.
-    assert_eq!(s.register_disk(id, &k("a"), 1000, v), Ok(v));
+    assert_eq!(s.register_disk(id, &k("a"), 1000, v, Millis(0)), Ok(v));
+    // A version older than the catalog's (as any record is, that this master's puts followed).
+    s.raise_grants(1000);
     put(&mut s, "b", 100, 3).unwrap();
     assert!(matches!(
-        s.register_disk(id, &k("b"), 100, 5),
+        s.register_disk(id, &k("b"), 100, 5, Millis(4)),
         Err(MasterError::Exists(_))
     ));
     // A segment without an SSD tier cannot take disk work.
@@ -319,6 +321,53 @@ fn records_found_after_a_restart_are_registered_unless_the_key_is_taken() {
         .unwrap();
     assert!(s.disk_segment(owner(1), &seg(1)).is_err());
     assert!(s.disk_segment(owner(0), &seg(1)).is_err());
+    s.check_invariants().unwrap();
+}
+
+/// Two owners restarted on their SSD directories hold two versions of a key, and the older one
+/// registers first: the newer one still wins, and the older one's owner is told to drop it.
+/// Before, the newer one was refused, its owner deleted it, and gets served the older bytes.
+#[test]
+fn a_newer_version_found_on_disk_replaces_an_older_one_registered_first() {
+    let (mut s, old_seg) = tiered(2 * MIB, Policy::default());
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    let new_seg = s.disk_segment(owner(1), &seg(1)).unwrap();
+    assert_eq!(
+        s.register_disk(old_seg, &k("a"), 1000, 77, Millis(1)),
+        Ok(77)
+    );
+    assert_eq!(
+        s.register_disk(new_seg, &k("a"), 900, 80, Millis(2)),
+        Ok(80)
+    );
+    let (size, views) = s.get_replicas(&k("a"), Millis(3)).unwrap();
+    assert_eq!((size, views.len(), views[0].put_id), (900, 1, 80));
+    assert_eq!(views[0].segment, seg(1));
+    // The older version's record goes from its disk; registered again (a remount before the
+    // drop), it is refused.
+    let drops = s.take_tasks(old_seg, 10, Millis(4));
+    assert!(
+        drops
+            .iter()
+            .any(|t| t.kind == TaskKind::Drop && t.put_id == 77),
+        "{drops:?}"
+    );
+    assert!(s
+        .register_disk(old_seg, &k("a"), 1000, 77, Millis(5))
+        .is_err());
+    // An older one than the catalog's is refused, as before.
+    assert!(matches!(
+        s.register_disk(old_seg, &k("a"), 1000, 79, Millis(6)),
+        Err(MasterError::Exists(_))
+    ));
     s.check_invariants().unwrap();
 }
 
@@ -380,7 +429,7 @@ fn a_removed_version_is_not_registered_again_by_an_owner_that_never_dropped_it()
     )
     .unwrap();
     let id = s.disk_segment(owner(7), &seg(0)).unwrap();
-    assert!(s.register_disk(id, &k("a"), MIB, v).is_err());
+    assert!(s.register_disk(id, &k("a"), MIB, v, Millis(10)).is_err());
     assert_eq!(s.key_count(), 0);
     // Once refused, the tombstone is spent: the owner drops its record.
     s.check_invariants().unwrap();

@@ -560,14 +560,17 @@ impl MasterState {
     /// An owner restarted on its SSD directory found version `put_id` of `key` there: the
     /// object becomes readable from disk again, under that same version (versions are unique
     /// across master processes, so the record's header stays the truth). Refused when the key
-    /// exists with another version, or when this version was removed while the owner could not
-    /// drop it (a tombstone).
+    /// exists with a newer version or one being written, or when this version was removed while
+    /// the owner could not drop it (a tombstone). An older version the catalog has (adopted
+    /// from a report, or registered from another disk first) goes: as in a rebuild, the newer
+    /// one wins whichever order they come in.
     pub fn register_disk(
         &mut self,
         segment: SegmentId,
         key: &ObjectKey,
         size: u64,
         put_id: u64,
+        now: Millis,
     ) -> Result<u64, MasterError> {
         if size == 0 {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
@@ -588,7 +591,13 @@ impl MasterState {
                 }
                 return Ok(put_id);
             }
-            return Err(MasterError::Exists(key.clone()));
+            if obj.put_id > put_id || !obj.phase.is_complete() {
+                return Err(MasterError::Exists(key.clone()));
+            }
+            tracing::info!(%key, older = obj.put_id, newer = put_id,
+                "a newer version was found on disk: the older one in the catalog goes");
+            self.remove(key, true, now)
+                .expect("a complete object can be removed by force");
         }
         let mut obj = Object::new(
             key.clone(),

@@ -199,16 +199,20 @@ impl MasterService {
         segment: &SegmentName,
         records: &[(&str, u64, u64)],
     ) -> Result<Vec<Result<u64, MasterError>>, MasterError> {
+        let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
         let id = state.disk_segment(owner, segment)?;
-        Ok(records
+        let registered = records
             .iter()
             .map(|&(key, size, put_id)| {
                 ObjectKey::new(key)
                     .map_err(MasterError::from)
-                    .and_then(|k| state.register_disk(id, &k, size, put_id))
+                    .and_then(|k| state.register_disk(id, &k, size, put_id, now))
             })
-            .collect())
+            .collect();
+        // An older version replaced may have left work for its owners (drops).
+        self.shared.wake_owners(&mut state);
+        Ok(registered)
     }
 
     /// A chunk of the catalog an owner reports after mounting; the last (`done`) merges it.
