@@ -275,7 +275,7 @@ impl Client {
 
     /// Like `batch_get_owned`, with the buffers made by `alloc` from each found object's size
     /// (called once per hit, in key order, before any read starts); an error from `alloc` is
-    /// that key's result.
+    /// that key's result, and so is a buffer shorter than the size asked (BufferTooSmall).
     pub async fn batch_get_alloc<B: AsMut<[u8]> + Send>(
         &self,
         keys: &[&str],
@@ -317,7 +317,16 @@ impl Client {
                 let hit = hit
                     .as_ref()
                     .map_err(|code| ClientError::master(*code, format!("get {key}")))?;
-                let buf = alloc(hit.size as usize)?;
+                let mut buf = alloc(hit.size as usize)?;
+                let have = buf.as_mut().len();
+                if (have as u64) < hit.size {
+                    // An allocator's short buffer (a `Vec::with_capacity`, say) must not pass
+                    // for the whole value.
+                    return Err(ClientError::BufferTooSmall {
+                        need: hit.size,
+                        have,
+                    });
+                }
                 Ok((key, hit, buf))
             })
             .collect();

@@ -52,6 +52,30 @@ async fn values_from_one_byte_to_16_mib_round_trip() {
     assert_eq!(client.get("rt/63", &mut big).await.unwrap(), 63);
     assert_eq!(&big[..63], &values[2][..]);
     assert!(big[63..].iter().all(|b| *b == 0xAA));
+
+    // Buffers an allocator makes: one shorter than the value is refused, not filled in part
+    // and passed for the whole (a `Vec::with_capacity` has length 0).
+    let short = client
+        .batch_get_alloc(&["rt/4097", "rt/63"], |n| {
+            Ok(if n == 4097 {
+                Vec::with_capacity(n)
+            } else {
+                vec![0u8; n]
+            })
+        })
+        .await;
+    assert!(
+        matches!(
+            short[0],
+            Err(mooncake_client::ClientError::BufferTooSmall {
+                need: 4097,
+                have: 0
+            })
+        ),
+        "{:?}",
+        short[0].as_ref().map(Vec::len)
+    );
+    assert_eq!(short[1].as_deref().unwrap(), &values[2][..]);
     c.shutdown().await;
 }
 
