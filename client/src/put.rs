@@ -204,6 +204,12 @@ impl Client {
                 }
             }
             Err(e) => {
+                // The puts may not have ended: revoked, so that a retry is not told the key
+                // exists (another writer's put in flight) for an object that never comes. One
+                // that did end stays (the master refuses to revoke it).
+                if let Err(re) = self.master.put_revoke(&puts).await {
+                    tracing::warn!(error = %re, "revoking puts whose end failed failed; the master reclaims them after its release timeout");
+                }
                 let e = ClientError::from(e);
                 for i in idx {
                     results[i] = Some(Err(e.for_each_key()));

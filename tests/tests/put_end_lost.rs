@@ -1,0 +1,97 @@
+//! A put whose end never reached the master: the client revokes it, so the key is free again.
+//! Before, the put stayed in flight until the master's release timeout (10 minutes), and a retry
+//! was told the key exists (`Ok(AlreadyExists)`) for an object that never came. Real master and
+//! owner; the lost call is the one thing faked.
+
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
+
+use mooncake_client::{Client, MasterApi, PutOutcome, ReplicateConfig};
+use mooncake_common::{
+    master_api::{Call, Existence, Grants, Lookup, Releases, SegmentUsage},
+    ApiError, Code, ReplicaTaskSpec, ReplicaTaskState,
+};
+use mooncake_tests::{payload, transport, Cluster};
+
+/// The in-process master, except that the first `put_end` is lost on its way (never forwarded).
+struct LosesFirstEnd {
+    inner: Arc<dyn MasterApi>,
+    lost: AtomicBool,
+}
+
+impl MasterApi for LosesFirstEnd {
+    fn put_start<'a>(
+        &'a self,
+        items: &'a [(&'a str, u64)],
+        config: &'a ReplicateConfig,
+    ) -> Call<'a, Grants> {
+        self.inner.put_start(items, config)
+    }
+    fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            return Box::pin(async { Err(ApiError::new(Code::RpcFail, "lost on its way")) });
+        }
+        self.inner.put_end(puts)
+    }
+    fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        self.inner.put_revoke(puts)
+    }
+    fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
+        self.inner.get_replicas(keys, release)
+    }
+    fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
+        self.inner.exists(keys, release)
+    }
+    fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
+        self.inner.remove(keys, force)
+    }
+    fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
+        self.inner.remove_all(force, key_regex)
+    }
+    fn list_segments(&self) -> Call<'_, Vec<SegmentUsage>> {
+        self.inner.list_segments()
+    }
+    fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
+        self.inner.release_leases(release)
+    }
+    fn create_replica_task<'a>(&'a self, key: &'a str, spec: ReplicaTaskSpec<'a>) -> Call<'a, u64> {
+        self.inner.create_replica_task(key, spec)
+    }
+    fn query_task(&self, id: u64) -> Call<'_, ReplicaTaskState> {
+        self.inner.query_task(id)
+    }
+    fn replica_clear<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        segment: Option<&'a str>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        self.inner.replica_clear(keys, segment)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_whose_end_was_lost_is_revoked_and_can_be_put_again() {
+    let c = Cluster::start(&[16 << 20]).await;
+    let master = Arc::new(LosesFirstEnd {
+        inner: Arc::new(c.master.in_process()),
+        lost: AtomicBool::new(false),
+    });
+    let client = Client::with_master(master, None, transport(&c.client_config()))
+        .await
+        .unwrap();
+    let value = payload("k", 100_000);
+    let cfg = ReplicateConfig::default();
+    let first = client.put("k", &value, &cfg).await;
+    assert!(first.is_err(), "{first:?}");
+    assert_eq!(
+        client.put("k", &value, &cfg).await.unwrap(),
+        PutOutcome::Stored,
+        "the retry stores the object"
+    );
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
+    assert!(buf == value);
+    c.shutdown().await;
+}
