@@ -385,13 +385,23 @@ pub fn spawn_master(extra: &[&str]) -> (ChildGuard, String, String) {
 
 /// Starts the owner binary against `master`; returns it with its segment name.
 pub fn spawn_owner(master: &str, size: &str, extra: &[&str]) -> (ChildGuard, String) {
+    spawn_owner_on(master, size, "0", extra)
+}
+
+/// `spawn_owner` on data port `port` ("0": any free one).
+pub fn spawn_owner_on(
+    master: &str,
+    size: &str,
+    port: &str,
+    extra: &[&str],
+) -> (ChildGuard, String) {
     let mut args = vec![
         "--master",
         master,
         "--host",
         "127.0.0.1",
         "--port",
-        "0",
+        port,
         "--segment-size",
         size,
         "--no-mlock",

@@ -2,7 +2,8 @@
 //! TTL, new puts go to the surviving owner, and calls in flight finish (with errors) within their
 //! deadlines. A stopped (SIGSTOP) owner turns reads into errors within the transfer timeout, and
 //! a key repeated in a batch whose write failed reports the failure for every occurrence. The
-//! idle connections to an owner that went are dropped once a new owner is met.
+//! idle connections to an owner that went are dropped once a new owner is met, and never used
+//! for a call to an owner restarted on the same address.
 
 use std::time::{Duration, Instant};
 
@@ -278,4 +279,42 @@ async fn connections_to_an_owner_that_went_are_dropped_when_a_new_one_is_met() {
         0,
         "a connection to the owner that went"
     );
+}
+
+/// An owner restarted on the same address: the client's idle connections to its predecessor
+/// are closed, and the next call opens a new one instead of failing on an old one (its write
+/// passed and its read met end of file: -800 for the whole chunk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_call_to_an_owner_restarted_on_its_address_succeeds() {
+    let (_master, rpc, _http) = spawn_master(&[]);
+    let port = mooncake_tests::free_port().to_string();
+    let args = ["--heartbeat-interval", "200ms"];
+    let (mut owner, seg) = mooncake_tests::spawn_owner_on(&rpc, "16MiB", &port, &args);
+    let cfg = ClientConfig {
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        ..client_config(&rpc)
+    };
+    let tcp = mooncake_tests::tcp_transport(&cfg);
+    let client = Client::connect_with(cfg, None, tcp.clone()).await.unwrap();
+    let v = payload("first", 64 << 10);
+    client
+        .put("first", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let name = SegmentName::parse(&seg).unwrap();
+    assert_eq!(tcp.idle_connections(&name), 1);
+
+    owner.signal(libc::SIGKILL);
+    assert!(owner.wait_exit(Duration::from_secs(10)).is_some());
+    let (_owner, again) = mooncake_tests::spawn_owner_on(&rpc, "16MiB", &port, &args);
+    assert_eq!(again, seg, "the same address");
+    let w = payload("second", 64 << 10);
+    client
+        .put("second", &w, &ReplicateConfig::default())
+        .await
+        .expect("the first put to the restarted owner");
+    let mut buf = vec![0u8; w.len()];
+    client.get("second", &mut buf).await.unwrap();
+    assert!(buf == w, "wrong bytes");
 }

@@ -181,7 +181,16 @@ impl TcpTransport {
         permit: OwnedSemaphorePermit,
         deadline: Instant,
     ) -> Result<Checkout, TransferError> {
-        let pooled = owner.idle.lock().pop();
+        // An idle connection the owner closed meanwhile (it restarted, say, on the same port)
+        // is dropped, not used: its write would pass and its read fail the whole chunk.
+        let pooled = loop {
+            let Some(c) = owner.idle.lock().pop() else {
+                break None;
+            };
+            if c.is_open() {
+                break Some(c);
+            }
+        };
         let conn = match pooled {
             Some(c) => c,
             None => {
