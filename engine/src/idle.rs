@@ -46,9 +46,15 @@ impl<S> Default for IdleConns<S> {
 }
 
 impl<S: Probe> IdleConns<S> {
-    /// An idle connection to `peer`, if one is kept.
+    /// An idle connection to `peer` that is still open, if one is kept (those the peer closed
+    /// meanwhile go: a peer restarted on the same address would fail the call on them).
     pub fn take(&self, peer: &str) -> Option<S> {
-        self.by_peer.lock().get_mut(peer).and_then(Vec::pop)
+        loop {
+            let conn = self.by_peer.lock().get_mut(peer).and_then(Vec::pop)?;
+            if conn.is_open() {
+                return Some(conn);
+            }
+        }
     }
 
     /// Keeps `conn` for the next call to `peer`.
@@ -112,5 +118,27 @@ mod tests {
         assert!(idle.by_peer.lock().contains_key("peer-a:1"));
         assert!(idle.take("peer-b:1").is_some_and(|s| s.is_open()));
         assert!(idle.take("peer-c:1").is_some());
+    }
+
+    /// A connection the peer closed is never handed out: the next one kept is, or none.
+    #[test]
+    fn a_closed_connection_is_not_taken() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let idle = IdleConns::default();
+        let (open, _open_far) = pair(&listener);
+        let (closed, closed_far) = pair(&listener);
+        idle.put("peer:1", open);
+        idle.put("peer:1", closed);
+        drop(closed_far);
+        let probe = idle.by_peer.lock()["peer:1"][1].try_clone().unwrap();
+        for _ in 0..100 {
+            if !probe.is_open() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        drop(probe);
+        assert!(idle.take("peer:1").is_some_and(|s| s.is_open()));
+        assert!(idle.take("peer:1").is_none());
     }
 }
