@@ -102,3 +102,49 @@ async fn a_retried_mount_after_a_merged_report_succeeds() {
     );
     master.shutdown().await;
 }
+
+/// The master keeps the notes of ranges to forget until a heartbeat says they were applied:
+/// one whose answer is lost on its way loses none, and the owner's next heartbeat acknowledges
+/// them. Before, they were handed out once; with the answer lost, the object came back at the
+/// next rebuild.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freed_range_notes_stay_until_the_owner_applied_them() {
+    use mooncake_common::{master_api::MasterApi, ClientId, SegmentName};
+    use mooncake_owner::{catalog::Catalog, master_link::MasterLink};
+    use std::sync::Arc;
+
+    let master = RunningMaster::start(master_config()).await.unwrap();
+    let owner = ClientId::from_u128(43);
+    let link = MasterLink::new(
+        &master.rpc_addr.to_string(),
+        mooncake_common::leader::DEFAULT_CLUSTER_ID,
+        owner,
+        SegmentName::parse("127.0.0.1:2").unwrap(),
+        1 << 20,
+        Duration::from_secs(3),
+        None,
+        Arc::new(Catalog::default()),
+        None,
+        None,
+    )
+    .unwrap();
+    link.mount().await.unwrap();
+    // An object put and removed (no bytes needed: the owner only forgets its range).
+    let api = master.in_process();
+    let grant = api
+        .put_start(&[("gone", 4096)], &ReplicateConfig::default())
+        .await
+        .unwrap();
+    let put_id = grant.results[0].as_ref().unwrap().put_id;
+    api.put_end(&[("gone", put_id)]).await.unwrap()[0].unwrap();
+    api.remove(&["gone"], false).await.unwrap()[0].unwrap();
+    let pending = || master.with_state_mut(|s| s.freed_notes(owner, 0).len());
+    assert_eq!(pending(), 1);
+
+    // Handed out, and kept until the next heartbeat says it was applied.
+    assert!(!link.heartbeat(Duration::from_secs(2)).await.unwrap());
+    assert_eq!(pending(), 1, "not acknowledged yet");
+    assert!(!link.heartbeat(Duration::from_secs(2)).await.unwrap());
+    assert_eq!(pending(), 0, "acknowledged");
+    master.shutdown().await;
+}

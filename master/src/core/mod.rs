@@ -147,7 +147,8 @@ fn count_disk_copy(segments: &mut BTreeMap<SegmentId, Segment>, segment: Segment
 struct Owner {
     last_seen: Millis,
     segments: Vec<SegmentId>,
-    /// Ranges whose objects are gone, for the owner to forget at its next heartbeat.
+    /// Ranges whose objects are gone, for the owner to forget: handed out at each heartbeat
+    /// until one says they were applied (an answer lost on its way loses none).
     freed: VecDeque<Freed>,
 }
 
@@ -160,11 +161,16 @@ pub struct Freed {
     /// Every grant of the range issued before the note is older than this; a copy of the same
     /// version written there later (a replica task, a promotion) has a newer grant and stays.
     pub granted_before: u64,
+    /// Increasing over this master's notes (to all owners): a heartbeat says the largest it
+    /// applied, and the notes up to it go.
+    pub seq: u64,
 }
 
-/// Freed ranges kept per owner until its next heartbeat, at most (16 bytes each); the oldest go
-/// first beyond it, and those objects may come back after a master restart.
+/// Freed ranges kept per owner until it says it applied them, at most (32 bytes each); the
+/// oldest go first beyond it, and those objects may come back after a master restart.
 const MAX_FREED_NOTES: usize = 1 << 16;
+/// The most notes one heartbeat's answer carries (about 0.5 MiB); the rest go with the next.
+const MAX_FREED_PER_REPLY: usize = 1 << 14;
 
 /// Put ids (an object's version, and the grant its writes are fenced by): increasing for the
 /// master's lifetime and, through `MasterState::raise_grants`, beyond every id an earlier master
@@ -256,6 +262,8 @@ pub struct MasterState {
     last_early_offload: Millis,
     /// Versions removed while an owner (by segment name) still held them on disk.
     tombstones: tombstones::Tombstones,
+    /// The sequence number of the next freed-range note.
+    next_freed: u64,
     /// When upkeep last ran (see `tick`): a long gap means the master itself was away.
     last_tick: Option<Millis>,
     /// Whether unknown keys may still be reported by owners (see `rebuild`).
@@ -317,6 +325,7 @@ impl MasterState {
             unfinished: BTreeMap::new(),
             last_early_offload: Millis(0),
             tombstones: Default::default(),
+            next_freed: 1,
             last_tick: None,
             rebuild: rebuild::Rebuild::Over,
             born: None,

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use super::{
     allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, MasterState, Owner, Segment,
-    SegmentId, MAX_FREED_NOTES,
+    SegmentId, MAX_FREED_NOTES, MAX_FREED_PER_REPLY,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -152,12 +152,25 @@ impl MasterState {
         }
     }
 
-    /// The ranges `owner` should forget (see `Freed`), handed out once.
+    /// The ranges `owner` should forget (see `Freed`), oldest first, at most
+    /// `MAX_FREED_PER_REPLY`: those it said it applied (`seq` up to `applied`) go first, the
+    /// others are handed out again until it says so.
+    pub fn freed_notes(&mut self, owner: ClientId, applied: u64) -> Vec<Freed> {
+        let Some(o) = self.owners.get_mut(&owner) else {
+            return Vec::new();
+        };
+        while o.freed.front().is_some_and(|f| f.seq <= applied) {
+            o.freed.pop_front();
+        }
+        o.freed.iter().take(MAX_FREED_PER_REPLY).copied().collect()
+    }
+
+    /// The ranges `owner` should forget, as if it applied them at once.
+    #[cfg(test)]
     pub fn take_freed(&mut self, owner: ClientId) -> Vec<Freed> {
-        self.owners
-            .get_mut(&owner)
-            .map(|o| o.freed.drain(..).collect())
-            .unwrap_or_default()
+        let notes = self.freed_notes(owner, 0);
+        self.freed_notes(owner, notes.last().map_or(0, |f| f.seq));
+        notes
     }
 
     /// Notes that the range `r` held version `put_id` of an object that is gone.
@@ -174,7 +187,9 @@ impl MasterState {
                 offset: r.allocation.offset(),
                 put_id,
                 granted_before,
+                seq: self.next_freed,
             });
+            self.next_freed += 1;
         }
     }
 

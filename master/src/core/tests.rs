@@ -159,6 +159,40 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
     s.check_invariants().unwrap();
 }
 
+/// A heartbeat's notes stay until a later heartbeat says they were applied: an answer lost on
+/// its way loses none (before, they were handed out once, and a removed object could come back
+/// at the next rebuild).
+#[test]
+fn freed_range_notes_are_sent_again_until_applied() {
+    let mut s = state_with(&[64 * MIB]);
+    let a = put(&mut s, "a", 1000, &cfg(1), 0).unwrap();
+    let b = put(&mut s, "b", 1000, &cfg(1), 0).unwrap();
+    s.remove(&k("a"), false, Millis(1)).unwrap();
+    let first = s.freed_notes(owner(0), 0);
+    assert_eq!(first.len(), 1);
+    assert_eq!(
+        (first[0].offset, first[0].put_id),
+        (a.replicas[0].offset, a.put_id)
+    );
+    assert_eq!(
+        s.freed_notes(owner(0), 0),
+        first,
+        "the answer was lost: again"
+    );
+    s.remove(&k("b"), false, Millis(2)).unwrap();
+    let both = s.freed_notes(owner(0), 0);
+    assert_eq!(both.len(), 2);
+    assert!(both[1].seq > both[0].seq);
+    // The first applied: only the second is sent; then that one too.
+    let rest = s.freed_notes(owner(0), first[0].seq);
+    assert_eq!(rest.len(), 1);
+    assert_eq!(
+        (rest[0].offset, rest[0].put_id),
+        (b.replicas[0].offset, b.put_id)
+    );
+    assert!(s.freed_notes(owner(0), rest[0].seq).is_empty());
+}
+
 #[test]
 fn owners_are_told_which_ranges_to_forget_when_objects_go() {
     let mut s = state_with(&[64 * MIB]);

@@ -78,11 +78,13 @@ impl MasterService {
     }
 
     /// Records that `owner` is alive (and its SSD tier's state, if it has one); returns the
-    /// ranges it should forget, whose objects are gone.
+    /// ranges it should forget, whose objects are gone, past the notes it says it applied:
+    /// `applied` is (epoch, largest note), and counts only if the epoch is this master's.
     pub fn heartbeat(
         &self,
         owner: ClientId,
         disk: Option<DiskStats>,
+        applied: (u64, u64),
     ) -> (HeartbeatReply, Vec<Freed>) {
         let now = self.shared.clock.now();
         let reply = {
@@ -91,7 +93,12 @@ impl MasterService {
             if let Some(d) = disk {
                 state.set_disk_stats(owner, d);
             }
-            (reply, state.take_freed(owner))
+            let applied = if applied.0 == state.epoch() {
+                applied.1
+            } else {
+                0
+            };
+            (reply, state.freed_notes(owner, applied))
         };
         self.shared.metrics.record(Op::Heartbeat, 1, 0);
         reply

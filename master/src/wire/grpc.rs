@@ -146,7 +146,10 @@ impl pb::master_server::Master for GrpcMaster {
         owner_of(&req)?;
         let r = req.into_inner();
         let owner = client_id(&r.client_id)?;
-        let (reply, freed) = self.0.heartbeat(owner, r.disk.as_ref().map(Into::into));
+        let applied = (r.freed_epoch, r.freed_applied);
+        let (reply, freed) = self
+            .0
+            .heartbeat(owner, r.disk.as_ref().map(Into::into), applied);
         Ok(Response::new(pb::HeartbeatResponse {
             code: 0,
             remount: reply == HeartbeatReply::Remount,
@@ -157,6 +160,7 @@ impl pb::master_server::Master for GrpcMaster {
                     offset: f.offset,
                     put_id: f.put_id,
                     granted_before: f.granted_before,
+                    seq: f.seq,
                 })
                 .collect(),
         }))

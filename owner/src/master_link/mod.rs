@@ -66,6 +66,9 @@ pub struct MasterLink {
     /// The epoch of the master this owner is mounted at (0: none yet): work of any other is
     /// refused, and a heartbeat answered by another one means mounting again.
     epoch: Arc<std::sync::atomic::AtomicU64>,
+    /// The largest freed-range note of that master applied here (0: none): the next
+    /// heartbeat says so, and the master sends only later ones.
+    freed_applied: Arc<std::sync::atomic::AtomicU64>,
     /// Proved to the master and to other owners (copies read from them).
     credential: Option<Credential>,
     /// Seals this owner's own reads from other owners (it holds the cluster's secret).
@@ -102,6 +105,7 @@ impl MasterLink {
             ssd,
             catalog,
             epoch: Arc::default(),
+            freed_applied: Arc::default(),
             credential,
             seals: auth.map(|a| a.seals.clone()),
         })
@@ -185,6 +189,9 @@ impl MasterLink {
         if resp.report_catalog {
             self.report_catalog(&entries).await?;
         }
+        // Notes are numbered per master: none of this one's was applied yet.
+        self.freed_applied
+            .store(0, std::sync::atomic::Ordering::SeqCst);
         self.epoch
             .store(resp.epoch, std::sync::atomic::Ordering::SeqCst);
         Ok(())
@@ -258,6 +265,8 @@ impl MasterLink {
         let req = pb::HeartbeatRequest {
             client_id: self.owner.to_string(),
             disk: self.ssd.as_ref().map(|s| s.stats().into()),
+            freed_applied: self.freed_applied.load(std::sync::atomic::Ordering::SeqCst),
+            freed_epoch: self.epoch(),
         };
         let resp = self
             .call_within(patience.min(self.rpc_timeout), |mut c| async move {
@@ -274,6 +283,11 @@ impl MasterLink {
                     .filter(|b| *b != 0)
                     .unwrap_or(u64::MAX);
                 self.catalog.forget_version(f.offset, f.put_id, before);
+            }
+            // Applied: the next heartbeat says so (until it does, the master keeps them).
+            if let Some(last) = resp.freed.iter().map(|f| f.seq).max() {
+                self.freed_applied
+                    .fetch_max(last, std::sync::atomic::Ordering::SeqCst);
             }
         }
         Ok(other)
