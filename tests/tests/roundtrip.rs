@@ -4,7 +4,7 @@
 
 use mooncake_client::{PutOutcome, ReplicateConfig};
 use mooncake_tests::{get_code, put_code};
-use mooncake_tests::{payload, Cluster};
+use mooncake_tests::{payload, transport, Cluster};
 
 const MIB: u64 = 1 << 20;
 
@@ -292,5 +292,42 @@ async fn a_batch_larger_than_a_frame_is_refused_at_once() {
     let e = client.batch_exists(&refs).await.unwrap_err();
     assert_eq!(e.code().as_i32(), -600, "{e}");
     assert!(e.to_string().contains("split the batch"), "{e}");
+    c.shutdown().await;
+}
+
+/// Thousands of reads with long keys on one connection: the requests and the answers each
+/// outgrow the sockets' buffers. Sent all at once before any answer was read, the client
+/// waited on its sending while the owner, its answers unread, stopped reading: every key failed
+/// at the deadline. Batches now go in windows that cannot block both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_outgrowing_the_socket_buffers_both_ways_round_trips_on_one_connection() {
+    let c = Cluster::start(&[64 * MIB]).await;
+    let cfg = mooncake_client::ClientConfig {
+        connections_per_owner: 1,
+        transfer_threads: 1,
+        transfer_timeout: std::time::Duration::from_secs(5),
+        ..c.client_config()
+    };
+    let client = mooncake_client::Client::connect_with(cfg.clone(), None, transport(&cfg))
+        .await
+        .unwrap();
+    let long = "x".repeat(3800);
+    let keys: Vec<String> = (0..4096).map(|i| format!("{i:05}/{long}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(k, 4096)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    for r in client.batch_put(&items, &ReplicateConfig::default()).await {
+        assert!(matches!(r, Ok(PutOutcome::Stored)), "{r:?}");
+    }
+    let names: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let mut bufs = vec![vec![0u8; 4096]; keys.len()];
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    for (k, r) in keys.iter().zip(client.batch_get(&names, &mut slices).await) {
+        assert_eq!(r.unwrap_or_else(|e| panic!("{}: {e}", &k[..5])), 4096);
+    }
+    assert!(bufs == values, "bytes differ");
     c.shutdown().await;
 }

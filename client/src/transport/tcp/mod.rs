@@ -427,7 +427,7 @@ impl TcpTransport {
     }
 
     /// Sends every write of `items` on one connection back to back, then reads the answers:
-    /// one round trip for the chunk instead of one per object.
+    /// one round trip for the chunk instead of one per object (per window: see `windows`).
     async fn pipelined_writes(
         &self,
         target: &SegmentName,
@@ -442,17 +442,27 @@ impl TcpTransport {
                     target: target.clone(),
                     source,
                 };
-                let first = conn
-                    .send_pipelined(items.iter().map(|it| Frame::write(op, it)))
-                    .await
-                    .map_err(io_err)?;
                 let mut out = Vec::with_capacity(n);
-                for i in 0..n {
-                    match conn.receive(target, op, first + i as u64, 0).await {
-                        Ok(_) => out.push(Ok(())),
-                        // A refusal keeps the stream in step; go on with the next answer.
-                        Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
-                        Err(e) => return Err(e),
+                let sizes = items.iter().map(|it| {
+                    let len: u64 = it.parts.iter().map(|p| p.len() as u64).sum();
+                    (
+                        request_bytes(it.key) + len,
+                        wire::RESPONSE_HEADER_LEN as u64,
+                    )
+                });
+                for window in windows(sizes) {
+                    let items = &items[window];
+                    let first = conn
+                        .send_pipelined(items.iter().map(|it| Frame::write(op, it)))
+                        .await
+                        .map_err(io_err)?;
+                    for i in 0..items.len() {
+                        match conn.receive(target, op, first + i as u64, 0).await {
+                            Ok(_) => out.push(Ok(())),
+                            // A refusal keeps the stream in step; go on with the next answer.
+                            Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
+                            Err(e) => return Err(e),
+                        }
                     }
                 }
                 Ok(out)
@@ -461,8 +471,9 @@ impl TcpTransport {
         (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
     }
 
-    /// Sends every read request of `items` back to back, then receives the payloads in order.
-    /// `op` is a memory read, or a disk read (where each item's offset is the object's version).
+    /// Sends every read request of `items` back to back, then receives the payloads in order
+    /// (per window: see `windows`). `op` is a memory read, or a disk read (where each item's
+    /// offset is the object's version).
     async fn pipelined_reads(
         &self,
         target: &SegmentName,
@@ -477,43 +488,53 @@ impl TcpTransport {
                     target: target.clone(),
                     source,
                 };
-                let lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
-                let first = conn
-                    .send_pipelined(
-                        items
-                            .iter()
-                            .zip(&lens)
-                            .map(|(it, len)| Frame::read(op, it, *len)),
+                let all_lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
+                let sizes = items.iter().zip(&all_lens).map(|(it, len)| {
+                    (
+                        request_bytes(it.key),
+                        wire::RESPONSE_HEADER_LEN as u64 + len,
                     )
-                    .await
-                    .map_err(io_err)?;
-                // Small answers land by the dozen per receive, straight where they belong;
-                // from a refusal on (if any), one at a time through the buffer.
-                let small = lens.iter().all(|l| *l < (RECV_BUF / 2) as u64);
-                let landed = if small && conn.rpos == conn.rend {
-                    conn.receive_scattered(target, op, first, items, &lens)
-                        .await?
-                } else {
-                    0
-                };
+                });
                 let mut out: Vec<Result<(), TransferError>> = Vec::with_capacity(n);
-                out.resize_with(landed, || Ok(()));
-                for (i, (it, len)) in items.iter_mut().zip(&lens).enumerate().skip(landed) {
-                    match conn.receive(target, op, first + i as u64, *len).await {
-                        Ok(h) if h.length == *len => {
-                            for part in it.parts.iter_mut() {
-                                conn.read_exact(part).await.map_err(io_err)?;
+                for window in windows(sizes) {
+                    let lens = &all_lens[window.clone()];
+                    let items = &mut items[window];
+                    let first = conn
+                        .send_pipelined(
+                            items
+                                .iter()
+                                .zip(lens)
+                                .map(|(it, len)| Frame::read(op, it, *len)),
+                        )
+                        .await
+                        .map_err(io_err)?;
+                    // Small answers land by the dozen per receive, straight where they belong;
+                    // from a refusal on (if any), one at a time through the buffer.
+                    let small = lens.iter().all(|l| *l < (RECV_BUF / 2) as u64);
+                    let landed = if small && conn.rpos == conn.rend {
+                        conn.receive_scattered(target, op, first, items, lens)
+                            .await?
+                    } else {
+                        0
+                    };
+                    out.extend((0..landed).map(|_| Ok(())));
+                    for (i, (it, len)) in items.iter_mut().zip(lens).enumerate().skip(landed) {
+                        match conn.receive(target, op, first + i as u64, *len).await {
+                            Ok(h) if h.length == *len => {
+                                for part in it.parts.iter_mut() {
+                                    conn.read_exact(part).await.map_err(io_err)?;
+                                }
+                                out.push(Ok(()));
                             }
-                            out.push(Ok(()));
+                            Ok(h) => {
+                                return Err(io_err(io::Error::new(
+                                    io::ErrorKind::InvalidData,
+                                    format!("owner sent {} bytes, {len} were asked for", h.length),
+                                )))
+                            }
+                            Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
+                            Err(e) => return Err(e),
                         }
-                        Ok(h) => {
-                            return Err(io_err(io::Error::new(
-                                io::ErrorKind::InvalidData,
-                                format!("owner sent {} bytes, {len} were asked for", h.length),
-                            )))
-                        }
-                        Err(e @ TransferError::Remote { .. }) => out.push(Err(e)),
-                        Err(e) => return Err(e),
                     }
                 }
                 Ok(out)
@@ -521,6 +542,42 @@ impl TcpTransport {
             .await;
         (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
     }
+}
+
+/// Bytes a window of a pipelined batch may send, or be answered with, before the caller reads:
+/// half a data socket's send buffer (see `data_socket`).
+const WINDOW_BYTES: u64 = 512 << 10;
+
+/// Bytes of a request for `key` without its payload.
+fn request_bytes(key: &ObjectKey) -> u64 {
+    (wire::REQUEST_HEADER_LEN + key.as_str().len()) as u64
+}
+
+/// Splits a pipelined batch, given each item's (request bytes, answer bytes), into windows the
+/// caller sends and reads one after the other. An owner stops reading while it sends answers
+/// the caller has not read yet, and the caller reads only once it has sent its window: if both
+/// the requests and the answers outgrew the socket buffers, each would wait for the other until
+/// a deadline. A window's requests or its answers therefore fit in one send buffer
+/// (`WINDOW_BYTES`), so the caller's sending or the owner's answering never waits: reads of
+/// many small values are cut by their requests, writes of many values by their answers. A
+/// usual batch is one window.
+fn windows(sizes: impl Iterator<Item = (u64, u64)>) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut sent, mut answered) = (0, 0u64, 0u64);
+    let mut n = 0;
+    for (i, (request, answer)) in sizes.enumerate() {
+        n = i + 1;
+        if i > start && sent + request > WINDOW_BYTES && answered + answer > WINDOW_BYTES {
+            out.push(start..i);
+            (start, sent, answered) = (i, 0, 0);
+        }
+        sent += request;
+        answered += answer;
+    }
+    if n > start {
+        out.push(start..n);
+    }
+    out
 }
 
 impl TcpTransport {
@@ -879,6 +936,39 @@ impl DataTransport for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pipelined_batches_go_in_windows_that_cannot_block_both_ways() {
+        // A usual batch is one window, and so is an empty one (none).
+        let reads = |n: usize, key: u64, len: u64| vec![(64 + key, 24 + len); n];
+        assert_eq!(windows(reads(64, 100, 4096).into_iter()), vec![0..64]);
+        assert!(windows(std::iter::empty()).is_empty());
+        // Many reads of small values: cut by their requests (164 bytes each: 3196 fit).
+        let w = windows(reads(10_000, 100, 4096).into_iter());
+        assert_eq!(w[0], 0..3196);
+        assert_eq!(w.last().unwrap().end, 10_000);
+        assert!(w.windows(2).all(|p| p[0].end == p[1].start));
+        // Large writes: one window until their answers (24 bytes each) fill one.
+        let writes = vec![(64 + 100 + (4 << 20), 24); 30_000];
+        let w = windows(writes.into_iter());
+        assert_eq!(w[0], 0..21_845);
+        assert_eq!(w[1], 21_845..30_000);
+        // Each window's requests or answers fit in a send buffer.
+        let mixed: Vec<(u64, u64)> = (0..5000u64)
+            .map(|i| {
+                if i % 2 == 0 {
+                    (4160, 4120)
+                } else {
+                    (70 << 10, 24)
+                }
+            })
+            .collect();
+        for r in windows(mixed.iter().copied()) {
+            let sent: u64 = mixed[r.clone()].iter().map(|x| x.0).sum();
+            let answered: u64 = mixed[r.clone()].iter().map(|x| x.1).sum();
+            assert!(sent <= WINDOW_BYTES || answered <= WINDOW_BYTES, "{r:?}");
+        }
+    }
 
     fn transport() -> TcpTransport {
         TcpTransport::new(TcpConfig {
