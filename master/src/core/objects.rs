@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use mooncake_common::{ObjectKey, ReplicaLocation, ReplicateConfig, Tier};
+use mooncake_common::{ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName, Tier};
 
 use super::{
     allocator::Allocation,
@@ -187,6 +187,10 @@ pub(super) struct TierState {
     pub disk_hits: u32,
     /// Memory reserved for a promotion from disk, not readable until the owner reports it.
     pub promoting: Option<Promotion>,
+    /// Segments, by name, whose disk copy the master forgot when it dropped the segment (its
+    /// owner expired or restarted): the owner may still hold the record and register it again.
+    /// Should the object go first, their tombstones keep the record from coming back.
+    pub forgotten_disk: Vec<SegmentName>,
 }
 
 /// One object: 104 bytes (a 112-byte heap block) plus its key, so that a master holds a
@@ -285,6 +289,7 @@ impl Object {
                 && t.offload == Offload::Idle
                 && t.disk_hits == 0
                 && t.promoting.is_none()
+                && t.forgotten_disk.is_empty()
         });
         if empty {
             self.tier = None;

@@ -276,10 +276,17 @@ impl MasterState {
         self.pending.retain(|p| p.replica.segment != id);
         let mut forgotten = Vec::new();
         let mut abandoned = Vec::new();
+        let name = &seg.name;
         self.objects.retain(|obj| {
             obj.replicas.retain(|r| r.segment != id);
             if obj.disk().contains(&id) {
-                obj.tier_mut().disk.retain(|s| *s != id);
+                let tier = obj.tier_mut();
+                tier.disk.retain(|s| *s != id);
+                // Kept (another copy stays) or not, the record may come back with its owner;
+                // an object that stays remembers where, for a tombstone should it go first.
+                if !tier.forgotten_disk.contains(name) {
+                    tier.forgotten_disk.push(name.clone());
+                }
             }
             if obj.promoting().is_some_and(|p| p.replica.segment == id) {
                 obj.tier_mut().promoting = None;
@@ -292,6 +299,10 @@ impl MasterState {
                     &mut obj.tier_mut().offload,
                     Offload::Idle,
                 ));
+            }
+            if !keep {
+                // Gone with the segment: its record coming back is the object coming back.
+                obj.tier_mut().forgotten_disk.clear();
             }
             if !keep && obj.promoting().is_some() {
                 // A promotion lives on the segment of the disk copy, so an object without one

@@ -371,6 +371,77 @@ fn a_newer_version_found_on_disk_replaces_an_older_one_registered_first() {
     s.check_invariants().unwrap();
 }
 
+/// A key with a disk copy on an owner the master dropped (restarted, or expired) and a memory
+/// replica elsewhere, removed before that owner is back: the owner's record is refused when it
+/// registers it. Before, nothing remembered the copy, and the removed key came back.
+#[test]
+fn a_key_removed_while_its_disk_copys_owner_was_away_stays_removed() {
+    let (mut s, tiered_seg) = tiered(2 * MIB, Policy::default());
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        2 * MIB,
+        0,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    let on_memory = ReplicateConfig {
+        preferred_segments: vec![seg(1)],
+        ..ReplicateConfig::default()
+    };
+    let g = s.put_start(&k("a"), 1000, &on_memory, Millis(1)).unwrap();
+    s.put_end("a", g.put_id, Millis(1)).unwrap();
+    assert_eq!(g.replicas[0].segment, seg(1));
+    // Its disk copy on the tiered owner (as after an offload of a second replica).
+    assert_eq!(
+        s.register_disk(tiered_seg, &k("a"), 1000, g.put_id, Millis(2)),
+        Ok(g.put_id)
+    );
+    // That owner restarts (a new incarnation mounts its segment): the copy is forgotten.
+    s.mount_segment(
+        owner(7),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(3),
+    )
+    .unwrap();
+    assert_eq!(tiers(&mut s, "a", 4), vec![Tier::Memory]);
+    s.remove(&k("a"), true, Millis(5)).unwrap();
+    let id = s.disk_segment(owner(7), &seg(0)).unwrap();
+    assert!(
+        s.register_disk(id, &k("a"), 1000, g.put_id, Millis(6))
+            .is_err(),
+        "the removed key came back"
+    );
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+
+    // Registered back before any removal, the copy is tracked again (no tombstone later).
+    let g = s.put_start(&k("b"), 1000, &on_memory, Millis(7)).unwrap();
+    s.put_end("b", g.put_id, Millis(7)).unwrap();
+    s.register_disk(id, &k("b"), 1000, g.put_id, Millis(8))
+        .unwrap();
+    s.mount_segment(
+        owner(8),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(9),
+    )
+    .unwrap();
+    let id = s.disk_segment(owner(8), &seg(0)).unwrap();
+    assert_eq!(
+        s.register_disk(id, &k("b"), 1000, g.put_id, Millis(10)),
+        Ok(g.put_id)
+    );
+    assert_eq!(tiers(&mut s, "b", 11), vec![Tier::Memory, Tier::Disk]);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
     let (mut s, id) = tiered(2 * MIB, Policy::default());

@@ -105,6 +105,11 @@ impl MasterState {
             let name = self.segment_name(*seg).clone();
             self.add_tombstone(name, key.clone(), obj.put_id);
         }
+        // Copies on segments dropped meanwhile get no drop (nobody to tell), only a tombstone:
+        // their owner, back on its directory, registers the record and is refused.
+        for name in tier.forgotten_disk {
+            self.add_tombstone(name, key.clone(), obj.put_id);
+        }
         if let Some(p) = tier.promoting {
             self.abandon_promotion(p, now);
         }
@@ -584,7 +589,9 @@ impl MasterState {
         }
         if let Some(obj) = self.objects.get_mut(key) {
             if obj.put_id == put_id && obj.size == size && obj.phase.is_complete() {
+                let name = self.segments[&segment].name.clone();
                 let tier = obj.tier_mut();
+                tier.forgotten_disk.retain(|n| *n != name);
                 if !tier.disk.contains(&segment) {
                     tier.disk.push(segment);
                     count_disk_copy(&mut self.segments, segment, true);
