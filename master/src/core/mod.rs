@@ -130,6 +130,8 @@ struct DiskTier {
     /// Objects with a disk copy here, kept as copies come and go so that stats never walk
     /// the object table.
     objects: u64,
+    /// The owner is registering the records it found at its mount (see `rebuilding`).
+    registering: bool,
 }
 
 /// Counts a disk copy on `segment` that appeared (`added`) or went. Copies sit only on

@@ -126,7 +126,9 @@ impl MasterState {
                 now < since.plus(self.policy.rebuild_window)
                     && (now < since.plus(self.policy.rebuild_grace)
                         || !self.awaited.is_empty()
-                        || self.segments.values().any(|s| s.report.is_some()))
+                        || self.segments.values().any(|s| {
+                            s.report.is_some() || s.disk.as_ref().is_some_and(|d| d.registering)
+                        }))
             }
         }
     }

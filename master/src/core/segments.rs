@@ -26,6 +26,8 @@ pub struct MountReport {
     pub newest_grant: u64,
     /// Objects it holds and will report (`catalog_reported`); 0: an empty pool.
     pub objects: u64,
+    /// Records on its SSD it will register (`register_disk`, then `disk_registered`).
+    pub disk_records: u64,
 }
 
 /// What a mount asks of its owner next.
@@ -71,6 +73,9 @@ impl MasterState {
                 // the owner is told so: a second report would be refused, and the owner, taking
                 // that as a failed mount, would remount at every heartbeat.
                 let restart_report = report.objects > 0 && seg.allocator.live_allocations() == 0;
+                if let Some(d) = self.segments.get_mut(&id).and_then(|s| s.disk.as_mut()) {
+                    d.registering |= report.disk_records > 0;
+                }
                 self.touch(owner, now);
                 if !restart_report {
                     return Ok(Mounted::Ready);
@@ -98,6 +103,7 @@ impl MasterState {
                     },
                     offloads: 0,
                     objects: 0,
+                    registering: report.disk_records > 0,
                 }),
                 report: None,
                 tasks: VecDeque::new(),

@@ -562,6 +562,18 @@ impl MasterState {
         }
     }
 
+    /// The owner of `segment` registered every record it found at its mount: a rebuild waits
+    /// for it no longer.
+    pub fn disk_registered(&mut self, segment: SegmentId) {
+        if let Some(d) = self
+            .segments
+            .get_mut(&segment)
+            .and_then(|s| s.disk.as_mut())
+        {
+            d.registering = false;
+        }
+    }
+
     /// An owner restarted on its SSD directory found version `put_id` of `key` there: the
     /// object becomes readable from disk again, under that same version (versions are unique
     /// across master processes, so the record's header stays the truth). Refused when the key

@@ -205,6 +205,7 @@ impl MasterService {
         owner: ClientId,
         segment: &SegmentName,
         records: &[(&str, u64, u64)],
+        done: bool,
     ) -> Result<Vec<Result<u64, MasterError>>, MasterError> {
         let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
@@ -217,6 +218,9 @@ impl MasterService {
                     .and_then(|k| state.register_disk(id, &k, size, put_id, now))
             })
             .collect();
+        if done {
+            state.disk_registered(id);
+        }
         // An older version replaced may have left work for its owners (drops).
         self.shared.wake_owners(&mut state);
         Ok(registered)

@@ -118,6 +118,7 @@ impl pb::master_server::Master for GrpcMaster {
         let report = MountReport {
             newest_grant: r.newest_grant,
             objects: r.catalog_objects,
+            disk_records: r.disk_records,
         };
         let mounted = self
             .0
@@ -492,7 +493,7 @@ impl pb::master_server::Master for GrpcMaster {
             .collect();
         let results = self
             .0
-            .register_disk(owner, &name, &records)
+            .register_disk(owner, &name, &records, r.done)
             .map_err(not_usable)?;
         Ok(Response::new(pb::RegisterDiskResponse {
             codes: results.iter().map(code).collect(),

@@ -69,6 +69,8 @@ pub struct MasterLink {
     /// The largest freed-range note of that master applied here (0: none): the next
     /// heartbeat says so, and the master sends only later ones.
     freed_applied: Arc<std::sync::atomic::AtomicU64>,
+    /// The records on disk are not all registered at that master yet (a call failed).
+    disk_unregistered: Arc<std::sync::atomic::AtomicBool>,
     /// Proved to the master and to other owners (copies read from them).
     credential: Option<Credential>,
     /// Seals this owner's own reads from other owners (it holds the cluster's secret).
@@ -106,6 +108,7 @@ impl MasterLink {
             catalog,
             epoch: Arc::default(),
             freed_applied: Arc::default(),
+            disk_unregistered: Arc::default(),
             credential,
             seals: auth.map(|a| a.seals.clone()),
         })
@@ -171,6 +174,7 @@ impl MasterLink {
             disk_capacity: self.ssd.as_ref().map_or(0, |s| s.stats().capacity),
             newest_grant: self.catalog.newest_grant(),
             catalog_objects: entries.len() as u64,
+            disk_records: self.ssd.as_ref().map_or(0, |s| s.stats().records),
         };
         let resp = self
             .call(
@@ -362,15 +366,18 @@ impl MasterLink {
         .map(|_| ())
     }
 
-    /// Registers records found on disk; the master answers a code and a version for each.
+    /// Registers records found on disk (`done`: the last of them); the master answers a code
+    /// and a version for each.
     pub async fn register_disk(
         &self,
         items: Vec<pb::DiskObject>,
+        done: bool,
     ) -> Result<pb::RegisterDiskResponse, LinkError> {
         let req = pb::RegisterDiskRequest {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),
             items,
+            done,
         };
         self.call(
             Duration::ZERO,
@@ -381,11 +388,19 @@ impl MasterLink {
 
     /// Registers every record on disk at the master (after a mount); records the master refuses
     /// (the key exists with other bytes) are dropped, the others take the version it assigns.
+    /// The last call says it is the last (a call with no records when there are none), so a
+    /// rebuilding master stops waiting for them. A failure leaves the registration to the next
+    /// heartbeat (`heartbeat_loop`): the records would stay unreadable until then.
     pub async fn register_ssd_records(&self, store: &SsdStore) {
+        self.disk_unregistered
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let records = store.records();
         let mut registered = 0usize;
         let mut refused = 0usize;
-        for chunk in records.chunks(1024) {
+        let chunks: Vec<_> = records.chunks(1024).collect();
+        let last = chunks.len().saturating_sub(1);
+        for i in 0..=last {
+            let chunk = chunks.get(i).copied().unwrap_or_default();
             let items = chunk
                 .iter()
                 .map(|r| pb::DiskObject {
@@ -394,10 +409,10 @@ impl MasterLink {
                     put_id: r.put_id,
                 })
                 .collect();
-            let resp = match self.register_disk(items).await {
+            let resp = match self.register_disk(items, i == last).await {
                 Ok(r) => r,
                 Err(e) => {
-                    tracing::warn!(error = %e, "registering ssd records failed; they stay unreadable until the next mount");
+                    tracing::warn!(error = %e, "registering ssd records failed; trying again at the next heartbeat");
                     return;
                 }
             };
@@ -415,6 +430,8 @@ impl MasterLink {
                 }
             }
         }
+        self.disk_unregistered
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         if !records.is_empty() {
             tracing::info!(registered, refused, "ssd records registered at the master");
         }
@@ -437,7 +454,14 @@ impl MasterLink {
             // Two intervals, at least half a second.
             let patience = (interval * 2).max(Duration::from_millis(500));
             match self.heartbeat(patience).await {
-                Ok(false) => {}
+                Ok(false) => {
+                    let unregistered = self
+                        .disk_unregistered
+                        .load(std::sync::atomic::Ordering::SeqCst);
+                    if let (true, Some(ssd)) = (unregistered, &self.ssd) {
+                        self.register_ssd_records(ssd).await;
+                    }
+                }
                 Ok(true) => {
                     tracing::warn!(segment = %self.segment, "master does not know this owner; mounting again");
                     match self.mount().await {
