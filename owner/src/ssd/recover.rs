@@ -1,10 +1,13 @@
 //! Recovery of the ring log on open: every 4 KiB block of the file is checked for a record
 //! header of this file (magic, file id, header checksum), and where valid records overlap (an
 //! older record whose region was later reused in part), the newest (highest sequence number)
-//! wins. Of each key only the newest surviving record counts; every other valid header found is
-//! garbage, to be zeroed so it can never come back. Reads only; the store applies the result.
+//! wins. Of each key only the newest version (highest put id) among the surviving records
+//! counts: an older version can be written after a newer one (an offload of it still under way,
+//! or queued behind), so the log's order is not the versions' order. Every other valid header
+//! found is garbage, to be zeroed so it can never come back. Reads only; the store applies the
+//! result.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{hash_map::Entry, BTreeMap, HashMap};
 
 use mooncake_common::ObjectKey;
 
@@ -62,12 +65,11 @@ pub async fn scan(
 }
 
 /// Newest first: a record survives if no newer surviving record overlaps it, and counts if it
-/// is the newest surviving record of its key.
+/// is the surviving record of its key with the newest version (then the newest record of it).
 fn resolve(mut found: Vec<(u64, RecordHeader)>) -> Scanned {
     found.sort_by_key(|(_, h)| std::cmp::Reverse(h.seq));
     let mut taken: BTreeMap<u64, u64> = BTreeMap::new();
-    let mut keys: HashMap<ObjectKey, ()> = HashMap::new();
-    let mut live = Vec::new();
+    let mut newest: HashMap<ObjectKey, (u64, RecordHeader)> = HashMap::new();
     let mut garbage = Vec::new();
     for (at, h) in found {
         let len = h.record_len();
@@ -81,12 +83,19 @@ fn resolve(mut found: Vec<(u64, RecordHeader)>) -> Scanned {
             continue;
         }
         taken.insert(at, len);
-        if keys.insert(h.key.clone(), ()).is_some() {
-            garbage.push(at); // an older version of a key whose newer record survives
-            continue;
+        match newest.entry(h.key.clone()) {
+            Entry::Vacant(e) => {
+                e.insert((at, h));
+            }
+            // Records come newest first: a later one wins only with a newer version.
+            Entry::Occupied(mut e) if h.put_id > e.get().1.put_id => {
+                let (older, _) = e.insert((at, h));
+                garbage.push(older);
+            }
+            Entry::Occupied(_) => garbage.push(at),
         }
-        live.push((at, h));
     }
+    let live = newest.into_values().collect();
     Scanned { live, garbage }
 }
 
@@ -134,5 +143,25 @@ mod tests {
         let mut garbage = s.garbage;
         garbage.sort();
         assert_eq!(garbage, vec![0, blocks(10)]);
+    }
+
+    /// An older version written after a newer one (its offload was still under way) loses to
+    /// it: before, the later record won, and a restart served the older bytes.
+    #[test]
+    fn the_newest_version_wins_over_a_later_record_of_an_older_one() {
+        let blocks = |n: u64| n * ALIGN as u64;
+        let version = |seq: u64, put_id: u64| RecordHeader {
+            put_id,
+            ..h("k", seq, 10)
+        };
+        let s = resolve(vec![
+            (blocks(1), version(10, 200)),
+            (blocks(2), version(11, 100)),
+            (blocks(3), h("other", 12, 10)),
+        ]);
+        let mut live: Vec<(u64, u64)> = s.live.iter().map(|(at, h)| (*at, h.put_id)).collect();
+        live.sort();
+        assert_eq!(live, vec![(blocks(1), 200), (blocks(3), 120)]);
+        assert_eq!(s.garbage, vec![blocks(2)]);
     }
 }
