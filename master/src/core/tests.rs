@@ -715,7 +715,10 @@ proptest! {
                                 let failure = (!ok).then_some("copy failed");
                                 let _ = s.report_copy(id, t.task_id, &t.key, t.put_id, failure, Millis(now));
                             } else {
-                                let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+                                let _ = match t.kind {
+                                    TaskKind::Promote => s.report_promotion(id, &t.key, t.put_id, t.offset, ok),
+                                    kind => s.report_task(id, kind, &t.key, t.put_id, ok, Millis(now)),
+                                };
                             }
                         }
                     }

@@ -100,7 +100,10 @@ fn put(s: &mut MasterState, key: &str, size: u64, now: u64) -> Result<u64, Maste
 fn owner_works(s: &mut MasterState, id: SegmentId, ok: bool, now: u64) -> Vec<OwnerTask> {
     let tasks = s.take_tasks(id, 1000, Millis(0));
     for t in &tasks {
-        let _ = s.report_task(id, t.kind, &t.key, t.put_id, ok, Millis(now));
+        let _ = match t.kind {
+            TaskKind::Promote => s.report_promotion(id, &t.key, t.put_id, t.offset, ok),
+            kind => s.report_task(id, kind, &t.key, t.put_id, ok, Millis(now)),
+        };
     }
     s.check_invariants().unwrap();
     tasks
@@ -177,15 +180,8 @@ fn disk_only_objects_are_promoted_after_enough_hits() {
     assert_eq!(tasks[0].kind, TaskKind::Promote);
     assert_eq!(s.allocated(), MIB, "memory is reserved for the promotion");
     s.check_invariants().unwrap();
-    s.report_task(
-        id,
-        TaskKind::Promote,
-        &k("a"),
-        tasks[0].put_id,
-        true,
-        Millis(5),
-    )
-    .unwrap();
+    s.report_promotion(id, &k("a"), tasks[0].put_id, tasks[0].offset, true)
+        .unwrap();
     assert_eq!(tiers(&mut s, "a", 6), vec![Tier::Memory, Tier::Disk]);
     assert_eq!(s.counters().promotions, 1);
     // A failed promotion gives the memory back.
@@ -194,15 +190,8 @@ fn disk_only_objects_are_promoted_after_enough_hits() {
     tiers(&mut s, "a", 20_001);
     tiers(&mut s, "a", 20_002);
     let tasks = s.take_tasks(id, 10, Millis(0));
-    s.report_task(
-        id,
-        TaskKind::Promote,
-        &k("a"),
-        tasks[0].put_id,
-        false,
-        Millis(20_003),
-    )
-    .unwrap();
+    s.report_promotion(id, &k("a"), tasks[0].put_id, tasks[0].offset, false)
+        .unwrap();
     assert_eq!(s.allocated(), 0);
     s.check_invariants().unwrap();
 }
@@ -442,6 +431,36 @@ fn a_key_removed_while_its_disk_copys_owner_was_away_stays_removed() {
     s.check_invariants().unwrap();
 }
 
+/// A promotion given up after its timeout, whose report comes once another promotion took its
+/// place: the late report is refused, and the newer promotion's range (not written yet) is not
+/// made a replica. Before, any report for the segment took over the reservation there.
+#[test]
+fn a_late_report_of_an_expired_promotion_does_not_take_over_the_next_one() {
+    let (mut s, id) = disk_only_a(2);
+    tiers(&mut s, "a", 3);
+    tiers(&mut s, "a", 4);
+    let first = s.take_tasks(id, 10, Millis(5));
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].kind, TaskKind::Promote);
+    // Not reported within the offload timeout: given up; the next read starts another.
+    let later = 5 + s.policy().offload_timeout.as_millis() as u64 + 1_000;
+    s.tick(Millis(later));
+    tiers(&mut s, "a", later + 1);
+    let second = s.take_tasks(id, 10, Millis(later + 2));
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_ne!(second[0].offset, first[0].offset);
+    assert!(s
+        .report_promotion(id, &k("a"), first[0].put_id, first[0].offset, true)
+        .is_err());
+    assert_eq!(tiers(&mut s, "a", later + 3), vec![Tier::Disk]);
+    s.report_promotion(id, &k("a"), second[0].put_id, second[0].offset, true)
+        .unwrap();
+    let (_, views) = s.get_replicas(&k("a"), Millis(later + 4)).unwrap();
+    assert_eq!(views[0].tier, Tier::Memory);
+    assert_eq!(views[0].offset, second[0].offset);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn an_owner_restart_drops_its_disk_replicas_until_it_registers_them() {
     let (mut s, id) = tiered(2 * MIB, Policy::default());
@@ -649,15 +668,8 @@ fn a_promotion_and_a_copy_to_one_segment_leave_one_replica_there() {
     assert_eq!(copy.len(), 1);
     s.report_copy(id, task, &k("a"), copy[0].put_id, None, Millis(6))
         .unwrap();
-    s.report_task(
-        id,
-        TaskKind::Promote,
-        &k("a"),
-        promote[0].put_id,
-        true,
-        Millis(7),
-    )
-    .unwrap();
+    s.report_promotion(id, &k("a"), promote[0].put_id, promote[0].offset, true)
+        .unwrap();
     s.check_invariants().unwrap();
     assert_eq!(s.allocated(), MIB, "the second range went back");
 }

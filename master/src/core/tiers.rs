@@ -428,6 +428,54 @@ impl MasterState {
         self.queue_task(segment, task);
     }
 
+    /// An owner's report on a promotion of version `put_id` of `key` into the range at
+    /// `offset` (as its task named it). Only the promotion reserved there counts: the report of
+    /// one given up after its timeout, arriving once another took its place, must not make the
+    /// other's range (not written yet) a replica, nor free it under its write.
+    pub fn report_promotion(
+        &mut self,
+        segment: SegmentId,
+        key: &ObjectKey,
+        put_id: u64,
+        offset: u64,
+        ok: bool,
+    ) -> Result<(), MasterError> {
+        let stale = || MasterError::StalePut {
+            key: key.clone(),
+            put_id,
+        };
+        let Some(obj) = self.objects.get_mut(key) else {
+            return Err(stale());
+        };
+        if obj.put_id != put_id || !obj.phase.is_complete() {
+            return Err(stale());
+        }
+        let reserved = match obj.promoting() {
+            Some(p) if p.replica.segment == segment && p.replica.allocation.offset() == offset => {
+                obj.tier_mut().promoting.take()
+            }
+            _ => return Err(stale()),
+        };
+        let reserved = reserved.expect("matched above").replica;
+        // A copy to the same segment may have landed meanwhile: one replica there.
+        let held = obj.replicas.iter().any(|r| r.segment == segment);
+        if ok && !held {
+            obj.replicas.push(reserved);
+            obj.tier_mut().disk_hits = 0;
+            obj.tidy_tier();
+            self.counters.promotions += 1;
+            self.objects.link(key);
+        } else if ok {
+            // The bytes landed but are not needed: the owner forgets them too.
+            obj.tidy_tier();
+            self.drop_replicas(vec![reserved], put_id);
+        } else {
+            // The owner is done with the range (it reports after its attempt ended).
+            self.free_replicas(vec![reserved]);
+        }
+        Ok(())
+    }
+
     /// An owner's report on one task. An error means the master no longer wants what the
     /// owner produced (the object is gone or was rewritten): the owner drops it.
     pub fn report_task(
@@ -511,30 +559,9 @@ impl MasterState {
                 self.drain_eager_backlog(now);
                 Ok(())
             }
-            TaskKind::Promote => {
-                let reserved = match obj.promoting() {
-                    Some(p) if p.replica.segment == segment => obj.tier_mut().promoting.take(),
-                    _ => return Err(stale()),
-                };
-                let reserved = reserved.expect("matched above").replica;
-                // A copy to the same segment may have landed meanwhile: one replica there.
-                let held = obj.replicas.iter().any(|r| r.segment == segment);
-                if ok && !held {
-                    obj.replicas.push(reserved);
-                    obj.tier_mut().disk_hits = 0;
-                    obj.tidy_tier();
-                    self.counters.promotions += 1;
-                    self.objects.link(key);
-                } else if ok {
-                    // The bytes landed but are not needed: the owner forgets them too.
-                    obj.tidy_tier();
-                    self.drop_replicas(vec![reserved], put_id);
-                } else {
-                    // The owner is done with the range (it reports after its attempt ended).
-                    self.free_replicas(vec![reserved]);
-                }
-                Ok(())
-            }
+            TaskKind::Promote => Err(MasterError::Invalid(
+                "a promotion is reported with its range (report_promotion)".into(),
+            )),
             TaskKind::Drop => unreachable!("handled above"),
             TaskKind::Copy => Err(MasterError::Invalid(
                 "a copy is reported with its task (report_copy)".into(),

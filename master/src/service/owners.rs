@@ -39,6 +39,8 @@ pub struct TaskReport<'a> {
     /// Copy: its replica task, and why it failed.
     pub task_id: u64,
     pub message: &'a str,
+    /// The task's offset (Promote: the memory range it wrote).
+    pub offset: u64,
 }
 
 impl MasterService {
@@ -167,6 +169,9 @@ impl MasterService {
                             TaskKind::Copy => {
                                 let failure = (!t.done).then_some(t.message);
                                 state.report_copy(id, t.task_id, &k, t.put_id, failure, now)
+                            }
+                            TaskKind::Promote => {
+                                state.report_promotion(id, &k, t.put_id, t.offset, t.done)
                             }
                             kind => state.report_task(id, kind, &k, t.put_id, t.done, now),
                         })

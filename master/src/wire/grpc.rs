@@ -452,6 +452,7 @@ impl pb::master_server::Master for GrpcMaster {
                     done: t.code == 0,
                     task_id: t.task_id,
                     message: &t.message,
+                    offset: t.offset,
                 })
             })
             .collect::<Result<Vec<_>, Status>>()?;

@@ -175,6 +175,7 @@ impl Worker {
                 code: *code,
                 task_id: t.task_id,
                 message: message.clone(),
+                offset: t.offset,
             })
             .collect();
         let codes = match self.link.report_tasks(results).await {
