@@ -81,6 +81,18 @@ mod tests {
         idle.by_peer.lock().values().map(Vec::len).sum()
     }
 
+    /// Gives the close of `peer`'s `i`th kept connection time to arrive (on loopback at once,
+    /// but a test must not race it).
+    fn wait_closed(idle: &IdleConns<TcpStream>, peer: &str, i: usize) {
+        let probe = idle.by_peer.lock()[peer][i].try_clone().unwrap();
+        for _ in 0..100 {
+            if !probe.is_open() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     /// A connection to a listener on loopback, with the listener's end.
     fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
         let near = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
@@ -101,15 +113,7 @@ mod tests {
         let (again, _again_far) = pair(&listener);
         idle.put("peer-b:1", again);
         assert_eq!(count(&idle), 3);
-        // Give the close time to arrive (loopback: at once, but the test must not race it).
-        let probe = idle.by_peer.lock()["peer-a:1"][0].try_clone().unwrap();
-        for _ in 0..100 {
-            if !probe.is_open() {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        drop(probe);
+        wait_closed(&idle, "peer-a:1", 0);
         let (new, _new_far) = pair(&listener);
         idle.put("peer-c:1", new);
         assert_eq!(count(&idle), 3, "the closed connection went");
@@ -130,14 +134,7 @@ mod tests {
         idle.put("peer:1", open);
         idle.put("peer:1", closed);
         drop(closed_far);
-        let probe = idle.by_peer.lock()["peer:1"][1].try_clone().unwrap();
-        for _ in 0..100 {
-            if !probe.is_open() {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        drop(probe);
+        wait_closed(&idle, "peer:1", 1);
         assert!(idle.take("peer:1").is_some_and(|s| s.is_open()));
         assert!(idle.take("peer:1").is_none());
     }

@@ -19,6 +19,26 @@ use super::{
 /// is evicted instead (the backlog stays bounded when puts outrun the SSD for good).
 use crate::{clock::Millis, error::MasterError};
 
+/// The complete object `key` at version `put_id`, which an owner reports a task on; StalePut
+/// when it is gone or was rewritten (the owner drops what it produced).
+fn reported_version<'t>(
+    objects: &'t mut super::table::ObjectTable,
+    key: &ObjectKey,
+    put_id: u64,
+) -> Result<&'t mut Object, MasterError> {
+    match objects.get_mut(key) {
+        Some(obj) if obj.put_id == put_id && obj.phase.is_complete() => Ok(obj),
+        _ => Err(stale_put(key, put_id)),
+    }
+}
+
+fn stale_put(key: &ObjectKey, put_id: u64) -> MasterError {
+    MasterError::StalePut {
+        key: key.clone(),
+        put_id,
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TaskKind {
     /// Copy the memory range `offset..offset+size` (holding the key) to the SSD tier.
@@ -440,21 +460,12 @@ impl MasterState {
         offset: u64,
         ok: bool,
     ) -> Result<(), MasterError> {
-        let stale = || MasterError::StalePut {
-            key: key.clone(),
-            put_id,
-        };
-        let Some(obj) = self.objects.get_mut(key) else {
-            return Err(stale());
-        };
-        if obj.put_id != put_id || !obj.phase.is_complete() {
-            return Err(stale());
-        }
+        let obj = reported_version(&mut self.objects, key, put_id)?;
         let reserved = match obj.promoting() {
             Some(p) if p.replica.segment == segment && p.replica.allocation.offset() == offset => {
                 obj.tier_mut().promoting.take()
             }
-            _ => return Err(stale()),
+            _ => return Err(stale_put(key, put_id)),
         };
         let reserved = reserved.expect("matched above").replica;
         // A copy to the same segment may have landed meanwhile: one replica there.
@@ -504,16 +515,7 @@ impl MasterState {
             }
             return Ok(());
         }
-        let stale = || MasterError::StalePut {
-            key: key.clone(),
-            put_id,
-        };
-        let Some(obj) = self.objects.get_mut(key) else {
-            return Err(stale());
-        };
-        if obj.put_id != put_id || !obj.phase.is_complete() {
-            return Err(stale());
-        }
+        let obj = reported_version(&mut self.objects, key, put_id)?;
         match kind {
             TaskKind::Offload => {
                 let pending = obj.offload();
