@@ -232,7 +232,9 @@ async fn a_removal_during_the_rebuild_waits_for_the_report() {
     owner.signal(libc::SIGSTOP);
     master.signal(libc::SIGKILL);
     master.wait_exit(Duration::from_secs(5));
-    let _master = master_on(port);
+    // A grace long enough for the owner to be let go on and report on a loaded machine, short
+    // enough for the last get's "not found" to come within the client's deadline.
+    let _master = master_with(port, &["--rebuild_grace_sec", "5"]);
     // The client's connection went with the old master: a call that changes nothing finds the
     // new one (a removal is not asked twice after a broken connection).
     let mut reconnected = false;
