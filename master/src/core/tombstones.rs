@@ -12,10 +12,14 @@ type Id = (SegmentName, ObjectKey);
 
 /// The most tombstones kept.
 const MAX: usize = 1 << 20;
+/// The most versions kept per (segment, key), the oldest forgotten first.
+const MAX_VERSIONS: usize = 16;
 
 #[derive(Default)]
 pub(super) struct Tombstones {
-    live: HashMap<Id, u64>,
+    /// The versions removed per (segment, key): a second removal's tombstone must not take the
+    /// place of the first's while that record may still be on disk too.
+    live: HashMap<Id, Vec<u64>>,
     /// Ids in the order they were laid, oldest first; may hold cleared or repeated ids, at most
     /// twice the live ones plus a small constant.
     order: VecDeque<Id>,
@@ -31,22 +35,38 @@ impl Tombstones {
                 None => break,
             }
         }
-        if self.live.insert(id.clone(), put_id).is_none() {
-            self.order.push_back(id);
-            if self.order.len() > 2 * self.live.len() + 1024 {
-                self.compact();
+        match self.live.get_mut(&id) {
+            Some(versions) => {
+                if !versions.contains(&put_id) {
+                    if versions.len() >= MAX_VERSIONS {
+                        versions.remove(0);
+                    }
+                    versions.push(put_id);
+                }
+            }
+            None => {
+                self.live.insert(id.clone(), vec![put_id]);
+                self.order.push_back(id);
+                if self.order.len() > 2 * self.live.len() + 1024 {
+                    self.compact();
+                }
             }
         }
     }
 
-    /// Clears the tombstone of `id` if it is for `put_id`; whether it was.
+    /// Clears the tombstone of version `put_id` of `id`; whether there was one.
     pub fn clear(&mut self, id: &Id, put_id: u64) -> bool {
-        if self.live.get(id) == Some(&put_id) {
+        let Some(versions) = self.live.get_mut(id) else {
+            return false;
+        };
+        let Some(i) = versions.iter().position(|v| *v == put_id) else {
+            return false;
+        };
+        versions.remove(i);
+        if versions.is_empty() {
             self.live.remove(id);
-            true
-        } else {
-            false
         }
+        true
     }
 
     /// Keeps in `order` only the first entry of each live id.
@@ -105,5 +125,19 @@ mod tests {
         }
         assert_eq!(t.len(), 3000);
         assert!(t.clear(&id(1, 0), 1));
+    }
+
+    /// Two removals of one key on one segment whose drops both failed: each version keeps its
+    /// tombstone. Before, the second replaced the first, and once the second's drop was
+    /// confirmed, the first version's record could be registered again.
+    #[test]
+    fn each_removed_version_keeps_its_tombstone() {
+        let mut t = Tombstones::default();
+        t.add(id(1, 1), 5);
+        t.add(id(1, 1), 6);
+        assert!(t.clear(&id(1, 1), 6));
+        assert!(t.clear(&id(1, 1), 5), "the first version is still refused");
+        assert!(!t.clear(&id(1, 1), 5));
+        assert_eq!(t.len(), 0);
     }
 }
