@@ -20,6 +20,31 @@ use super::first_try;
 const FIRST_PAUSE: Duration = Duration::from_millis(20);
 const LONGEST_PAUSE: Duration = Duration::from_millis(250);
 
+/// The pauses between the tries of one call: growing, within the call's deadline.
+struct Backoff {
+    give_up: Instant,
+    pause: Duration,
+}
+
+impl Backoff {
+    fn new(deadline: Duration) -> Self {
+        Backoff {
+            give_up: Instant::now() + deadline,
+            pause: FIRST_PAUSE,
+        }
+    }
+
+    /// Waits before the next try; false, without waiting, when that would pass the deadline.
+    async fn wait(&mut self) -> bool {
+        if Instant::now() + self.pause >= self.give_up {
+            return false;
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+        true
+    }
+}
+
 pub struct Patient {
     inner: Arc<dyn MasterApi>,
     deadline: Duration,
@@ -40,8 +65,8 @@ impl Patient {
         hits: impl Fn(&T) -> (Vec<&'a str>, u64) + Send + 'a,
     ) -> Call<'a, T> {
         Box::pin(async move {
-            let give_up = Instant::now() + self.deadline;
-            let mut pause = FIRST_PAUSE;
+            let mut backoff = Backoff::new(self.deadline);
+            let give_up = backoff.give_up;
             let mut answer = call().await;
             loop {
                 let again = match &answer {
@@ -49,11 +74,9 @@ impl Patient {
                     // The connection broke (a master restarting): a new one may answer.
                     Err(e) => e.code == Code::RpcFail,
                 };
-                if !again || Instant::now() + pause >= give_up {
+                if !again || !backoff.wait().await {
                     return answer;
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(LONGEST_PAUSE);
                 // A retry gets only what is left of the deadline (each try on its own could take
                 // a whole RPC timeout); past it the last answer stands, with its holds.
                 let next = match tokio::time::timeout_at(give_up, call()).await {
@@ -128,21 +151,19 @@ impl MasterApi for Patient {
     // removed key asked again would read "not found").
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
         Box::pin(async move {
-            let give_up = Instant::now() + self.deadline;
-            let mut pause = FIRST_PAUSE;
+            let mut backoff = Backoff::new(self.deadline);
             let mut answers = self.inner.remove(keys, force).await?;
             loop {
                 let waiting: Vec<usize> = (0..answers.len())
                     .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
                     .collect();
-                if waiting.is_empty() || Instant::now() + pause >= give_up {
+                if waiting.is_empty() || !backoff.wait().await {
                     return Ok(answers);
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(LONGEST_PAUSE);
                 let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
                 let Ok(Ok(next)) =
-                    tokio::time::timeout_at(give_up, self.inner.remove(&again, force)).await
+                    tokio::time::timeout_at(backoff.give_up, self.inner.remove(&again, force))
+                        .await
                 else {
                     return Ok(answers);
                 };
@@ -156,16 +177,13 @@ impl MasterApi for Patient {
     // Refused as a whole while the master rebuilds (nothing was removed): asked again.
     fn remove_all<'a>(&'a self, force: bool, key_regex: Option<&'a str>) -> Call<'a, u64> {
         Box::pin(async move {
-            let give_up = Instant::now() + self.deadline;
-            let mut pause = FIRST_PAUSE;
+            let mut backoff = Backoff::new(self.deadline);
             loop {
                 let answer = self.inner.remove_all(force, key_regex).await;
                 let again = answer.as_ref().is_err_and(|e| not_yet(&e.code));
-                if !again || Instant::now() + pause >= give_up {
+                if !again || !backoff.wait().await {
                     return answer;
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(LONGEST_PAUSE);
             }
         })
     }

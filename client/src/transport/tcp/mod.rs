@@ -444,9 +444,8 @@ impl TcpTransport {
                 };
                 let mut out = Vec::with_capacity(n);
                 let sizes = items.iter().map(|it| {
-                    let len: u64 = it.parts.iter().map(|p| p.len() as u64).sum();
                     (
-                        request_bytes(it.key) + len,
+                        request_bytes(it.key) + it.len(),
                         wire::RESPONSE_HEADER_LEN as u64,
                     )
                 });
