@@ -1,7 +1,8 @@
 //! The SSD tier end to end, on a real file on disk: objects spill from memory to SSD under
 //! pressure and every one reads back byte for byte; a corrupted record reads as -801; a full SSD
 //! evicts its oldest records and the master forgets them (never wrong bytes); an owner killed
-//! with SIGKILL and restarted on its SSD directory serves its objects again.
+//! with SIGKILL and restarted on its SSD directory serves its objects again; puts do not fail
+//! while an owner's SSD is stuck and another owner's memory could be freed.
 
 use std::{
     io::{Seek, SeekFrom, Write},
@@ -262,5 +263,61 @@ async fn a_disk_only_object_read_twice_is_promoted_back_to_memory() {
         SIZE as i64
     );
     owner.shutdown().await;
+    master.shutdown().await;
+}
+
+/// A put short of memory while offloads to a stuck SSD are under way takes memory another owner
+/// can free at once: before, every eviction round counted the stuck offloads as room coming and
+/// freed nothing else, and the put failed with -200 for as long as the SSD stayed stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_take_memory_freed_at_once_when_offloads_are_stuck() {
+    let master = RunningMaster::start(master_config()).await.unwrap();
+    let addr = master.rpc_addr.to_string();
+    let dir = TempDir::new("ssd-stuck");
+    let dir_s = dir.path().to_str().unwrap().to_string();
+    let ssd = [
+        "--ssd-path",
+        dir_s.as_str(),
+        "--ssd-size",
+        "64MiB",
+        "--no-shm",
+    ];
+    // A: tiered, a process (so it can be stopped); B: no SSD tier.
+    let (tiered, seg_a) = spawn_owner(&addr, "4MiB", &ssd);
+    let mut cfg_b = owner_config(&addr, 4 << 20);
+    cfg_b.shared_memory = false;
+    let plain = RunningOwner::start(cfg_b).await.expect("start owner");
+    let seg_b = plain.segment.to_string();
+    let c = client(&addr).await;
+    const SIZE: usize = 1 << 20;
+    let on = |seg: &str| ReplicateConfig {
+        preferred_segments: vec![mooncake_common::SegmentName::parse(seg).unwrap()],
+        ..ReplicateConfig::default()
+    };
+    // A's objects first (the oldest in the eviction order), then B's: 7 of 8 MiB, under the
+    // high watermark, so no upkeep round starts offloads before A is stopped.
+    let a_keys: Vec<String> = (0..4).map(|i| format!("a/{i}")).collect();
+    let b_keys: Vec<String> = (0..3).map(|i| format!("b/{i}")).collect();
+    for (keys, seg) in [(&a_keys, seg_a.as_str()), (&b_keys, seg_b.as_str())] {
+        for k in keys.iter() {
+            let v = payload(k, SIZE);
+            c.put(k, &v, &on(seg))
+                .await
+                .unwrap_or_else(|e| panic!("put {k}: {e:?}"));
+        }
+    }
+    // A's SSD is as good as stuck: the owner cannot take or report an offload.
+    tiered.signal(libc::SIGSTOP);
+    let big = "big/0";
+    let v = payload(big, 2 * SIZE);
+    let put = c.put(big, &v, &ReplicateConfig::default()).await;
+    tiered.signal(libc::SIGCONT);
+    put.expect("B's oldest objects make room at once");
+    let mut buf = vec![0u8; 2 * SIZE];
+    assert_eq!(get_code(&c.get(big, &mut buf).await), (2 * SIZE) as i64);
+    assert!(buf == v, "wrong bytes");
+    // What made room was B's oldest object, not an object of A's without its disk copy.
+    assert_eq!(get_code(&c.get(&b_keys[0], &mut buf[..SIZE]).await), -704);
+    plain.shutdown().await;
     master.shutdown().await;
 }

@@ -72,6 +72,15 @@ impl MasterState {
         self.evict(now, need)
     }
 
+    /// Frees at least `need` bytes that can go at once, if that many exist: objects with a disk
+    /// copy or without an SSD tier, in the order of the eviction policy. The last resort of a
+    /// batch of puts that waited for offloads in vain (a slow or stuck SSD): room on its way to
+    /// disk does not count, and objects that would need an offload first are passed over.
+    /// Returns the bytes freed.
+    pub fn free_at_once(&mut self, now: Millis, need: u64) -> u64 {
+        self.evict_with(now, need, Room::AtOnce)
+    }
+
     /// Frees at least `need` bytes, and at least the eviction ratio of total capacity, if that
     /// many evictable bytes exist, in the order of the eviction policy (see `order`); objects
     /// being read or written, hard-pinned ones and those on their way to disk are passed over,
@@ -79,14 +88,25 @@ impl MasterState {
     /// per round. Bytes of offloads under way that free memory when they land count as freed
     /// already. Returns the bytes freed at once.
     pub(super) fn evict(&mut self, now: Millis, need: u64) -> u64 {
-        self.release_due(now);
         let target = need.max((self.capacity() as f64 * self.policy.eviction_ratio) as u64);
+        self.evict_with(now, target, Room::Coming)
+    }
+
+    /// One eviction round towards `target` bytes; `room` says whether memory that offloads
+    /// under way free when they land counts (see `Room`).
+    fn evict_with(&mut self, now: Millis, target: u64, room: Room) -> u64 {
+        self.release_due(now);
         let mut round = Round {
             freed: 0,
             count: 0,
             target,
+            coming: match room {
+                Room::Coming => self.offload_freeing,
+                Room::AtOnce => 0,
+            },
+            room,
         };
-        if self.offload_freeing >= target {
+        if round.done() {
             return 0;
         }
         let mut soft = Vec::new();
@@ -95,7 +115,7 @@ impl MasterState {
         let mut exhausted = [false; 2];
         let budget = 2 * self.objects.order_len();
         for _ in 0..budget {
-            if round.done(self.offload_freeing) {
+            if round.done() {
                 break;
             }
             let Some(c) = self.objects.next_candidate(exhausted) else {
@@ -124,6 +144,11 @@ impl MasterState {
                 self.objects.keep(c);
                 continue;
             }
+            if room == Room::AtOnce && o.disk().is_empty() && self.has_disk_tier(o) {
+                // Its memory could only go by an offload: not what this round is for.
+                self.objects.keep(c);
+                continue;
+            }
             passed[l] = 0;
             exhausted[l] = false;
             self.objects.evicted(c);
@@ -131,7 +156,7 @@ impl MasterState {
         }
         // Soft-pinned objects, only when nothing else was left.
         for key in soft {
-            if round.done(self.offload_freeing) {
+            if round.done() {
                 break;
             }
             let Some(o) = self.objects.get(&key) else {
@@ -139,6 +164,9 @@ impl MasterState {
             };
             // Met twice when the order cycled: the first visit may have started its offload.
             if o.is_leased(now) || o.replicas.is_empty() || o.offload_on_its_way() {
+                continue;
+            }
+            if room == Room::AtOnce && o.disk().is_empty() && self.has_disk_tier(o) {
                 continue;
             }
             self.objects.unlink_key(&key);
@@ -186,6 +214,7 @@ impl MasterState {
                 since,
             };
             self.offload_freeing += bytes;
+            round.coming_more(bytes);
             self.objects.link(&key);
             return;
         }
@@ -203,7 +232,9 @@ impl MasterState {
         if self.has_disk_tier(obj) {
             let failed_lately = matches!(obj.offload(), Offload::Failed { at }
                 if now < at.plus(self.policy.offload_timeout));
+            let before = self.offload_freeing;
             if !failed_lately && self.start_offload(&key, true, now) {
+                round.coming_more(self.offload_freeing - before);
                 self.objects.link(&key);
                 return;
             }
@@ -221,16 +252,35 @@ impl MasterState {
     }
 }
 
+/// What an eviction round counts towards its target.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// Memory freed at once and that of offloads under way, which free it when they land.
+    Coming,
+    /// Only memory freed at once.
+    AtOnce,
+}
+
 /// One eviction round's progress.
 struct Round {
     freed: u64,
     count: u64,
     target: u64,
+    /// Bytes of offloads under way that count (see `Room`).
+    coming: u64,
+    room: Room,
 }
 
 impl Round {
-    /// Whether the bytes freed, with those of offloads under way, reach the target.
-    fn done(&self, freeing: u64) -> bool {
-        self.freed + freeing >= self.target
+    /// Whether the bytes freed, with those on their way that count, reach the target.
+    fn done(&self) -> bool {
+        self.freed + self.coming >= self.target
+    }
+
+    /// An offload this round started or turned into an eviction frees `bytes` when it lands.
+    fn coming_more(&mut self, bytes: u64) {
+        if self.room == Room::Coming {
+            self.coming += bytes;
+        }
     }
 }

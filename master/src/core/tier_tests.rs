@@ -220,6 +220,45 @@ fn when_the_disk_is_behind_eviction_keeps_or_drops_by_policy() {
 }
 
 #[test]
+fn freeing_at_once_passes_over_objects_that_need_an_offload_and_ignores_room_on_its_way() {
+    let (mut s, _id) = tiered(4 * MIB, Policy::default());
+    mount(&mut s, 1, 4 * MIB, 0);
+    for i in 0..4 {
+        let g = s
+            .put_start(&k(&format!("a{i}")), MIB, &on(0), Millis(i))
+            .unwrap();
+        s.put_end(&format!("a{i}"), g.put_id, Millis(i)).unwrap();
+    }
+    for i in 0..4 {
+        let g = s
+            .put_start(&k(&format!("b{i}")), MIB, &on(1), Millis(10 + i))
+            .unwrap();
+        s.put_end(&format!("b{i}"), g.put_id, Millis(10 + i))
+            .unwrap();
+    }
+    // The tiered owner's objects come first in the order: their offloads start and count as
+    // room coming, so an ordinary round frees nothing more.
+    assert_eq!(s.evict(Millis(20), 2 * MIB), 0);
+    assert!(s.offloads_outstanding());
+    assert_eq!(s.evict(Millis(21), 2 * MIB), 0);
+    assert_eq!(s.key_count(), 8);
+    let offloads = s.counters().offloads_started;
+    // At once: the plain owner's oldest go; no offload starts, nothing of the tier is dropped.
+    assert_eq!(s.free_at_once(Millis(22), 2 * MIB), 2 * MIB);
+    s.check_invariants().unwrap();
+    assert_eq!(s.counters().offloads_started, offloads);
+    for i in 0..4 {
+        assert!(
+            s.get_replicas(&k(&format!("a{i}")), Millis(23)).is_ok(),
+            "a{i}"
+        );
+    }
+    assert!(s.get_replicas(&k("b0"), Millis(23)).is_err());
+    assert!(s.get_replicas(&k("b1"), Millis(23)).is_err());
+    assert!(s.get_replicas(&k("b2"), Millis(23)).is_ok());
+}
+
+#[test]
 fn late_or_stale_reports_change_nothing_and_tell_the_owner_to_drop() {
     let (mut s, id) = tiered(2 * MIB, Policy::default());
     let v1 = put(&mut s, "a", MIB, 0).unwrap();

@@ -92,6 +92,17 @@ pub struct MasterService {
     seals: Option<SealKey>,
 }
 
+/// Where a batch of puts short of memory is in its wait for offloads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Waiting for offloads under way to free memory.
+    Waiting,
+    /// The wait is over: free what can go at once, then try once more.
+    LastResort,
+    /// Tried once more: what is still short fails.
+    Done,
+}
+
 /// A put that found no space (a full quota is not one: room made elsewhere does not help it).
 fn short_of_memory(r: &Result<PutGrant, MasterError>) -> bool {
     r.as_ref()
@@ -156,6 +167,9 @@ impl MasterService {
         let mut results: Vec<Option<Result<PutGrant, MasterError>>> =
             (0..items.len()).map(|_| None).collect();
         let deadline = tokio::time::Instant::now() + OFFLOAD_WAIT;
+        // Once the wait for offloads is over (a slow or stuck SSD), what is still short takes
+        // memory that can go at once elsewhere, and is tried once more.
+        let mut stage = Stage::Waiting;
         loop {
             // Registered before looking, so progress made in between is not missed.
             let progress = self.shared.offload_progress.notified();
@@ -183,20 +197,33 @@ impl MasterService {
                     .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
                     .map(|(&(_, size), _)| size)
                     .sum();
-                let freed_now = if short > 0 {
-                    state.make_room(now, short)
-                } else {
-                    0
+                let freed_now = match stage {
+                    _ if short == 0 => 0,
+                    Stage::Waiting => state.make_room(now, short),
+                    Stage::LastResort => {
+                        let freed = state.free_at_once(now, short);
+                        tracing::info!(
+                            short,
+                            freed,
+                            "offloads did not free memory in time: evicting what can go at once"
+                        );
+                        stage = Stage::Done;
+                        freed
+                    }
+                    Stage::Done => 0,
                 };
                 self.shared.wake_owners(&mut state);
                 if short > 0 && freed_now > 0 {
                     // Room came free at once (objects with disk copies left memory): try again.
                     continue;
                 }
-                short > 0 && state.offloads_outstanding()
+                short > 0 && stage == Stage::Waiting && state.offloads_outstanding()
             };
-            if !waiting || tokio::time::timeout_at(deadline, progress).await.is_err() {
+            if !waiting {
                 break;
+            }
+            if tokio::time::timeout_at(deadline, progress).await.is_err() {
+                stage = Stage::LastResort;
             }
         }
         let mut results: Vec<Result<PutGrant, MasterError>> = results
