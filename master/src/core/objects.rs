@@ -344,8 +344,16 @@ impl MasterState {
                 if let Some(grant) = self.upsert_in_place(key, size, config, now)? {
                     return Ok(grant);
                 }
-                self.retire_for_upsert(key, now);
-                return self.put_start(key, size, config, now);
+                // New space first: an upsert that finds none leaves the stored value as it was.
+                let replicas = self.allocate_making_room(size, config, now);
+                if replicas.is_empty() {
+                    return Err(MasterError::NoSpace { size });
+                }
+                if self.objects.get(key).is_some() {
+                    // (Unless the room made was its own: then it was evicted.)
+                    self.retire_for_upsert(key, now);
+                }
+                return self.start_on(key, size, config, replicas, now);
             };
             if now < started.plus(self.policy.put_discard_timeout) {
                 return Err(MasterError::PutInFlight(key.clone()));
@@ -360,7 +368,21 @@ impl MasterState {
             self.defer_drop(old.replicas, old.put_id, release_at);
         }
         self.check_quota(key.as_str(), size, 0)?;
+        let replicas = self.allocate_making_room(size, config, now);
+        if replicas.is_empty() {
+            return Err(MasterError::NoSpace { size });
+        }
+        self.start_on(key, size, config, replicas, now)
+    }
 
+    /// The replicas of a put of `size`, evicting to make room when there is none; empty when
+    /// no room could be made.
+    fn allocate_making_room(
+        &mut self,
+        size: u64,
+        config: &ReplicateConfig,
+        now: Millis,
+    ) -> Vec<Replica> {
         let mut replicas = self.allocate_replicas(size, config);
         if replicas.is_empty() {
             // Make room and try once more; a second round helps when the first one freed space
@@ -373,9 +395,18 @@ impl MasterState {
                 }
             }
         }
-        if replicas.is_empty() {
-            return Err(MasterError::NoSpace { size });
-        }
+        replicas
+    }
+
+    /// Starts the put of `key` on `replicas`, allocated for it: the object is PROCESSING.
+    fn start_on(
+        &mut self,
+        key: &ObjectKey,
+        size: u64,
+        config: &ReplicateConfig,
+        replicas: Vec<Replica>,
+        now: Millis,
+    ) -> Result<PutGrant, MasterError> {
         self.offload_early(now);
         let Some(put_id) = self.grants.next() else {
             self.free_replicas(replicas);

@@ -159,6 +159,31 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
     s.check_invariants().unwrap();
 }
 
+/// An upsert that needs new space and finds none leaves the stored value readable: before, the
+/// old object was taken out first, and a failed allocation left the key absent.
+#[test]
+fn an_upsert_that_finds_no_space_leaves_the_stored_value() {
+    let mut s = state_with(&[4 * MIB]);
+    let a = put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    let pinned = ReplicateConfig {
+        hard_pin: true,
+        ..cfg(1)
+    };
+    for i in 0..3 {
+        put(&mut s, &format!("p{i}"), MIB, &pinned, 1).unwrap();
+    }
+    // Read (leased): not rewritten in place, and not evicted to make room.
+    s.get_replicas(&k("a"), Millis(2)).unwrap();
+    assert_eq!(
+        s.put_start(&k("a"), 2 * MIB, &upsert(), Millis(3)),
+        Err(MasterError::NoSpace { size: 2 * MIB })
+    );
+    s.check_invariants().unwrap();
+    let (size, locs) = s.get_replicas(&k("a"), Millis(4)).unwrap();
+    assert_eq!((size, locs[0].put_id), (MIB, a.put_id));
+    assert_eq!(s.allocated(), 4 * MIB);
+}
+
 /// A heartbeat's notes stay until a later heartbeat says they were applied: an answer lost on
 /// its way loses none (before, they were handed out once, and a removed object could come back
 /// at the next rebuild).
