@@ -117,6 +117,7 @@ impl Client {
         let granted = Granted::by_lookup(asked_at, &lookup);
         // The lease started no earlier than our request did, so this deadline is conservative.
         let lease_deadline = granted.deadline();
+        let reading = self.leases.reading(found(&names, &lookup), granted);
 
         let mut jobs = self.read_jobs(valid, &lookup, bufs, results);
         self.read_first_replicas(&mut jobs).await;
@@ -142,8 +143,7 @@ impl Client {
             });
         join_all(retries).await;
         // The reads are over: the holds the lookup took go back, and those kept for this call.
-        self.leases.done(found(&names, &lookup), granted);
-        self.leases.call_ended();
+        drop(reading);
         self.count_served(&jobs);
         for job in jobs {
             let n: usize = job.dst.iter().map(|d| d.len()).sum();
@@ -303,8 +303,7 @@ impl Client {
         };
         let granted = Granted::by_lookup(asked_at, &lookup);
         let lease_deadline = granted.deadline();
-        // Owned: `names` borrows the keys the jobs below take.
-        let leased: Vec<String> = found(&names, &lookup).map(str::to_owned).collect();
+        let reading = self.leases.reading(found(&names, &lookup), granted);
         let mut found = lookup.results().iter();
         let lookup = &lookup;
         // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
@@ -340,8 +339,7 @@ impl Client {
             Ok(buf)
         });
         let got = join_all(reads).await;
-        self.leases.done(leased, granted);
-        self.leases.call_ended();
+        drop(reading);
         got
     }
 

@@ -1,6 +1,7 @@
 //! The read leases this client holds, handed back as soon as its reads are done, so a finished
 //! read pins nothing in the cache (with the master's lease mode "reads"; with "ttl" the master
-//! ignores them). A get's holds go back when its transfers end; the holds of an existence check
+//! ignores them). A get's holds go back when its transfers end, or when its caller drops the get
+//! before (a timeout, a `select!`); the holds of an existence check
 //! or a descriptor lookup, which a get of the same keys usually follows, go back when this
 //! client's next call ends. Releases ride on this client's next lookup or existence check (no
 //! call of their own); when none comes within a moment, a background task sends them. A
@@ -108,6 +109,20 @@ impl Taken {
     }
 }
 
+/// The holds of a get's reads, handed back when dropped (see `Leases::reading`).
+#[must_use = "the holds go back when this is dropped"]
+pub(crate) struct Reading<'a> {
+    leases: &'a Leases,
+    holds: Vec<Hold>,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.leases.hand_back(std::mem::take(&mut self.holds));
+        self.leases.call_ended();
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Leases {
     /// Holds to hand back: a key once per hold.
@@ -130,9 +145,22 @@ impl Leases {
         leases
     }
 
-    /// The reads of `keys` are done: their holds (of the lease `granted`) go back.
-    pub fn done<K: Into<String>>(&self, keys: impl IntoIterator<Item = K>, granted: Granted) {
-        let holds = self.holds(keys, granted);
+    /// A get is about to read `keys` under the lease `granted`: their holds go back when the
+    /// guard is dropped, at the end of the get's reads or with the get itself when its caller
+    /// drops it first (a timeout, a `select!`), which would otherwise leave them to end at
+    /// their TTL. The holds kept for the call (see `keep`) go back then too.
+    pub fn reading<K: Into<String>>(
+        &self,
+        keys: impl IntoIterator<Item = K>,
+        granted: Granted,
+    ) -> Reading<'_> {
+        Reading {
+            leases: self,
+            holds: self.holds(keys, granted).collect(),
+        }
+    }
+
+    fn hand_back(&self, holds: impl IntoIterator<Item = Hold>) {
         let mut q = self.queue.lock();
         let before = q.len();
         q.extend(holds);
@@ -292,8 +320,8 @@ mod tests {
     fn holds_go_back_only_within_the_first_half_of_their_lease() {
         let leases = Leases::default();
         let ttl = Duration::from_secs(10);
-        leases.done(["fresh"], asked_ago(0, ttl, 7));
-        leases.done(["late"], asked_ago(6, ttl, 7));
+        drop(leases.reading(["fresh"], asked_ago(0, ttl, 7)));
+        drop(leases.reading(["late"], asked_ago(6, ttl, 7)));
         leases.keep(["kept-too-long"], asked_ago(5, ttl, 7));
         leases.keep(["kept"], asked_ago(4, ttl, 7));
         leases.call_ended();
@@ -306,13 +334,13 @@ mod tests {
     fn holds_go_back_only_to_the_master_that_granted_them() {
         let leases = Leases::default();
         let ttl = Duration::from_secs(10);
-        leases.done(["a"], asked_ago(0, ttl, 7));
+        drop(leases.reading(["a"], asked_ago(0, ttl, 7)));
         // Before any newer master answered, the old one's holds go, naming it.
         assert_eq!(leases.take(), taken(&["a"], 7));
-        leases.done(["b"], asked_ago(0, ttl, 7));
+        drop(leases.reading(["b"], asked_ago(0, ttl, 7)));
         leases.keep(["c"], asked_ago(0, ttl, 7));
         // A newer master answered (a restart, a new leader): the older holds are dropped.
-        leases.done(["d"], asked_ago(0, ttl, 9));
+        drop(leases.reading(["d"], asked_ago(0, ttl, 9)));
         leases.call_ended();
         assert_eq!(leases.take(), taken(&["d"], 9));
         assert_eq!(leases.dropped(), 2);

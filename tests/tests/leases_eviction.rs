@@ -1,19 +1,20 @@
 //! Leases, eviction and abandoned puts through the running master: eviction frees space under
 //! pressure without touching an object being read, a finished read pins nothing (lease mode
 //! "reads") while Mooncake's TTL leases keep a store full of read objects full, and an abandoned
-//! put's space returns after the release timeout on an injected clock.
+//! put's space returns after the release timeout on an injected clock, and a get dropped by its
+//! caller mid-read hands its hold back.
 
 use std::{sync::Arc, time::Duration};
 
-use mooncake_client::{Code, MasterApi, ReplicateConfig};
+use mooncake_client::{Client, ClientConfig, Code, MasterApi, ReplicateConfig};
 use mooncake_common::master_api::Releases;
 use mooncake_master::{
     clock::{ManualClock, Millis},
     core::LeaseMode,
-    MasterConfig,
+    MasterConfig, RunningMaster,
 };
 use mooncake_proto::master::{master_client::MasterClient, BatchPutStartRequest, PutStartItem};
-use mooncake_tests::{master_config, payload, Cluster};
+use mooncake_tests::{master_config, payload, spawn_owner, Cluster};
 
 const MIB: u64 = 1 << 20;
 
@@ -236,4 +237,45 @@ async fn a_hold_handed_back_after_its_lease_ran_out_leaves_another_readers_lease
         "the second reader's lease was ended by the first reader's late release"
     );
     c.shutdown().await;
+}
+
+/// A get its caller drops mid-read (a timeout around it) hands its hold back: before, the hold
+/// went back only at the end of the get's reads, so a dropped get left the object leased, and
+/// unevictable, for the whole TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_dropped_mid_read_hands_its_hold_back() {
+    let config = MasterConfig {
+        default_kv_lease_ttl: Duration::from_secs(60),
+        ..master_config()
+    };
+    let master = RunningMaster::start(config).await.unwrap();
+    let addr = master.rpc_addr.to_string();
+    // A process, so that it can be stopped with the read under way.
+    let (owner, _seg) = spawn_owner(&addr, "4MiB", &["--no-shm"]);
+    let client = Client::connect(ClientConfig {
+        transfer_timeout: Duration::from_secs(30),
+        ..ClientConfig::new(&addr)
+    })
+    .await
+    .unwrap();
+    let cfg = ReplicateConfig::default();
+    client
+        .put("k", &payload("k", MIB as usize), &cfg)
+        .await
+        .unwrap();
+    owner.signal(libc::SIGSTOP);
+    let mut buf = vec![0u8; MIB as usize];
+    let read = tokio::time::timeout(Duration::from_millis(500), client.get("k", &mut buf)).await;
+    owner.signal(libc::SIGCONT);
+    assert!(
+        read.is_err(),
+        "the read could not end with its owner stopped"
+    );
+    let reader = master.in_process();
+    let removed = mooncake_tests::eventually(Duration::from_secs(5), async || {
+        reader.remove(&["k"], false).await.unwrap() == vec![Ok(())]
+    })
+    .await;
+    assert!(removed, "the dropped get's hold was never handed back");
+    master.shutdown().await;
 }
