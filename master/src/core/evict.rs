@@ -9,6 +9,9 @@ use mooncake_common::ObjectKey;
 use super::{objects::Offload, tiers::WhenDiskBehind, MasterState};
 use crate::clock::Millis;
 
+/// How long a barren eviction round's answer stands at most (see `MasterState::barren_until`).
+const BARREN_AT_MOST: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl MasterState {
     /// One round of upkeep; the server calls it periodically.
     pub fn tick(&mut self, now: Millis) {
@@ -96,6 +99,9 @@ impl MasterState {
     /// under way free when they land counts (see `Room`).
     fn evict_with(&mut self, now: Millis, target: u64, room: Room) -> u64 {
         self.release_due(now);
+        if self.barren_until.is_some_and(|until| now < until) {
+            return 0;
+        }
         let mut round = Round {
             freed: 0,
             count: 0,
@@ -109,6 +115,9 @@ impl MasterState {
         if round.done() {
             return 0;
         }
+        let coming_before = round.coming;
+        // The earliest a lease passed over ends: then this round's answer may change by itself.
+        let mut leased_until = now.plus(BARREN_AT_MOST);
         let mut soft = Vec::new();
         // Objects passed over in a row per list: once a whole list was, it is done this round.
         let mut passed = [0usize; 2];
@@ -130,6 +139,9 @@ impl MasterState {
             }
             passed[l] += 1;
             exhausted[l] = passed[l] >= self.objects.order_live(c.list);
+            if o.is_leased(now) {
+                leased_until = leased_until.min(o.lease.until());
+            }
             if o.offload_on_its_way()
                 || !o.phase.is_complete()
                 || o.is_leased(now)
@@ -172,6 +184,10 @@ impl MasterState {
             self.objects.unlink_key(&key);
             self.free_memory(key, now, &mut round);
         }
+        let barren = round.count == 0 && round.freed == 0 && round.coming == coming_before;
+        if barren && room == Room::Coming {
+            self.barren_until = Some(leased_until);
+        }
         self.counters.eviction_rounds += 1;
         self.counters.evicted_objects += round.count;
         self.counters.evicted_bytes += round.freed;
@@ -184,6 +200,13 @@ impl MasterState {
             );
         }
         round.freed
+    }
+
+    /// Something that may make an object evictable happened (a put ended, a hold went back, an
+    /// offload landed or was given up, memory or objects came or went): the next eviction round
+    /// walks the order again even if the last one found nothing.
+    pub(super) fn evictable_changed(&mut self) {
+        self.barren_until = None;
     }
 
     /// Frees the memory of `key`, out of the eviction order already: at once when a disk copy

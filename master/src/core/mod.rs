@@ -277,6 +277,12 @@ pub struct MasterState {
     /// The first put id this process issued (`started`): smaller ones are an earlier master's.
     first_grant: u64,
     replica_tasks: replica_tasks::ReplicaTasks,
+    /// Set by an eviction round that found nothing it could free or offload: another round
+    /// before this instant (the earliest a lease it passed over ends, 5 s at most) finds
+    /// nothing either, unless something changes what may be evicted first (see
+    /// `evictable_changed`). A full store of objects being read costs one walk of the order,
+    /// not one per put of a batch.
+    barren_until: Option<Millis>,
 }
 
 impl MasterState {
@@ -334,6 +340,7 @@ impl MasterState {
             awaited: Vec::new(),
             first_grant: 0,
             replica_tasks: Default::default(),
+            barren_until: None,
         }
     }
 

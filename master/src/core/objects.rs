@@ -548,6 +548,7 @@ impl MasterState {
         let started = obj.phase.started();
         obj.phase = Phase::COMPLETE;
         let key = eager.then(|| obj.key().clone());
+        self.evictable_changed();
         if let Some(started) = started {
             self.unfinished.remove(&(started, put_id));
         }
@@ -570,6 +571,7 @@ impl MasterState {
         }
         let obj = self.objects.remove(key).expect("checked above");
         self.drop_replicas(obj.replicas, put_id);
+        self.evictable_changed();
         Ok(())
     }
 
@@ -650,6 +652,7 @@ impl MasterState {
         if self.policy.lease_mode == LeaseMode::Ttl {
             return;
         }
+        self.evictable_changed();
         for k in keys {
             if let Some(obj) = self.objects.get_mut(k.borrow()) {
                 obj.lease.release(now);

@@ -276,6 +276,7 @@ impl MasterState {
         );
         let mut replicas = Replicas::new();
         replicas.push(replica);
+        self.evictable_changed();
         self.objects.insert(Object::new(
             r.key,
             r.size,

@@ -460,6 +460,7 @@ impl MasterState {
         offset: u64,
         ok: bool,
     ) -> Result<(), MasterError> {
+        self.evictable_changed();
         let obj = reported_version(&mut self.objects, key, put_id)?;
         let reserved = match obj.promoting() {
             Some(p) if p.replica.segment == segment && p.replica.allocation.offset() == offset => {
@@ -515,6 +516,8 @@ impl MasterState {
             }
             return Ok(());
         }
+        // An offload landed or failed: its queue has room, its object may go now.
+        self.evictable_changed();
         let obj = reported_version(&mut self.objects, key, put_id)?;
         match kind {
             TaskKind::Offload => {
@@ -693,6 +696,9 @@ impl MasterState {
                 promotions.push(obj.tier_mut().promoting.take().expect("checked"));
             }
             obj.tidy_tier();
+        }
+        if !expired.is_empty() || !promotions.is_empty() {
+            self.evictable_changed();
         }
         for (key, pending) in expired {
             tracing::warn!(%key, "offload not reported in time; giving it up");
