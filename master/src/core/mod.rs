@@ -252,7 +252,8 @@ pub struct MasterState {
     counters: Counters,
     /// Set when owner work was queued; the server wakes long-polling owners.
     tasks_queued: bool,
-    last_offload_scan: Millis,
+    /// The earliest an offload or promotion under way may time out (see `expire_offloads`).
+    ssd_work_expiry: Option<Millis>,
     /// Bytes of offloads under way that free memory when they land.
     offload_freeing: u64,
     /// Eager offloads waiting for room in their SSD tier's queue.
@@ -327,7 +328,7 @@ impl MasterState {
             rng,
             counters: Counters::default(),
             tasks_queued: false,
-            last_offload_scan: Millis(0),
+            ssd_work_expiry: None,
             offload_freeing: 0,
             eager_backlog: backlog::EagerBacklog::default(),
             unfinished: BTreeMap::new(),

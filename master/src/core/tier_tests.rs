@@ -305,14 +305,23 @@ fn unreported_offloads_time_out() {
         offload_timeout: Duration::from_secs(5),
         ..Policy::default()
     };
-    let (mut s, id) = tiered(2 * MIB, policy);
+    let (mut s, id) = tiered(4 * MIB, policy);
     put(&mut s, "a", MIB, 0).unwrap();
+    put(&mut s, "b", MIB, 0).unwrap();
     s.evict(Millis(1), MIB);
     assert_eq!(s.take_tasks(id, 10, Millis(0)).len(), 1);
+    // A second offload, started later, times out later: upkeep looks again for it.
+    s.start_offload(&k("b"), true, Millis(4_000));
     s.tick(Millis(3_000));
     assert!(s.offloads_outstanding());
     s.tick(Millis(6_000));
+    assert_eq!(s.counters().offloads_failed, 1, "a's timed out");
+    assert!(s.offloads_outstanding(), "b's has not");
+    s.tick(Millis(8_999));
+    assert!(s.offloads_outstanding());
+    s.tick(Millis(9_000));
     assert!(!s.offloads_outstanding());
+    assert_eq!(s.counters().offloads_failed, 2);
     s.check_invariants().unwrap();
 }
 

@@ -326,6 +326,7 @@ impl MasterState {
         let d: &mut DiskTier = d.expect("checked above");
         d.offloads += 1;
         self.counters.offloads_started += 1;
+        self.ssd_work_started(now);
         self.queue_task(segment, task);
         true
     }
@@ -445,6 +446,7 @@ impl MasterState {
             },
             since: now,
         });
+        self.ssd_work_started(now);
         self.queue_task(segment, task);
     }
 
@@ -665,38 +667,49 @@ impl MasterState {
         Ok(put_id)
     }
 
+    /// An offload or a promotion started at `now`: upkeep looks for it once it may have timed
+    /// out (an earlier one, if any, times out first).
+    fn ssd_work_started(&mut self, now: Millis) {
+        let at = now.plus(self.policy.offload_timeout);
+        self.ssd_work_expiry = Some(self.ssd_work_expiry.map_or(at, |e| e.min(at)));
+    }
+
     /// Offloads and promotions not reported within the timeout are given up, so the object may
     /// be offloaded (or evicted) again; a promotion's memory waits out the longest a writer may
-    /// take. Scans at most once a second, and only while SSD tiers exist.
+    /// take. The object table is scanned only once the earliest of them may have timed out (it
+    /// holds a million objects in a large store).
     pub(super) fn expire_offloads(&mut self, now: Millis) {
-        let any_tier = self.segments.values().any(|s| s.disk.is_some());
-        if !any_tier
-            || now
-                < self
-                    .last_offload_scan
-                    .plus(std::time::Duration::from_secs(1))
-        {
+        if self.ssd_work_expiry.is_none_or(|at| now < at) {
             return;
         }
-        self.last_offload_scan = now;
         let timeout = self.policy.offload_timeout;
         let mut expired = Vec::new();
         let mut promotions = Vec::new();
+        // The earliest that work still under way may time out.
+        let mut next: Option<Millis> = None;
+        let mut under_way = |since: Millis| {
+            let at = since.plus(timeout);
+            next = Some(next.map_or(at, |n| n.min(at)));
+        };
         for obj in self.objects.iter_mut() {
             if let Offload::Pending { since, .. } = obj.offload() {
                 if since.plus(timeout) <= now {
                     expired.push((obj.key().clone(), obj.offload()));
                     obj.tier_mut().offload = Offload::Idle;
+                } else {
+                    under_way(since);
                 }
             }
-            if obj
-                .promoting()
-                .is_some_and(|p| p.since.plus(timeout) <= now)
-            {
-                promotions.push(obj.tier_mut().promoting.take().expect("checked"));
+            match obj.promoting() {
+                Some(p) if p.since.plus(timeout) <= now => {
+                    promotions.push(obj.tier_mut().promoting.take().expect("checked"));
+                }
+                Some(p) => under_way(p.since),
+                None => {}
             }
             obj.tidy_tier();
         }
+        self.ssd_work_expiry = next;
         if !expired.is_empty() || !promotions.is_empty() {
             self.evictable_changed();
         }
