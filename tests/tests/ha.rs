@@ -2,7 +2,8 @@
 //! killed with SIGKILL under a running client and the standby takes over (owners follow and
 //! report, the client follows, nothing committed is lost); a leader paused for three lease TTLs
 //! loses its lease, refuses to answer once it resumes, and campaigns again as a standby; a
-//! deposed leader's late writes to etcd (its put-id reservation) do not land.
+//! deposed leader's late writes to etcd (its put-id reservation) do not land; a leader stopped
+//! with SIGTERM gives its key up, so the standby takes over at once rather than after the TTL.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,10 @@ struct Master {
 }
 
 fn ha_master(etcd: &Etcd) -> Master {
+    ha_master_with_ttl(etcd, TTL)
+}
+
+fn ha_master_with_ttl(etcd: &Etcd, ttl: &str) -> Master {
     let port = free_port().to_string();
     let mut args = vec![
         "--enable_ha",
@@ -29,7 +34,7 @@ fn ha_master(etcd: &Etcd) -> Master {
         "--cluster_id",
         "ha-test",
         "--ha_lease_ttl",
-        TTL,
+        ttl,
     ];
     args.extend(loopback_master_args(&port));
     let guard = ChildGuard::spawn("mooncake_master", &args);
@@ -182,4 +187,39 @@ async fn a_deposed_leaders_late_write_does_not_land() {
         .await
         .unwrap();
     assert_eq!(segment.kvs().len(), 1, "the deposed leader's delete landed");
+}
+
+/// A leader stopped with SIGTERM gives the leader key up before it shuts down: the standby
+/// leads within moments, not after the lease's TTL (20 s here). Before, the stopping process
+/// dropped its term without revoking the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stopped_with_sigterm_hands_over_at_once() {
+    let etcd = Etcd::start().await;
+    let mut a = ha_master_with_ttl(&etcd, "20");
+    a.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let b = ha_master_with_ttl(&etcd, "20");
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    let url = etcd.master_url();
+    let beat = ["--heartbeat-interval", "200ms", "--cluster-id", "ha-test"];
+    let (_o1, _) = spawn_owner(&url, "16MiB", &beat);
+    let client = Client::connect(client_config(&url)).await.unwrap();
+    let keys: Vec<String> = (0..10).map(|i| format!("k/{i}")).collect();
+    put_all(&client, &keys).await;
+
+    let stopped = Instant::now();
+    a.guard.signal(libc::SIGTERM);
+    b.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(15));
+    let took = stopped.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "the standby took over after {took:?}"
+    );
+    assert!(
+        a.guard.wait_exit(Duration::from_secs(15)).is_some(),
+        "the old leader exited"
+    );
+    all_exact(&client, &keys).await;
 }

@@ -6,6 +6,9 @@
 
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 
+/// Operations in one fenced transaction at most (etcd's default `--max-txn-ops` is 128).
+pub const MAX_OPS: usize = 100;
+
 /// The term's seat: the leader key and the revision that created it (the term).
 #[derive(Debug, Clone)]
 pub struct Seat {
@@ -25,21 +28,33 @@ impl Seat {
         self.write(etcd, TxnOp::delete(key, None), key).await
     }
 
-    async fn write(&self, etcd: &mut Client, op: TxnOp, key: &str) -> anyhow::Result<()> {
+    /// Takes `ops` (at most `MAX_OPS`) in one transaction if this term still holds the leader
+    /// key; an error otherwise. `what` names them in the error.
+    pub async fn write_all(
+        &self,
+        etcd: &mut Client,
+        ops: Vec<TxnOp>,
+        what: &str,
+    ) -> anyhow::Result<()> {
+        debug_assert!(ops.len() <= MAX_OPS);
         let txn = Txn::new()
             .when([Compare::create_revision(
                 self.leader_key.as_str(),
                 CompareOp::Equal,
                 self.term,
             )])
-            .and_then([op]);
+            .and_then(ops);
         if etcd.txn(txn).await?.succeeded() {
             Ok(())
         } else {
             anyhow::bail!(
-                "not writing {key}: the leader key is no longer this term's ({}); another master leads",
+                "not writing {what}: the leader key is no longer this term's ({}); another master leads",
                 self.term
             )
         }
+    }
+
+    async fn write(&self, etcd: &mut Client, op: TxnOp, key: &str) -> anyhow::Result<()> {
+        self.write_all(etcd, vec![op], key).await
     }
 }

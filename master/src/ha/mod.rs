@@ -29,7 +29,7 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
     WatchOptions,
 };
-use tokio::time::Instant;
+use tokio::{sync::watch, time::Instant};
 
 pub use fenced::Seat;
 pub use leadership::Leadership;
@@ -69,14 +69,44 @@ pub trait Events: Send + Sync {
     fn standing_by(&self, leader: Option<&str>);
 }
 
-/// Campaigns, leads, steps down and campaigns again until `stop` completes.
+/// Campaigns, leads, steps down and campaigns again until `stop` completes. A leader then ends
+/// its term as on a step-down: it gives the key up first, so a standby takes over at once.
 pub async fn run(
     config: MasterConfig,
     ha: HaConfig,
     events: &dyn Events,
     stop: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    tokio::pin!(stop);
+    let (stopping, stopped) = watch::channel(false);
+    let terms = campaign_and_lead(config, ha, events, stopped);
+    tokio::pin!(stop, terms);
+    tokio::select! {
+        r = &mut terms => return r,
+        _ = &mut stop => {}
+    }
+    let _ = stopping.send(true);
+    // A term under way ends cleanly (the key given up, the master shut down), within bounds.
+    if tokio::time::timeout(Duration::from_secs(15), terms)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the term did not end within 15 s of the stop; leaving it");
+    }
+    Ok(())
+}
+
+/// Whether the process was asked to stop; waits until it is.
+async fn stop_asked(stopped: &mut watch::Receiver<bool>) {
+    // An error means the sender went: the process is going anyway.
+    let _ = stopped.wait_for(|s| *s).await;
+}
+
+async fn campaign_and_lead(
+    config: MasterConfig,
+    ha: HaConfig,
+    events: &dyn Events,
+    stopped: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
     // One member at a time, the next one after each failure: a member that fails (down, or cut
     // off from its cluster) is left at once, and a working one is kept. A channel balanced over
@@ -84,31 +114,36 @@ pub async fn run(
     let mut member = 0usize;
     loop {
         let endpoint = ha.endpoints[member % ha.endpoints.len()].clone();
+        let mut stop = stopped.clone();
         let attempt = async {
             let mut etcd = connect(&endpoint, ha.lease_ttl).await?;
-            let won = campaign(&mut etcd, &ha, clock.as_ref(), events).await?;
-            let lease = won.lease;
-            let outcome = lead(&mut etcd, &config, &ha, clock.clone(), won, events).await;
-            // Give the key up at once if etcd still listens (a clean hand-over, also when the
-            // term failed to start); a lapsed lease is gone anyway.
-            let _ = tokio::time::timeout(Duration::from_secs(1), etcd.lease_revoke(lease)).await;
-            outcome
+            let won = tokio::select! {
+                won = campaign(&mut etcd, &ha, clock.as_ref(), events) => won?,
+                _ = stop_asked(&mut stop) => return Ok(()),
+            };
+            lead(&mut etcd, &config, &ha, clock.clone(), won, events, stop).await
         };
+        let outcome = attempt.await;
+        if *stopped.borrow() {
+            return Ok(());
+        }
+        if let Err(e) = outcome {
+            tracing::warn!(error = %e, etcd = %endpoint, "leadership attempt ended; campaigning again");
+        }
+        member = member.wrapping_add(1);
+        // A short pause, so a flapping etcd does not turn into a busy loop.
+        let mut stop = stopped.clone();
         tokio::select! {
-            r = attempt => {
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, etcd = %endpoint, "leadership attempt ended; campaigning again");
-                }
-                member = member.wrapping_add(1);
-                // A short pause, so a flapping etcd does not turn into a busy loop.
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    _ = &mut stop => return Ok(()),
-                }
-            }
-            _ = &mut stop => return Ok(()),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = stop_asked(&mut stop) => return Ok(()),
         }
     }
+}
+
+/// Gives the leader key up at once if etcd still listens (a clean hand-over); a lapsed lease is
+/// gone anyway.
+async fn give_up(etcd: &mut Client, lease: i64) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), etcd.lease_revoke(lease)).await;
 }
 
 async fn connect(endpoint: &str, lease_ttl: Duration) -> anyhow::Result<Client> {
@@ -153,7 +188,15 @@ async fn campaign(
                 Some(PutOptions::new().with_lease(lease)),
             )])
             .or_else([TxnOp::get(key.as_str(), None)]);
-        let resp = etcd.txn(txn).await?;
+        let resp = match etcd.txn(txn).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                // It may have been applied with its answer lost: the key must not stay bound
+                // to a lease nobody keeps alive for a whole TTL.
+                give_up(etcd, lease).await;
+                return Err(e.into());
+            }
+        };
         if resp.succeeded() {
             let term = resp.header().map_or(0, |h| h.revision());
             return Ok(Won {
@@ -209,6 +252,29 @@ async fn lead(
     clock: Arc<dyn Clock>,
     won: Won,
     events: &dyn Events,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let lease = won.lease;
+    let mut given_up = false;
+    let outcome = serve_term(etcd, config, ha, clock, won, events, stop, &mut given_up).await;
+    if !given_up {
+        // The term failed to start: the key goes all the same.
+        give_up(etcd, lease).await;
+    }
+    outcome
+}
+
+/// A won election's term; sets `given_up` once the key is given up (see `lead`).
+#[allow(clippy::too_many_arguments)]
+async fn serve_term(
+    etcd: &mut Client,
+    config: &MasterConfig,
+    ha: &HaConfig,
+    clock: Arc<dyn Clock>,
+    won: Won,
+    events: &dyn Events,
+    stop: watch::Receiver<bool>,
+    given_up: &mut bool,
 ) -> anyhow::Result<()> {
     let leadership = Arc::new(Leadership::until(won.granted_at.plus(ha.lease_ttl)));
     let seat = Seat {
@@ -269,10 +335,19 @@ async fn lead(
         &master,
         &mut books,
         won.lease,
+        stop,
     )
     .await;
     leadership.revoke();
-    tracing::warn!(term = won.term, reason = ?outcome.as_ref().err(), "leadership lost; stepping down");
+    match &outcome {
+        Ok(()) => tracing::info!(term = won.term, "stopping; giving the leadership up"),
+        Err(e) => tracing::warn!(term = won.term, reason = %e, "leadership lost; stepping down"),
+    }
+    // The key goes before the master's shutdown (which waits for the owners' long polls): a
+    // standby campaigns at once instead of waiting out the lease. This master refuses every
+    // call from now on.
+    give_up(etcd, won.lease).await;
+    *given_up = true;
     master.shutdown().await;
     outcome
 }
@@ -314,21 +389,29 @@ impl Books {
             return Ok(());
         }
         let mounted: BTreeSet<String> = names.iter().map(|n| n.to_string()).collect();
-        for gone in self.published.difference(&mounted) {
-            self.seat
-                .delete(etcd, &format!("{}{gone}", self.prefix))
-                .await?;
-        }
-        for new in mounted.difference(&self.published) {
-            self.seat
-                .put(etcd, &format!("{}{new}", self.prefix), "")
-                .await?;
+        // Many at once when a cluster starts: a transaction per `MAX_OPS` changes, not one per
+        // segment, so the writes take a few round trips, well within a keepalive period.
+        let ops: Vec<TxnOp> = self
+            .published
+            .difference(&mounted)
+            .map(|gone| TxnOp::delete(format!("{}{gone}", self.prefix), None))
+            .chain(
+                mounted
+                    .difference(&self.published)
+                    .map(|new| TxnOp::put(format!("{}{new}", self.prefix), "", None)),
+            )
+            .collect();
+        let mut ops = ops.into_iter().peekable();
+        while ops.peek().is_some() {
+            let chunk: Vec<TxnOp> = ops.by_ref().take(fenced::MAX_OPS).collect();
+            self.seat.write_all(etcd, chunk, "segment names").await?;
         }
         self.published = mounted;
         Ok(())
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn keep_leading(
     etcd: &mut Client,
     ha: &HaConfig,
@@ -337,12 +420,15 @@ async fn keep_leading(
     master: &RunningMaster,
     books: &mut Books,
     lease: i64,
+    mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let (mut keeper, mut acks) = etcd.lease_keep_alive(lease).await?;
     let period = ha.lease_ttl / 3;
     let mut last_reserve = Instant::now();
     loop {
         let sent = clock.now();
+        // The next keepalive goes a period after this one, however long the writes below take.
+        let next = Instant::now() + period.saturating_sub(Duration::from_millis(10));
         keeper.keep_alive().await?;
         match tokio::time::timeout(period, acks.message()).await {
             Ok(Ok(Some(ack))) if ack.ttl() > 0 => leadership.extend_to(sent.plus(ha.lease_ttl)),
@@ -359,7 +445,10 @@ async fn keep_leading(
             last_reserve = Instant::now();
         }
         books.publish_segments(etcd, master, clock.now()).await?;
-        tokio::time::sleep(period.saturating_sub(Duration::from_millis(10))).await;
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            _ = stop_asked(&mut stop) => return Ok(()),
+        }
         if !leadership.holds(clock.now()) {
             anyhow::bail!("the lease may have lapsed (this process was paused)");
         }
