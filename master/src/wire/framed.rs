@@ -83,7 +83,15 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Send + Unpin>(
                     Err(e) => (status_of(&e), e.to_string().into_bytes()),
                 }
             }
-            Some(m) => dispatch(&svc, &caller, m, &body).await,
+            Some(m) => match dispatch(&svc, &caller, m, &body).await {
+                // A call that waited (a put start waits for offloads) across the lease's lapse:
+                // its answer may come from a deposed term, so it is not given.
+                _ if !svc.0.leading() => (
+                    rpc_wire::STATUS_UNAVAILABLE,
+                    crate::server::NOT_LEADING.as_bytes().to_vec(),
+                ),
+                answer => answer,
+            },
             None => (
                 rpc_wire::STATUS_BAD_REQUEST,
                 format!("unknown method {method}").into_bytes(),
