@@ -15,7 +15,9 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, payload: &[u8], fd: BorrowedFd<'_>) ->
     };
     // SAFETY: CMSG_SPACE only computes a size from its argument.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
+    // Of u64s: a cmsghdr (written through a pointer below) needs its 8-byte alignment, which a
+    // byte buffer does not promise.
+    let mut control = vec![0u64; space.div_ceil(8)];
     // SAFETY: an all-zero msghdr is a valid empty header; the fields set below point at live
     // buffers (`iov`, `control`) that outlive the sendmsg call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -23,8 +25,8 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, payload: &[u8], fd: BorrowedFd<'_>) ->
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` has a control buffer of CMSG_SPACE(sizeof(int)) bytes, so CMSG_FIRSTHDR is
-    // non-null and CMSG_DATA has room for one int.
+    // SAFETY: `msg` has an 8-byte-aligned control buffer of CMSG_SPACE(sizeof(int)) bytes, so
+    // CMSG_FIRSTHDR is non-null and aligned for a cmsghdr, and CMSG_DATA has room for one int.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;

@@ -131,12 +131,12 @@ impl LocalServer {
 
     /// One client connection. Its locks live in `held` and are released when it ends, however
     /// it ends; a write that never ended leaves its range naming no key (reads are refused).
-    async fn session(
-        &self,
-        mut stream: UnixStream,
-        mut stop: watch::Receiver<bool>,
-    ) -> io::Result<()> {
+    async fn session(&self, stream: UnixStream, mut stop: watch::Receiver<bool>) -> io::Result<()> {
         let mut held = Held::default();
+        // Declared after `held`, so dropped before it on every way out: the connection closes
+        // before the ranges go, and a client still copying then fails its end of the exchange
+        // (and discards what it copied) instead of finishing it after a writer got the range.
+        let mut stream = stream;
         let mut body = Vec::new();
         loop {
             let mut h = [0u8; 5];
@@ -238,8 +238,12 @@ impl LocalServer {
         let mut sent = 0;
         while sent < frame.len() {
             stream.writable().await?;
+            // Through `try_io`, so a would-block clears the readiness `writable` waits on
+            // (a raw `sendmsg` would leave it set, and this loop would spin).
             let res = if sent == 0 {
-                fdpass::send_with_fd(stream.as_fd(), &frame, self.pool.memfd())
+                stream.try_io(tokio::io::Interest::WRITABLE, || {
+                    fdpass::send_with_fd(stream.as_fd(), &frame, self.pool.memfd())
+                })
             } else {
                 stream.try_write(&frame[sent..])
             };

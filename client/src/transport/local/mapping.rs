@@ -153,7 +153,9 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
     };
     // SAFETY: CMSG_SPACE only computes a size from its argument.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
+    // Of u64s: the cmsghdrs read through pointers below need 8-byte alignment, which a byte
+    // buffer does not promise.
+    let mut control = vec![0u64; space.div_ceil(8)];
     // SAFETY: an all-zero msghdr is a valid empty header; the pointers set below refer to live
     // buffers that outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -167,8 +169,8 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
         return Err(io::Error::last_os_error());
     }
     let mut fd = None;
-    // SAFETY: the kernel filled `msg_control`/`msg_controllen`; CMSG_FIRSTHDR/NXTHDR walk only
-    // within them, and an SCM_RIGHTS message carries ints.
+    // SAFETY: the kernel filled `msg_control`/`msg_controllen` (8-byte aligned, as cmsghdrs
+    // need); CMSG_FIRSTHDR/NXTHDR walk only within them, and an SCM_RIGHTS message carries ints.
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
