@@ -320,3 +320,33 @@ async fn quotas_hold_to_the_byte_and_metrics_count_per_tenant() {
     assert_eq!(series("master_tenant_bytes", "c"), 64 << 10);
     assert_eq!(series("master_tenant_keys", "default"), 0);
 }
+
+/// An owner started with a tenant's token (not the cluster's) is refused its mount, and says so
+/// at once: before, the refusal read as "master did not answer" and was retried until the
+/// mount timeout ran out.
+#[test]
+fn an_owner_with_a_tenants_token_is_refused_at_once() {
+    let c = start();
+    let token = c.token("a");
+    let mut owner = ChildGuard::spawn(
+        "mooncake_ownerd",
+        &[
+            "--master",
+            &c.rpc,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--segment-size",
+            "8MiB",
+            "--no-mlock",
+            "--auth_token_file",
+            &token,
+            "--mount-timeout",
+            "60s",
+        ],
+    );
+    let status = owner.wait_exit(Duration::from_secs(20));
+    let status = status.expect("the refused owner exits well before its mount timeout");
+    assert!(!status.success());
+}

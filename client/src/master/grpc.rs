@@ -103,27 +103,15 @@ fn status_error(s: &Status, timeout: Duration) -> ApiError {
         tonic::Code::Unauthenticated => ApiError::new(Code::Unauthenticated, s.message()),
         tonic::Code::PermissionDenied => ApiError::new(Code::PermissionDenied, s.message()),
         // The connection's proof failed (the connector reports it as an I/O error).
-        _ if refused_proof(s) => ApiError::new(Code::Unauthenticated, format!("{s}")),
+        _ if mooncake_common::auth::refused_proof(s) => {
+            ApiError::new(Code::Unauthenticated, format!("{s}"))
+        }
         // A master that is not (or no longer) the elected leader.
         tonic::Code::Unavailable if s.message().contains("not the elected leader") => {
             ApiError::new(Code::UnavailableInCurrentStatus, s.message())
         }
         c => ApiError::rpc(format!("{c}: {}", s.message())),
     }
-}
-
-/// Whether the status comes from a connection whose authentication was refused.
-fn refused_proof(s: &Status) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
-    while let Some(e) = source {
-        if e.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
-        {
-            return true;
-        }
-        source = e.source();
-    }
-    false
 }
 
 fn put_refs(puts: &[(&str, u64)]) -> Vec<pb::PutRef> {

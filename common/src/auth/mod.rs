@@ -13,7 +13,7 @@ pub use handshake::{
     HELLO_MAGIC,
 };
 pub use seal::{wall_clock_us, Access, Scope, Seal, SealError, SealKey, SEAL_LEN};
-pub use tcp::{admit_tcp, grpc_channel, peek_hello, prove, AUTH_REQUIRED};
+pub use tcp::{admit_tcp, grpc_channel, peek_hello, prove, refused_proof, AUTH_REQUIRED};
 
 /// The identity of the cluster-wide secret (owners, the master, and clients of no tenant).
 pub const CLUSTER: &str = "cluster";

@@ -99,3 +99,20 @@ pub fn grpc_channel(
         }
     }))
 }
+
+/// Whether a call's error status on a `grpc_channel` comes from the server refusing this peer's
+/// proof (another secret, an unknown identity): the connector reports that as a
+/// permission-denied I/O error, which tonic wraps as an unavailable service. A retry does not
+/// change it.
+pub fn refused_proof(s: &tonic::Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
+    while let Some(e) = source {
+        if e.downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::PermissionDenied)
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}

@@ -41,6 +41,14 @@ pub enum LinkError {
         code: Code,
         message: String,
     },
+    /// The master answered the call with an error status that a retry does not change (this
+    /// owner's credentials, a request it cannot take).
+    #[error("master {master} refused the call: {code}: {message}")]
+    Status {
+        master: String,
+        code: Code,
+        message: String,
+    },
 }
 
 impl LinkError {
@@ -49,7 +57,7 @@ impl LinkError {
         match self {
             LinkError::BadAddress(_) => Code::InvalidParams,
             LinkError::Unreachable { .. } => Code::RpcFail,
-            LinkError::Refused { code, .. } => *code,
+            LinkError::Refused { code, .. } | LinkError::Status { code, .. } => *code,
         }
     }
 }
@@ -159,7 +167,25 @@ impl MasterLink {
             .await
             .map_err(|_| self.unreachable(&addr, format!("no answer within {after:?}")))?
             .map(|r| r.into_inner())
-            .map_err(|s| self.unreachable(&addr, s.message()))
+            .map_err(|s| self.status_error(&addr, &s))
+    }
+
+    /// What an error status from the master at `addr` means: a refusal a retry does not change
+    /// (bad credentials, a bad request), or a master gone, deposed or too slow, which the link
+    /// forgets so that the next call looks for the leader again.
+    fn status_error(&self, addr: &str, s: &tonic::Status) -> LinkError {
+        let refusal = |code| LinkError::Status {
+            master: addr.to_string(),
+            code,
+            message: s.message().to_string(),
+        };
+        match s.code() {
+            tonic::Code::PermissionDenied => refusal(Code::PermissionDenied),
+            tonic::Code::Unauthenticated => refusal(Code::Unauthenticated),
+            tonic::Code::InvalidArgument => refusal(Code::InvalidParams),
+            _ if mooncake_common::auth::refused_proof(s) => refusal(Code::Unauthenticated),
+            _ => self.unreachable(addr, format!("{}: {}", s.code(), s.message())),
+        }
     }
 
     /// Mounts the segment and reports what the pool holds (a remount after the master lost

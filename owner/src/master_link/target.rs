@@ -112,8 +112,9 @@ fn channel(
 ) -> Result<MasterClient<Channel>, LinkError> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|_| LinkError::BadAddress(addr.to_string()))?
+        // No per-request timeout here: every call has its own deadline (`MasterLink::call`),
+        // which for a long poll includes its wait.
         .connect_timeout(rpc_timeout)
-        .timeout(rpc_timeout)
         .tcp_nodelay(true);
     Ok(MasterClient::new(grpc_channel(
         endpoint, addr, credential, tls,
