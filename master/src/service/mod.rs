@@ -92,6 +92,10 @@ pub struct MasterService {
     seals: Option<SealKey>,
 }
 
+/// Why `remove_all` is refused while a rebuild lasts.
+const REBUILDING: &str = "the master is rebuilding its catalog from the owners' reports, and \
+     objects not reported yet cannot be removed: retry shortly";
+
 /// Where a batch of puts short of memory is in its wait for offloads.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -440,7 +444,16 @@ impl MasterService {
                     .acquire_owned()
                     .await
                     .expect("never closed");
-                let keys = self.shared.state.lock().keys_where(|k| tenant.owns(k));
+                let keys = {
+                    let state = self.shared.state.lock();
+                    if state.rebuilding(self.shared.clock.now()) {
+                        // The keys copied now would miss those reported later.
+                        drop(state);
+                        self.shared.metrics.record(Op::RemoveAll, 1, 1);
+                        return Err(MasterError::Busy(REBUILDING.into()));
+                    }
+                    state.keys_where(|k| tenant.owns(k))
+                };
                 let scope = tenant.clone();
                 let wanted = StopOnDrop::default();
                 let go_on = wanted.0.clone();
@@ -473,11 +486,7 @@ impl MasterService {
             if state.rebuilding(now) {
                 drop(state);
                 self.shared.metrics.record(Op::RemoveAll, 1, 1);
-                return Err(MasterError::Busy(
-                    "the master is rebuilding its catalog from the owners' reports, and objects \
-                     not reported yet cannot be removed: retry shortly"
-                        .into(),
-                ));
+                return Err(MasterError::Busy(REBUILDING.into()));
             }
             let removed = match &matched {
                 Some(keys) => state.remove_listed(force, keys, now),
