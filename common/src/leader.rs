@@ -15,6 +15,16 @@ pub const ETCD_SCHEME: &str = "etcd://";
 /// The cluster id when none is configured (Mooncake's default naming).
 pub const DEFAULT_CLUSTER_ID: &str = "mooncake";
 
+/// Why a master that lost (or never had) its etcd lease refuses a call: the text of that
+/// call-level refusal on both wires, by which callers tell it from an answer's own codes.
+pub const NOT_LEADING: &str =
+    "this master is not the elected leader (its etcd lease lapsed); ask etcd for the leader";
+
+/// Whether `message` is (or wraps) the call-level refusal of a master that does not lead.
+pub fn is_not_leading(message: &str) -> bool {
+    message.contains(NOT_LEADING)
+}
+
 /// The etcd key under which the leader of `cluster_id` publishes its address.
 pub fn leader_key(cluster_id: &str) -> String {
     format!("mooncake-store/{cluster_id}/master_view")

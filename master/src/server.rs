@@ -28,8 +28,7 @@ use crate::{
 };
 
 /// Why a master that lost (or never had) its etcd lease refuses a call.
-pub const NOT_LEADING: &str =
-    "this master is not the elected leader (its etcd lease lapsed); ask etcd for the leader";
+pub use mooncake_common::leader::NOT_LEADING;
 
 /// What one leadership term starts with. The default is a master without HA.
 pub struct Term {

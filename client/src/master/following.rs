@@ -91,9 +91,15 @@ enum Retry {
     Never,
 }
 
-/// Whether an error says the master that answered is gone or does not lead.
+/// Whether an error says the master that answered is gone or does not lead. A code in an
+/// answer (a remove-all refused while the master rebuilds: UNAVAILABLE_IN_CURRENT_STATUS too)
+/// is the leader's own word, not trouble with it.
 fn leader_trouble(e: &ApiError) -> bool {
-    matches!(e.code, Code::RpcFail | Code::UnavailableInCurrentStatus)
+    match e.code {
+        Code::RpcFail => true,
+        Code::UnavailableInCurrentStatus => mooncake_common::leader::is_not_leading(&e.message),
+        _ => false,
+    }
 }
 
 /// Runs `$call` (an expression using `$m`, the leader's adapter) against the leader, trying
@@ -233,5 +239,24 @@ impl MasterApi for Following {
         segment: Option<&'a str>,
     ) -> Call<'a, Vec<Result<(), Code>>> {
         on_leader!(self, Retry::NewLeader, |m| m.replica_clear(keys, segment))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_call_level_refusal_is_trouble_with_the_leader() {
+        let not_leading = ApiError::new(
+            Code::UnavailableInCurrentStatus,
+            format!("master 10.0.0.1:50051: {}", mooncake_common::leader::NOT_LEADING),
+        );
+        assert!(leader_trouble(&not_leading));
+        assert!(leader_trouble(&ApiError::rpc("connection reset")));
+        // The leader's own answer: a remove-all refused while it rebuilds.
+        let busy = ApiError::new(Code::UnavailableInCurrentStatus, "remove_all refused");
+        assert!(!leader_trouble(&busy));
+        assert!(!leader_trouble(&ApiError::new(Code::ObjectNotFound, "gone")));
     }
 }

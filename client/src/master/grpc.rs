@@ -107,7 +107,7 @@ fn status_error(s: &Status, timeout: Duration) -> ApiError {
             ApiError::new(Code::Unauthenticated, format!("{s}"))
         }
         // A master that is not (or no longer) the elected leader.
-        tonic::Code::Unavailable if s.message().contains("not the elected leader") => {
+        tonic::Code::Unavailable if mooncake_common::leader::is_not_leading(s.message()) => {
             ApiError::new(Code::UnavailableInCurrentStatus, s.message())
         }
         c => ApiError::rpc(format!("{c}: {}", s.message())),
