@@ -250,13 +250,19 @@ mod tests {
     fn only_a_call_level_refusal_is_trouble_with_the_leader() {
         let not_leading = ApiError::new(
             Code::UnavailableInCurrentStatus,
-            format!("master 10.0.0.1:50051: {}", mooncake_common::leader::NOT_LEADING),
+            format!(
+                "master 10.0.0.1:50051: {}",
+                mooncake_common::leader::NOT_LEADING
+            ),
         );
         assert!(leader_trouble(&not_leading));
         assert!(leader_trouble(&ApiError::rpc("connection reset")));
         // The leader's own answer: a remove-all refused while it rebuilds.
         let busy = ApiError::new(Code::UnavailableInCurrentStatus, "remove_all refused");
         assert!(!leader_trouble(&busy));
-        assert!(!leader_trouble(&ApiError::new(Code::ObjectNotFound, "gone")));
+        assert!(!leader_trouble(&ApiError::new(
+            Code::ObjectNotFound,
+            "gone"
+        )));
     }
 }

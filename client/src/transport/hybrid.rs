@@ -1,7 +1,8 @@
 //! The transport clients use: the same-host path for owners on this host that offer it (and
 //! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided once per owner without the
 //! caller being told. A same-host connection that fails is forgotten, so the next call probes
-//! again (an owner restart, for instance).
+//! again (an owner restart, for instance); the pool's mapping is kept for that probe, which
+//! takes it back when the owner's pool is the same.
 
 use std::{
     collections::HashMap,
@@ -10,6 +11,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
+    time::{Duration, Instant},
 };
 
 use futures::future::BoxFuture;
@@ -21,10 +23,13 @@ use mooncake_common::{
 use parking_lot::Mutex;
 
 use super::{
-    local::{Deadlines, LocalOwner},
+    local::{Deadlines, LocalOwner, SharedPool},
     tcp::TcpConfig,
     TcpTransport,
 };
+
+/// How long the mapping of a forgotten same-host route waits for the route to be made again.
+const RETIRED_FOR: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -47,6 +52,10 @@ pub struct HybridTransport {
     config: HybridConfig,
     tcp: TcpTransport,
     routes: Mutex<HashMap<SegmentName, Route>>,
+    /// The mappings of same-host routes forgotten after a broken connection, with when: the
+    /// next probe of the owner takes its mapping back if the pool is the same (see `probe`).
+    /// Kept a minute at most, so the pool of an owner gone for good is not held.
+    retired: Mutex<HashMap<SegmentName, (Instant, SharedPool)>>,
     local_bytes: AtomicU64,
     tcp_bytes: AtomicU64,
 }
@@ -57,6 +66,7 @@ impl HybridTransport {
             tcp: TcpTransport::new(config.tcp.clone()),
             config,
             routes: Mutex::new(HashMap::new()),
+            retired: Mutex::new(HashMap::new()),
             local_bytes: AtomicU64::new(0),
             tcp_bytes: AtomicU64::new(0),
         }
@@ -94,11 +104,16 @@ impl HybridTransport {
             self.config.copy_threads,
             self.config.tcp.credential.clone(),
         );
+        let mapped = {
+            let mut retired = self.retired.lock();
+            retired.retain(|_, (at, _)| at.elapsed() < RETIRED_FOR);
+            retired.remove(target).map(|(_, pool)| pool)
+        };
         // Connecting to a socket whose owner accepts nothing (wedged, its backlog full) blocks
         // past any socket timeout: the probe gives up after the connect timeout (its thread
         // ends when the connect does).
         let connecting = tokio::task::spawn_blocking(move || {
-            LocalOwner::connect(&path, &seg, deadlines, conns, threads, credential)
+            LocalOwner::connect_mapped(&path, &seg, deadlines, conns, threads, credential, mapped)
         });
         let Ok(connected) = tokio::time::timeout(timeout, connecting).await else {
             tracing::warn!(segment = %target, ?timeout, "the same-host owner did not answer a connection in time; using TCP");
@@ -136,7 +151,12 @@ impl HybridTransport {
             )
         });
         if broken {
-            self.routes.lock().remove(target);
+            if let Some(Route::Local(owner)) = self.routes.lock().remove(target) {
+                let pool = owner.pool().clone();
+                self.retired
+                    .lock()
+                    .insert(target.clone(), (Instant::now(), pool));
+            }
         }
     }
 

@@ -29,6 +29,8 @@ pub struct OutOfRange {
     size: u64,
 }
 
+/// Clones share the one mapping.
+#[derive(Clone)]
 pub struct SharedPool {
     map: Arc<MmapRaw>,
     len: u64,
@@ -60,8 +62,20 @@ impl SharedPool {
     /// copies take no faults once it is done, and the first call does not wait for it (a large
     /// pool takes seconds: about 0.6 s per GiB here).
     pub fn map(fd: OwnedFd, len: u64) -> io::Result<SharedPool> {
+        Self::map_or_reuse(fd, len, None)
+    }
+
+    /// `map`, unless `old` maps this very memory file (as `fd` names it) at this length: then
+    /// `old`'s mapping, shared. A connection to an owner that broke and is made again need not
+    /// map (and pre-fault) a pool of hundreds of GiB again.
+    pub fn map_or_reuse(fd: OwnedFd, len: u64, old: Option<&SharedPool>) -> io::Result<SharedPool> {
         let file = File::from(fd);
         let meta = file.metadata()?;
+        if let Some(old) = old {
+            if len == old.len && (meta.dev(), meta.ino()) == old.file {
+                return Ok(old.clone());
+            }
+        }
         let actual = meta.len();
         if actual < len {
             return Err(io::Error::new(
@@ -82,6 +96,11 @@ impl SharedPool {
             len,
             file: (meta.dev(), meta.ino()),
         })
+    }
+
+    /// Whether `self` and `other` are one mapping.
+    pub fn shares_mapping_with(&self, other: &SharedPool) -> bool {
+        Arc::ptr_eq(&self.map, &other.map)
     }
 
     /// Whether `fd` (as an owner's hello sent it) is the memory file this pool maps, of the
@@ -182,4 +201,38 @@ pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, 
         }
     }
     Ok((n as usize, fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh memory file of `len` bytes.
+    fn memfd(len: u64) -> OwnedFd {
+        // SAFETY: memfd_create with a NUL-terminated name; the descriptor it returns is owned
+        // by nothing else.
+        let fd = unsafe {
+            let fd = libc::memfd_create(c"pool".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0, "memfd_create: {}", io::Error::last_os_error());
+            OwnedFd::from_raw_fd(fd)
+        };
+        File::from(fd.try_clone().unwrap()).set_len(len).unwrap();
+        fd
+    }
+
+    #[test]
+    fn a_pool_is_mapped_again_only_when_it_is_another_memory_file() {
+        let first = memfd(1 << 20);
+        let pool = SharedPool::map(first.try_clone().unwrap(), 1 << 20).unwrap();
+        // The same file (another descriptor of it, as a new hello sends): the same mapping.
+        let again = SharedPool::map_or_reuse(first.try_clone().unwrap(), 1 << 20, Some(&pool));
+        assert!(again.unwrap().shares_mapping_with(&pool));
+        // A restarted owner's pool is another file: mapped anew.
+        let other = SharedPool::map_or_reuse(memfd(1 << 20), 1 << 20, Some(&pool)).unwrap();
+        assert!(!other.shares_mapping_with(&pool));
+        // The same file announced at another length: mapped anew, at that length.
+        let shorter = SharedPool::map_or_reuse(first, 1 << 19, Some(&pool)).unwrap();
+        assert!(!shorter.shares_mapping_with(&pool));
+        pool.copy_in(0, &[b"abc"]).unwrap();
+    }
 }

@@ -27,7 +27,8 @@ use tokio::{
     sync::Semaphore,
 };
 
-use mapping::{OutOfRange, SharedPool};
+use mapping::OutOfRange;
+pub use mapping::SharedPool;
 
 /// Below this many bytes a batch is copied on the calling thread alone.
 const PARALLEL_COPY_BYTES: u64 = 4 << 20;
@@ -145,10 +146,33 @@ impl LocalOwner {
         copy_threads: usize,
         credential: Option<Credential>,
     ) -> io::Result<LocalOwner> {
+        Self::connect_mapped(
+            path,
+            segment,
+            deadlines,
+            conns,
+            copy_threads,
+            credential,
+            None,
+        )
+    }
+
+    /// `connect`, taking `mapped` (an earlier connection's mapping) instead of mapping the pool
+    /// again when it maps the same one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect_mapped(
+        path: &Path,
+        segment: &SegmentName,
+        deadlines: Deadlines,
+        conns: usize,
+        copy_threads: usize,
+        credential: Option<Credential>,
+        mapped: Option<SharedPool>,
+    ) -> io::Result<LocalOwner> {
         let (stream, fd, size) = hello(path, segment, deadlines.connect, credential.as_ref())?;
         let fd =
             fd.ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "owner sent no memfd"))?;
-        let pool = SharedPool::map(fd, size)?;
+        let pool = SharedPool::map_or_reuse(fd, size, mapped.as_ref())?;
         let first = UnixStream::from_std(stream)?;
         Ok(LocalOwner {
             segment: segment.clone(),
@@ -160,6 +184,11 @@ impl LocalOwner {
             copy_threads,
             credential,
         })
+    }
+
+    /// The owner's pool as mapped here.
+    pub fn pool(&self) -> &SharedPool {
+        &self.pool
     }
 
     /// Whether the owner is surely gone: an idle connection to it was closed by the other end
