@@ -316,7 +316,10 @@ impl Connection {
         let catalog = self.catalog.clone();
         catalog.saw_grant(h.grant);
         // An older grant's write still in the way is superseded and waited for (see `pool`).
-        let patience = self.frame_timeout;
+        // Half the frame's time at most: the wait runs under the frame timer, and the rest is
+        // for the payload (after the range is taken, or drained after a refusal), so a range
+        // held too long ends in a refusal the client reads, not in a connection cut mid-frame.
+        let patience = self.frame_timeout / 2;
         let refused = |e: &dyn std::fmt::Display| Refusal {
             code: Code::TransferFail,
             message: e.to_string(),
