@@ -109,6 +109,9 @@ async fn within<T>(
 /// Size of a connection's read buffer.
 const READ_BUF: usize = 64 << 10;
 
+/// How long answers already queued may take to go out before a failing connection closes.
+const FLUSH_BEFORE_CLOSE: Duration = Duration::from_secs(1);
+
 struct Connection {
     reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
     writer: tokio::net::tcp::OwnedWriteHalf,
@@ -189,10 +192,20 @@ impl Connection {
             // Once a frame starts, the rest of it must arrive within the frame timeout. A frame
             // already whole in the buffer (a pipelining client's batch) needs no timer.
             let timeout = self.frame_timeout;
-            let keep = if self.frame_buffered() {
-                self.frame().await?
+            let handled = if self.frame_buffered() {
+                self.frame().await
             } else {
-                within(timeout, "finish a frame", self.frame()).await?
+                within(timeout, "finish a frame", self.frame()).await
+            };
+            let keep = match handled {
+                Ok(keep) => keep,
+                Err(e) => {
+                    // The answers to the requests before this one are whole: they go out before
+                    // the connection closes, so the client does not count them failed.
+                    let flush = self.replies.flush(&mut self.writer);
+                    let _ = tokio::time::timeout(FLUSH_BEFORE_CLOSE, flush).await;
+                    return Err(e);
+                }
             };
             // A pipelining client has more requests buffered already: answer them all, then
             // send once. With nothing buffered the peer is waiting for this answer.
