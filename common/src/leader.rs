@@ -4,7 +4,7 @@
 //! (a read of one etcd key, under a deadline), because clients and owners both need it.
 
 use std::{
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
 
@@ -84,8 +84,12 @@ pub struct LeaderLookup {
     endpoints: Vec<String>,
     key: String,
     timeout: Duration,
-    /// One client per endpoint, connected when first needed and dropped when it fails.
-    clients: Vec<Mutex<Option<Client>>>,
+    /// One client per endpoint (with a number telling connections apart), connected when
+    /// first needed and dropped when a read through it fails. Callers share it: the lock is
+    /// held only to take a copy (a client multiplexes its calls).
+    clients: Vec<Mutex<Option<(u64, Client)>>>,
+    /// The number of the next connection made.
+    connections: AtomicU64,
     /// The endpoint that answered last: asked first next time.
     last_good: AtomicUsize,
 }
@@ -102,6 +106,7 @@ impl LeaderLookup {
     pub fn new(endpoints: Vec<String>, cluster_id: &str, timeout: Duration) -> Self {
         LeaderLookup {
             clients: endpoints.iter().map(|_| Mutex::new(None)).collect(),
+            connections: AtomicU64::new(0),
             endpoints,
             key: leader_key(cluster_id),
             timeout,
@@ -124,7 +129,8 @@ impl LeaderLookup {
                 break;
             }
             let share = left / (n - k) as u32;
-            let asked = tokio::time::timeout(share, self.ask(i, share)).await;
+            let used = std::sync::Mutex::new(None);
+            let asked = tokio::time::timeout(share, self.ask(i, share, &used)).await;
             match asked {
                 Ok(Ok(answer)) => {
                     self.last_good.store(i, Ordering::Relaxed);
@@ -135,8 +141,15 @@ impl LeaderLookup {
                     failures.push(format!("{}: no answer within {share:?}", self.endpoints[i]))
                 }
             }
-            // A fresh connection next time (the member may have died).
-            *self.clients[i].lock().await = None;
+            // A fresh connection next time (the member may have died): unless this call never
+            // got to use one, or another caller replaced it meanwhile.
+            let failed = *used.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(failed) = failed {
+                let mut slot = self.clients[i].lock().await;
+                if slot.as_ref().is_some_and(|(id, _)| *id == failed) {
+                    *slot = None;
+                }
+            }
         }
         if failures.is_empty() {
             failures.push(format!(
@@ -150,19 +163,27 @@ impl LeaderLookup {
     /// Reads the leader key from member `i`. The outer error is the member's (unreachable,
     /// failed read): another may answer. The inner result is etcd's answer, which every member
     /// would give (reads are linearizable).
-    async fn ask(&self, i: usize, timeout: Duration) -> Result<Result<Leader, String>, String> {
-        let mut slot = self.clients[i].lock().await;
-        if slot.is_none() {
-            let options = ConnectOptions::new()
-                .with_connect_timeout(timeout)
-                .with_timeout(timeout);
-            *slot = Some(
-                Client::connect([self.endpoints[i].as_str()], Some(options))
+    /// `used` is set to the number of the connection the read went through.
+    async fn ask(
+        &self,
+        i: usize,
+        timeout: Duration,
+        used: &std::sync::Mutex<Option<u64>>,
+    ) -> Result<Result<Leader, String>, String> {
+        let (id, mut client) = {
+            let mut slot = self.clients[i].lock().await;
+            if slot.is_none() {
+                let options = ConnectOptions::new()
+                    .with_connect_timeout(timeout)
+                    .with_timeout(timeout);
+                let client = Client::connect([self.endpoints[i].as_str()], Some(options))
                     .await
-                    .map_err(|e| format!("connect: {e}"))?,
-            );
-        }
-        let client = slot.as_mut().expect("connected above");
+                    .map_err(|e| format!("connect: {e}"))?;
+                *slot = Some((self.connections.fetch_add(1, Ordering::Relaxed), client));
+            }
+            slot.clone().expect("connected above")
+        };
+        *used.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
         let resp = client
             .get(self.key.as_str(), None)
             .await

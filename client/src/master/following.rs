@@ -54,8 +54,14 @@ impl Following {
         }
         let leader = self.lookup.leader().await.map_err(ApiError::rpc)?;
         let master = (self.connect)(&leader.address).map_err(ApiError::rpc)?;
+        let mut current = self.current.lock();
+        if let Some((newer, m)) = current.as_ref().filter(|(l, _)| l.term > leader.term) {
+            // Another call's lookup, made later, found a newer term meanwhile: this one read
+            // etcd before the election and must not put the deposed leader back.
+            return Ok((newer.clone(), m.clone()));
+        }
         tracing::info!(leader = %leader.address, term = leader.term, "following the elected master");
-        *self.current.lock() = Some((leader.clone(), master.clone()));
+        *current = Some((leader.clone(), master.clone()));
         Ok((leader, master))
     }
 
