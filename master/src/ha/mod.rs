@@ -121,7 +121,13 @@ async fn campaign_and_lead(
                 won = campaign(&mut etcd, &ha, clock.as_ref(), events) => won?,
                 _ = stop_asked(&mut stop) => return Ok(()),
             };
-            lead(&mut etcd, &config, &ha, clock.clone(), won, events, stop).await
+            let candidate = Candidate {
+                config: &config,
+                ha: &ha,
+                clock: clock.clone(),
+                events,
+            };
+            lead(&mut etcd, &candidate, won, stop).await
         };
         let outcome = attempt.await;
         if *stopped.borrow() {
@@ -243,20 +249,26 @@ async fn wait_for_delete(etcd: &mut Client, key: &str, from: i64) -> anyhow::Res
     anyhow::bail!("etcd closed the watch of {key}")
 }
 
+/// What every term of this process runs with.
+struct Candidate<'a> {
+    config: &'a MasterConfig,
+    ha: &'a HaConfig,
+    clock: Arc<dyn Clock>,
+    events: &'a dyn Events,
+}
+
 /// Serves one term: starts a fresh master, keeps the lease alive and the put-id reservation
-/// ahead, and ends the term (shutting the master down) when the lease cannot be kept.
+/// ahead, and ends the term (shutting the master down) when the lease cannot be kept or the
+/// process stops. The key is given up however the term ends.
 async fn lead(
     etcd: &mut Client,
-    config: &MasterConfig,
-    ha: &HaConfig,
-    clock: Arc<dyn Clock>,
+    candidate: &Candidate<'_>,
     won: Won,
-    events: &dyn Events,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let lease = won.lease;
     let mut given_up = false;
-    let outcome = serve_term(etcd, config, ha, clock, won, events, stop, &mut given_up).await;
+    let outcome = serve_term(etcd, candidate, won, stop, &mut given_up).await;
     if !given_up {
         // The term failed to start: the key goes all the same.
         give_up(etcd, lease).await;
@@ -265,17 +277,19 @@ async fn lead(
 }
 
 /// A won election's term; sets `given_up` once the key is given up (see `lead`).
-#[allow(clippy::too_many_arguments)]
 async fn serve_term(
     etcd: &mut Client,
-    config: &MasterConfig,
-    ha: &HaConfig,
-    clock: Arc<dyn Clock>,
+    candidate: &Candidate<'_>,
     won: Won,
-    events: &dyn Events,
     stop: watch::Receiver<bool>,
     given_up: &mut bool,
 ) -> anyhow::Result<()> {
+    let Candidate {
+        config,
+        ha,
+        ref clock,
+        events,
+    } = *candidate;
     let leadership = Arc::new(Leadership::until(won.granted_at.plus(ha.lease_ttl)));
     let seat = Seat {
         leader_key: mooncake_common::leader::leader_key(&ha.cluster_id),
@@ -329,8 +343,7 @@ async fn serve_term(
     };
     let outcome = keep_leading(
         etcd,
-        ha,
-        &clock,
+        candidate,
         &leadership,
         &master,
         &mut books,
@@ -411,17 +424,16 @@ impl Books {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn keep_leading(
     etcd: &mut Client,
-    ha: &HaConfig,
-    clock: &Arc<dyn Clock>,
+    candidate: &Candidate<'_>,
     leadership: &Leadership,
     master: &RunningMaster,
     books: &mut Books,
     lease: i64,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    let (ha, clock) = (candidate.ha, &candidate.clock);
     let (mut keeper, mut acks) = etcd.lease_keep_alive(lease).await?;
     let period = ha.lease_ttl / 3;
     let mut last_reserve = Instant::now();
