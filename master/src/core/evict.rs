@@ -156,7 +156,7 @@ impl MasterState {
                 self.objects.keep(c);
                 continue;
             }
-            if room == Room::AtOnce && o.disk().is_empty() && self.has_disk_tier(o) {
+            if room == Room::AtOnce && self.needs_offload(o) {
                 // Its memory could only go by an offload: not what this round is for.
                 self.objects.keep(c);
                 continue;
@@ -178,7 +178,7 @@ impl MasterState {
             if o.is_leased(now) || o.replicas.is_empty() || o.offload_on_its_way() {
                 continue;
             }
-            if room == Room::AtOnce && o.disk().is_empty() && self.has_disk_tier(o) {
+            if room == Room::AtOnce && self.needs_offload(o) {
                 continue;
             }
             self.objects.unlink_key(&key);
@@ -200,6 +200,11 @@ impl MasterState {
             );
         }
         round.freed
+    }
+
+    /// Whether `o`'s memory can go only once an offload gave it a disk copy.
+    fn needs_offload(&self, o: &super::objects::Object) -> bool {
+        o.disk().is_empty() && self.has_disk_tier(o)
     }
 
     /// Something that may make an object evictable happened (a put ended, a hold went back, an

@@ -345,10 +345,7 @@ impl MasterState {
                     return Ok(grant);
                 }
                 // New space first: an upsert that finds none leaves the stored value as it was.
-                let replicas = self.allocate_making_room(size, config, now);
-                if replicas.is_empty() {
-                    return Err(MasterError::NoSpace { size });
-                }
+                let replicas = self.allocate_making_room(size, config, now)?;
                 if self.objects.get(key).is_some() {
                     // (Unless the room made was its own: then it was evicted.)
                     self.retire_for_upsert(key, now);
@@ -368,21 +365,18 @@ impl MasterState {
             self.defer_drop(old.replicas, old.put_id, release_at);
         }
         self.check_quota(key.as_str(), size, 0)?;
-        let replicas = self.allocate_making_room(size, config, now);
-        if replicas.is_empty() {
-            return Err(MasterError::NoSpace { size });
-        }
+        let replicas = self.allocate_making_room(size, config, now)?;
         self.start_on(key, size, config, replicas, now)
     }
 
-    /// The replicas of a put of `size`, evicting to make room when there is none; empty when
+    /// The replicas of a put of `size`, evicting to make room when there is none; NoSpace when
     /// no room could be made.
     fn allocate_making_room(
         &mut self,
         size: u64,
         config: &ReplicateConfig,
         now: Millis,
-    ) -> Vec<Replica> {
+    ) -> Result<Vec<Replica>, MasterError> {
         let mut replicas = self.allocate_replicas(size, config);
         if replicas.is_empty() {
             // Make room and try once more; a second round helps when the first one freed space
@@ -395,7 +389,10 @@ impl MasterState {
                 }
             }
         }
-        replicas
+        if replicas.is_empty() {
+            return Err(MasterError::NoSpace { size });
+        }
+        Ok(replicas)
     }
 
     /// Starts the put of `key` on `replicas`, allocated for it: the object is PROCESSING.
