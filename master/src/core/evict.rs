@@ -22,6 +22,7 @@ impl MasterState {
         self.expire_replica_tasks(now);
         self.drain_eager_backlog(now);
         self.release_due(now);
+        self.lingering.prune(now);
         let capacity = self.capacity();
         let high = (capacity as f64 * self.policy.eviction_high_watermark) as u64;
         let allocated = self.allocated();

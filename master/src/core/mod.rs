@@ -8,6 +8,7 @@ mod evict;
 #[cfg(test)]
 mod evict_tests;
 mod ghosts;
+mod lingering;
 mod objects;
 mod order;
 pub mod placement;
@@ -284,6 +285,8 @@ pub struct MasterState {
     /// `evictable_changed`). A full store of objects being read costs one walk of the order,
     /// not one per put of a batch.
     barren_until: Option<Millis>,
+    /// Read holds of objects that left while being read, still to come back (see `lingering`).
+    lingering: lingering::LingeringHolds,
 }
 
 impl MasterState {
@@ -342,6 +345,7 @@ impl MasterState {
             first_grant: 0,
             replica_tasks: Default::default(),
             barren_until: None,
+            lingering: Default::default(),
         }
     }
 

@@ -98,7 +98,7 @@ impl Lease {
         Millis(self.0 & Self::UNTIL_MASK)
     }
 
-    fn holds(self) -> u64 {
+    pub fn holds(self) -> u64 {
         self.0 >> Self::UNTIL_BITS
     }
 
@@ -114,6 +114,15 @@ impl Lease {
     pub fn grant(&mut self, now: Millis, ttl: std::time::Duration) {
         let holds = if self.is_active(now) { self.holds() } else { 0 };
         *self = Lease::new(holds + 1, self.until().max(now.plus(ttl)));
+    }
+
+    /// One lease with the holds of both still active at `now`, lasting as long as the longer.
+    pub fn joined(self, other: Lease, now: Millis) -> Lease {
+        let active = |l: Lease| if l.is_active(now) { l.holds() } else { 0 };
+        Lease::new(
+            active(self) + active(other),
+            self.until().max(other.until()),
+        )
     }
 
     /// A read that held the lease is done; the last one ends it at `now`. A release after the
@@ -651,7 +660,11 @@ impl MasterState {
         }
         self.evictable_changed();
         for k in keys {
-            if let Some(obj) = self.objects.get_mut(k.borrow()) {
+            let k = k.borrow();
+            if self.lingering.take_release(k, now) {
+                continue;
+            }
+            if let Some(obj) = self.objects.get_mut(k) {
                 obj.lease.release(now);
             }
         }

@@ -6,8 +6,8 @@ use mooncake_common::{ClientId, SegmentName};
 use std::collections::VecDeque;
 
 use super::{
-    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, MasterState, Owner, Segment,
-    SegmentId, MAX_FREED_NOTES, MAX_FREED_PER_REPLY,
+    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, LeaseMode, MasterState,
+    Owner, Segment, SegmentId, MAX_FREED_NOTES, MAX_FREED_PER_REPLY,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -283,6 +283,9 @@ impl MasterState {
         let mut forgotten = Vec::new();
         let mut abandoned = Vec::new();
         let name = &seg.name;
+        let now = self.last_tick.unwrap_or_default();
+        let reads = self.policy.lease_mode == LeaseMode::Reads;
+        let lingering = &mut self.lingering;
         self.objects.retain(|obj| {
             obj.replicas.retain(|r| r.segment != id);
             if obj.disk().contains(&id) {
@@ -306,6 +309,10 @@ impl MasterState {
                     Offload::Idle,
                 ));
             }
+            if !keep && reads {
+                // Its readers still hand their holds back.
+                lingering.keep(obj.key(), obj.lease, now);
+            }
             if !keep {
                 // Gone with the segment: its record coming back is the object coming back.
                 obj.tier_mut().forgotten_disk.clear();
@@ -325,7 +332,6 @@ impl MasterState {
             let at = p.since.plus(self.policy.put_release_timeout);
             self.defer_release(vec![p.replica], at);
         }
-        let now = self.last_tick.unwrap_or_default();
         self.replica_tasks_lose_segment(id, now);
     }
 }

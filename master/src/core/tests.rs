@@ -367,6 +367,59 @@ fn a_lease_ends_when_its_last_reader_is_done_or_at_its_ttl() {
     s.check_invariants().unwrap();
 }
 
+/// A reader of a version that was replaced (an upsert, a forced removal and a new put) hands
+/// its hold back by key: it must not end the hold of a reader of the new version, which
+/// eviction would then take while it is read.
+#[test]
+fn an_old_versions_release_does_not_end_a_new_readers_hold() {
+    let mut s = state_with(&[8 * MIB]);
+    put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    s.get_replicas(&k("a"), Millis(100)).unwrap(); // reader 1, of the first version
+    let g = s.put_start(&k("a"), MIB, &upsert(), Millis(110)).unwrap();
+    s.put_end("a", g.put_id, Millis(120)).unwrap();
+    s.get_replicas(&k("a"), Millis(130)).unwrap(); // reader 2, of the second
+    s.release_leases(&["a"], Millis(140)); // reader 1 is done
+    assert_eq!(
+        s.remove(&k("a"), false, Millis(150))
+            .unwrap_err()
+            .code()
+            .as_i32(),
+        -706,
+        "reader 2 still reads the upserted value"
+    );
+    s.release_leases(&["a"], Millis(160)); // reader 2 is done
+    s.remove(&k("a"), false, Millis(170)).unwrap();
+
+    // The same through a forced removal and a plain put of the key.
+    put(&mut s, "b", MIB, &cfg(1), 200).unwrap();
+    s.get_replicas(&k("b"), Millis(210)).unwrap();
+    assert!(s.exists(&k("b"), Millis(215)));
+    s.remove(&k("b"), true, Millis(220)).unwrap();
+    put(&mut s, "b", MIB, &cfg(1), 230).unwrap();
+    s.get_replicas(&k("b"), Millis(240)).unwrap();
+    s.release_leases(&["b", "b"], Millis(250)); // both old holds come back
+    assert!(
+        s.remove(&k("b"), false, Millis(260)).is_err(),
+        "the new reader still holds it"
+    );
+    s.release_leases(&["b"], Millis(270));
+    s.remove(&k("b"), false, Millis(280)).unwrap();
+
+    // An old hold never handed back only keeps the new version leased until the old lease
+    // would have ended; upkeep then forgets it.
+    put(&mut s, "c", MIB, &cfg(1), 300).unwrap();
+    s.get_replicas(&k("c"), Millis(310)).unwrap();
+    s.remove(&k("c"), true, Millis(320)).unwrap();
+    put(&mut s, "c", MIB, &cfg(1), 330).unwrap();
+    s.get_replicas(&k("c"), Millis(340)).unwrap();
+    s.release_leases(&["c"], Millis(350));
+    assert!(s.remove(&k("c"), false, Millis(360)).is_err());
+    let ttl = Policy::default().lease_ttl.as_millis() as u64;
+    s.tick(Millis(310 + ttl + 1));
+    assert_eq!(s.lingering.len(), 0);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn with_ttl_leases_a_release_changes_nothing() {
     let policy = Policy {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     count_disk_copy,
     objects::{Object, Offload, Phase, Pin, Promotion, Replica, Replicas},
-    DiskTier, MasterState, SegmentId,
+    DiskTier, LeaseMode, MasterState, SegmentId,
 };
 
 /// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
@@ -106,6 +106,9 @@ impl MasterState {
     pub(super) fn discard(&mut self, mut obj: Object, now: Millis) {
         let tier = obj.take_tier();
         let key = obj.key();
+        if self.policy.lease_mode == LeaseMode::Reads {
+            self.lingering.keep(key, obj.lease, now);
+        }
         self.forget_offload(&tier.offload);
         for seg in &tier.disk {
             count_disk_copy(&mut self.segments, *seg, false);
