@@ -68,7 +68,13 @@ struct Loc {
     value_len: u64,
     put_id: u64,
     seq: u64,
+    /// Reads of it that failed in a row (I/O errors).
+    failed_reads: u32,
 }
+
+/// Reads of a record that fail in a row before it is taken as lost: a disk that keeps failing
+/// one record would otherwise fail every read of it while the master points there.
+const FAILED_READS_LOST: u32 = 3;
 
 struct Ring {
     head: u64,
@@ -321,6 +327,7 @@ impl SsdStore {
                     value_len: h.value_len,
                     put_id: h.put_id,
                     seq: h.seq,
+                    failed_reads: 0,
                 },
             );
         }
@@ -467,6 +474,7 @@ impl SsdStore {
                             value_len,
                             put_id,
                             seq: r.seq,
+                            failed_reads: 0,
                         },
                     );
                     old.map(|l| l.offset)
@@ -537,7 +545,13 @@ impl SsdStore {
             .await;
         if let Err(e) = res {
             self.bufs.give(buf);
+            self.read_failed(key, &loc, &e);
             return Err(e.into());
+        }
+        if loc.failed_reads > 0 {
+            if let Some(l) = self.ring.lock().by_key.get_mut(key) {
+                l.failed_reads = 0;
+            }
         }
         let buf = Pooled {
             buf: Some(buf),
@@ -588,6 +602,33 @@ impl SsdStore {
                 })
             }
         }
+    }
+
+    /// A read of the record at `loc` failed with `e`: after `FAILED_READS_LOST` in a row it is
+    /// reported lost, as a corrupt one (the master stops pointing at it, and it is dropped here).
+    fn read_failed(&self, key: &ObjectKey, loc: &Loc, e: &io::Error) {
+        let failed = {
+            let mut ring = self.ring.lock();
+            match ring.by_key.get_mut(key) {
+                Some(l) if l.seq == loc.seq => {
+                    l.failed_reads += 1;
+                    l.failed_reads
+                }
+                // Overwritten or deleted meanwhile: nothing to report.
+                _ => return,
+            }
+        };
+        if failed < FAILED_READS_LOST {
+            tracing::warn!(%key, offset = loc.offset, error = %e, failed, "cannot read a record on the ssd tier");
+            return;
+        }
+        self.corrupt.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%key, offset = loc.offset, error = %e, failed, "a record on the ssd tier keeps failing to read; reporting it lost");
+        self.lost.lock().push(Lost {
+            key: key.clone(),
+            put_id: loc.put_id,
+            corrupt_seq: Some(loc.seq),
+        });
     }
 
     /// Drops version `put_id` of `key` (only the record with sequence number `seq`, if given)

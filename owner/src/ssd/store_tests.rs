@@ -368,3 +368,49 @@ async fn a_queued_disk_value_is_sent_without_waiting_for_the_batch() {
     assert_eq!(sent.len(), 6 + 10_000);
     assert!(!replies.full());
 }
+
+/// A record whose reads keep failing (here the file was cut short under it: every read ends
+/// early) is reported lost after a few reads in a row, as a corrupt one, so the master stops
+/// pointing at it; fewer are not, and a read that succeeds starts the count again.
+async fn a_record_that_keeps_failing_to_read_is_reported_lost(kind: EngineKind) {
+    let dir = TempDir::new();
+    let (s, _) = open(&dir, 4 << 20, kind).await;
+    put(&s, "a", 1, &value(1, 10_000)).await;
+    let path = dir.path().join(DATA_FILE);
+    let whole = std::fs::read(&path).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let cut = || file.set_len(4096).unwrap(); // the file's header block only
+    cut();
+    for _ in 0..2 {
+        assert!(s.read(&k("a"), 1, 10_000).await.is_err());
+    }
+    assert!(s.take_lost().is_empty(), "two failures may be passing");
+    std::fs::write(&path, &whole).unwrap();
+    assert_eq!(
+        &s.read(&k("a"), 1, 10_000).await.unwrap()[..],
+        &value(1, 10_000)[..]
+    );
+    cut();
+    for _ in 0..2 {
+        assert!(s.read(&k("a"), 1, 10_000).await.is_err());
+    }
+    assert!(
+        s.take_lost().is_empty(),
+        "the good read started the count again"
+    );
+    assert!(s.read(&k("a"), 1, 10_000).await.is_err());
+    let lost = s.take_lost();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!((lost[0].key.as_str(), lost[0].put_id), ("a", 1));
+    assert!(lost[0].corrupt_seq.is_some(), "dropped here too");
+}
+
+#[tokio::test]
+async fn a_record_that_keeps_failing_to_read_is_reported_lost_pread() {
+    a_record_that_keeps_failing_to_read_is_reported_lost(EngineKind::Pread).await;
+}
+
+#[tokio::test]
+async fn a_record_that_keeps_failing_to_read_is_reported_lost_uring() {
+    a_record_that_keeps_failing_to_read_is_reported_lost(EngineKind::Uring).await;
+}
