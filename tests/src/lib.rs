@@ -260,13 +260,20 @@ impl ChildGuard {
 
     /// The first stdout line starting with `prefix`, within `timeout`.
     pub fn wait_line(&self, prefix: &str, timeout: Duration) -> String {
+        self.line_within(prefix, timeout).unwrap_or_else(|| {
+            panic!("no line starting with {prefix:?} within {timeout:?} (or the child exited)")
+        })
+    }
+
+    /// The first stdout line starting with `prefix` within `timeout`, or None.
+    pub fn line_within(&self, prefix: &str, timeout: Duration) -> Option<String> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) if l.starts_with(prefix) => return Some(l),
                 Ok(_) => {}
-                Err(e) => panic!("no line starting with {prefix:?} within {timeout:?}: {e}"),
+                Err(_) => return None,
             }
         }
     }

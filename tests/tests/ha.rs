@@ -223,3 +223,38 @@ async fn a_leader_stopped_with_sigterm_hands_over_at_once() {
     );
     all_exact(&client, &keys).await;
 }
+
+/// etcd stalling for longer than a keepalive period but shorter than the lease does not end the
+/// leader's term: the keepalive is tried again (on a new connection) while the lease lasts, and
+/// the leader serves throughout, with no new election and no rebuild. Before, the first
+/// keepalive not answered within a third of the TTL ended the term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_keeps_its_term_through_an_etcd_stall_shorter_than_its_lease() {
+    let etcd = Etcd::start().await;
+    let a = ha_master_with_ttl(&etcd, "9");
+    let ready = a
+        .guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let url = etcd.master_url();
+    let beat = ["--heartbeat-interval", "200ms", "--cluster-id", "ha-test"];
+    let (_o1, _) = spawn_owner(&url, "16MiB", &beat);
+    let client = Client::connect(client_config(&url)).await.unwrap();
+    let before: Vec<String> = (0..10).map(|i| format!("before/{i}")).collect();
+    put_all(&client, &before).await;
+
+    // 4 s: longer than a keepalive period (3 s), shorter than the lease (9 s).
+    let member = &etcd.members[0].guard;
+    member.signal(libc::SIGSTOP);
+    let during: Vec<String> = (0..10).map(|i| format!("during/{i}")).collect();
+    put_all(&client, &during).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    member.signal(libc::SIGCONT);
+
+    // A step-down would be followed by a campaign: a "standby" or a new "ready" line.
+    let changed = a
+        .guard
+        .line_within("mooncake_master", Duration::from_secs(8));
+    assert_eq!(changed, None, "the term ended (it began with {ready:?})");
+    all_exact(&client, &before).await;
+    all_exact(&client, &during).await;
+}

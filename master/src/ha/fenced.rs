@@ -9,6 +9,17 @@ use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 /// Operations in one fenced transaction at most (etcd's default `--max-txn-ops` is 128).
 pub const MAX_OPS: usize = 100;
 
+/// A fenced write refused: the leader key is no longer this term's. The term is over; the
+/// caller steps down (retrying cannot help, unlike a write etcd did not answer).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "not writing {what}: the leader key is no longer this term's ({term}); another master leads"
+)]
+pub struct Deposed {
+    what: String,
+    term: i64,
+}
+
 /// The term's seat: the leader key and the revision that created it (the term).
 #[derive(Debug, Clone)]
 pub struct Seat {
@@ -47,10 +58,11 @@ impl Seat {
         if etcd.txn(txn).await?.succeeded() {
             Ok(())
         } else {
-            anyhow::bail!(
-                "not writing {what}: the leader key is no longer this term's ({}); another master leads",
-                self.term
-            )
+            Err(Deposed {
+                what: what.to_string(),
+                term: self.term,
+            }
+            .into())
         }
     }
 

@@ -44,6 +44,15 @@ impl Leadership {
         self.valid_until.store(0, Ordering::SeqCst);
     }
 
+    /// How long the lease is known alive from `now` (zero once it may have lapsed).
+    pub fn left(&self, now: Millis) -> std::time::Duration {
+        std::time::Duration::from_millis(
+            self.valid_until
+                .load(Ordering::SeqCst)
+                .saturating_sub(now.0),
+        )
+    }
+
     pub fn holds(&self, now: Millis) -> bool {
         now.0 < self.valid_until.load(Ordering::SeqCst)
     }

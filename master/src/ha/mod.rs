@@ -9,7 +9,9 @@
 //! mounted segments (so the next leader knows whose reports to wait for) lives in etcd, and
 //! nothing on a per-object path touches it. The leader keeps its lease alive every third of the
 //! TTL; `Leadership` refuses every call from the instant the lease may have lapsed, and the term
-//! ends (the master is shut down and the process campaigns again) when a keepalive fails.
+//! ends (the master is shut down and the process campaigns again) when the lease may have
+//! lapsed; a keepalive or write etcd does not answer is tried again meanwhile, on another
+//! connection.
 //!
 //! Put ids stay increasing across terms on different hosts: a leader reserves ids ahead in etcd
 //! (`grant_ceiling`) and never issues one it has not reserved; the next leader starts above the
@@ -126,6 +128,7 @@ async fn campaign_and_lead(
                 ha: &ha,
                 clock: clock.clone(),
                 events,
+                member,
             };
             lead(&mut etcd, &candidate, won, stop).await
         };
@@ -255,6 +258,8 @@ struct Candidate<'a> {
     ha: &'a HaConfig,
     clock: Arc<dyn Clock>,
     events: &'a dyn Events,
+    /// The etcd member (an index into the endpoints) this term was won on.
+    member: usize,
 }
 
 /// Serves one term: starts a fresh master, keeps the lease alive and the put-id reservation
@@ -289,6 +294,7 @@ async fn serve_term(
         ha,
         ref clock,
         events,
+        ..
     } = *candidate;
     let leadership = Arc::new(Leadership::until(won.granted_at.plus(ha.lease_ttl)));
     let seat = Seat {
@@ -424,6 +430,10 @@ impl Books {
     }
 }
 
+/// Keeps the lease alive every third of its TTL, and the books written, until `stop`. A call etcd
+/// does not answer (a slow or stalled member, a broken connection) does not end the term: it is
+/// tried again on a new connection, to the next member, for as long as the lease may still be
+/// alive. Only a lapsed lease, or a write refused because another term holds the key, ends it.
 async fn keep_leading(
     etcd: &mut Client,
     candidate: &Candidate<'_>,
@@ -434,35 +444,104 @@ async fn keep_leading(
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let (ha, clock) = (candidate.ha, &candidate.clock);
-    let (mut keeper, mut acks) = etcd.lease_keep_alive(lease).await?;
     let period = ha.lease_ttl / 3;
+    let mut keepalive = None;
     let mut last_reserve = Instant::now();
+    let mut member = candidate.member;
     loop {
-        let sent = clock.now();
-        // The next keepalive goes a period after this one, however long the writes below take.
-        let next = Instant::now() + period.saturating_sub(Duration::from_millis(10));
-        keeper.keep_alive().await?;
-        match tokio::time::timeout(period, acks.message()).await {
-            Ok(Ok(Some(ack))) if ack.ttl() > 0 => leadership.extend_to(sent.plus(ha.lease_ttl)),
-            Ok(Ok(Some(_))) => anyhow::bail!("the lease expired in etcd"),
-            Ok(Ok(None)) => anyhow::bail!("etcd closed the keepalive stream"),
-            Ok(Err(e)) => return Err(e.into()),
-            Err(_) => anyhow::bail!("etcd did not acknowledge a keepalive within {period:?}"),
+        // The next keepalive goes a period after this one, however long the writes take.
+        let mut next = Instant::now() + period.saturating_sub(Duration::from_millis(10));
+        let tended = async {
+            renew(
+                etcd,
+                &mut keepalive,
+                lease,
+                ha.lease_ttl,
+                leadership,
+                clock.as_ref(),
+            )
+            .await?;
+            if last_reserve.elapsed() >= Duration::from_secs(1) {
+                books.reserve(etcd, master).await?;
+                last_reserve = Instant::now();
+            }
+            books.publish_segments(etcd, master, clock.now()).await
+        };
+        if let Err(e) = tended.await {
+            if ends_term(&e) || !leadership.holds(clock.now()) {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "etcd did not answer; keeping the term while its lease lasts, on a new connection");
+            keepalive = None;
+            member = member.wrapping_add(1);
+            let endpoint = &ha.endpoints[member % ha.endpoints.len()];
+            let left = leadership.left(clock.now());
+            match tokio::time::timeout(left, connect(endpoint, ha.lease_ttl)).await {
+                Ok(Ok(c)) => *etcd = c,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, etcd = %endpoint, "cannot connect to etcd")
+                }
+                Err(_) => {}
+            }
+            // Tried again soon: the lease lasts only so long.
+            next = Instant::now() + RETRY.min(period);
         }
-        if !leadership.holds(clock.now()) {
-            anyhow::bail!("the lease may have lapsed (this process was paused or etcd was slow)");
-        }
-        if last_reserve.elapsed() >= Duration::from_secs(1) {
-            books.reserve(etcd, master).await?;
-            last_reserve = Instant::now();
-        }
-        books.publish_segments(etcd, master, clock.now()).await?;
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = stop_asked(&mut stop) => return Ok(()),
         }
         if !leadership.holds(clock.now()) {
-            anyhow::bail!("the lease may have lapsed (this process was paused)");
+            anyhow::bail!(
+                "the lease may have lapsed (this process was paused or etcd did not answer)"
+            );
         }
+    }
+}
+
+/// How soon a keepalive or a write etcd did not answer is tried again.
+const RETRY: Duration = Duration::from_millis(200);
+
+/// The lease is gone in etcd itself: no keepalive brings it back.
+#[derive(Debug, thiserror::Error)]
+#[error("the lease expired in etcd")]
+struct LeaseExpired;
+
+/// Whether `e` ends the term, rather than being worth another try while the lease lasts.
+fn ends_term(e: &anyhow::Error) -> bool {
+    e.is::<LeaseExpired>() || e.is::<fenced::Deposed>()
+}
+
+/// One keepalive of `lease` (on `keepalive`, opened first if there is none), answered within a
+/// third of `ttl`: the leadership then lasts `ttl` from when it was sent.
+async fn renew(
+    etcd: &mut Client,
+    keepalive: &mut Option<(etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream)>,
+    lease: i64,
+    ttl: Duration,
+    leadership: &Leadership,
+    clock: &dyn Clock,
+) -> anyhow::Result<()> {
+    let period = ttl / 3;
+    let sent = clock.now();
+    let (keeper, acks) = match keepalive {
+        Some(k) => k,
+        None => keepalive.insert(
+            tokio::time::timeout(period, etcd.lease_keep_alive(lease))
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!("etcd did not open a keepalive stream within {period:?}")
+                })??,
+        ),
+    };
+    keeper.keep_alive().await?;
+    match tokio::time::timeout(period, acks.message()).await {
+        Ok(Ok(Some(ack))) if ack.ttl() > 0 => {
+            leadership.extend_to(sent.plus(ttl));
+            Ok(())
+        }
+        Ok(Ok(Some(_))) => Err(LeaseExpired.into()),
+        Ok(Ok(None)) => anyhow::bail!("etcd closed the keepalive stream"),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => anyhow::bail!("etcd did not acknowledge a keepalive within {period:?}"),
     }
 }
