@@ -2,13 +2,13 @@
 //! transport batch per owner), then one put end for what was written and one revoke for what
 //! was not.
 
-use std::sync::atomic::Ordering;
+use std::sync::{atomic::Ordering, Arc};
 
 use futures::future::join_all;
 use mooncake_common::{
     master_api::Grants,
     transport::{parts_len, WriteItem},
-    Code, ObjectKey, ReplicateConfig, SegmentName, Stamp,
+    Code, MasterApi, ObjectKey, ReplicateConfig, SegmentName, Stamp,
 };
 
 use crate::{client::Client, error::ClientError, group::Groups};
@@ -112,10 +112,12 @@ impl Client {
             Ok(g) => g,
             Err(e) => return fill(results, valid, &e.into()),
         };
+        let unsettled = Unsettled::of(&self.master, valid, &grants);
 
         let write_errors = self.write_replicas(items, valid, &grants, config).await;
         self.end_or_revoke(valid, &grants, write_errors, results)
             .await;
+        unsettled.settled();
         share_fate_of_repeats(valid, &grants, results);
     }
 
@@ -216,6 +218,56 @@ impl Client {
                 }
             }
         }
+    }
+}
+
+/// Puts granted and not yet ended or revoked. Should the put be dropped before (its caller's
+/// timeout, a `select!`), they are revoked in the background: otherwise each key would stay a
+/// put in flight, refusing every other put of it (which reads as "already exists") with no
+/// object coming, until the master's discard timeout, and its space held until the release
+/// timeout. A revoke of a put that did end is refused by the master, so nothing stored goes.
+#[must_use = "revokes the puts when dropped unless settled"]
+struct Unsettled {
+    master: Arc<dyn MasterApi>,
+    puts: Vec<(ObjectKey, u64)>,
+}
+
+impl Unsettled {
+    fn of(master: &Arc<dyn MasterApi>, valid: &[(usize, ObjectKey)], grants: &Grants) -> Self {
+        let puts = valid
+            .iter()
+            .zip(&grants.results)
+            .filter_map(|((_, key), g)| Some((key.clone(), g.as_ref().ok()?.put_id)))
+            .collect();
+        Unsettled {
+            master: master.clone(),
+            puts,
+        }
+    }
+
+    /// Every put was ended or revoked (or left to the master after a failed call).
+    fn settled(mut self) {
+        self.puts.clear();
+    }
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        if self.puts.is_empty() {
+            return;
+        }
+        let puts = std::mem::take(&mut self.puts);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(puts = puts.len(), "a put was dropped outside a runtime; the master reclaims its space after its release timeout");
+            return;
+        };
+        let master = self.master.clone();
+        runtime.spawn(async move {
+            let refs: Vec<(&str, u64)> = puts.iter().map(|(k, id)| (k.as_str(), *id)).collect();
+            if let Err(e) = master.put_revoke(&refs).await {
+                tracing::warn!(error = %e, puts = refs.len(), "cannot revoke the puts of a dropped put; the master reclaims them after its release timeout");
+            }
+        });
     }
 }
 

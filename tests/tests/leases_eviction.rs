@@ -1,8 +1,8 @@
 //! Leases, eviction and abandoned puts through the running master: eviction frees space under
 //! pressure without touching an object being read, a finished read pins nothing (lease mode
 //! "reads") while Mooncake's TTL leases keep a store full of read objects full, and an abandoned
-//! put's space returns after the release timeout on an injected clock, and a get dropped by its
-//! caller mid-read hands its hold back.
+//! put's space returns after the release timeout on an injected clock, a get dropped by its
+//! caller mid-read hands its hold back, and a put dropped mid-write is revoked.
 
 use std::{sync::Arc, time::Duration};
 
@@ -277,5 +277,44 @@ async fn a_get_dropped_mid_read_hands_its_hold_back() {
     })
     .await;
     assert!(removed, "the dropped get's hold was never handed back");
+    master.shutdown().await;
+}
+
+/// A put its caller drops mid-write (a timeout around it) is revoked: the key can be put again at
+/// once. Before, it stayed a put in flight, and every put of the key until the master's discard
+/// timeout was told it already exists (a success) for an object that never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_dropped_mid_write_is_revoked() {
+    let master = RunningMaster::start(master_config()).await.unwrap();
+    let addr = master.rpc_addr.to_string();
+    // A process, so that it can be stopped with the write under way.
+    let (owner, _seg) = spawn_owner(&addr, "8MiB", &["--no-shm"]);
+    let client = Client::connect(ClientConfig {
+        transfer_timeout: Duration::from_secs(30),
+        ..ClientConfig::new(&addr)
+    })
+    .await
+    .unwrap();
+    let cfg = ReplicateConfig::default();
+    let first = vec![1u8; MIB as usize];
+    owner.signal(libc::SIGSTOP);
+    let put = tokio::time::timeout(Duration::from_millis(500), client.put("k", &first, &cfg)).await;
+    owner.signal(libc::SIGCONT);
+    assert!(
+        put.is_err(),
+        "the write could not end with its owner stopped"
+    );
+    let value = payload("k", MIB as usize);
+    let stored = mooncake_tests::eventually(Duration::from_secs(5), async || {
+        matches!(
+            client.put("k", &value, &cfg).await,
+            Ok(mooncake_client::PutOutcome::Stored)
+        )
+    })
+    .await;
+    assert!(stored, "the dropped put still holds the key");
+    let mut buf = vec![0u8; MIB as usize];
+    assert_eq!(client.get("k", &mut buf).await.unwrap(), MIB as usize);
+    assert!(buf == value, "the value read is the second put's");
     master.shutdown().await;
 }
