@@ -112,7 +112,10 @@ impl Client {
             .fetch_add(names.len() as u64, Ordering::Relaxed);
         let lookup = match self.lookup(&names).await {
             Ok(l) => l,
-            Err(e) => return fill(results, valid, &e.into()),
+            Err(e) => {
+                self.leases.call_ended();
+                return fill(results, valid, &e.into());
+            }
         };
         let granted = Granted::by_lookup(asked_at, &lookup);
         // The lease started no earlier than our request did, so this deadline is conservative.
@@ -275,7 +278,8 @@ impl Client {
 
     /// Like `batch_get_owned`, with the buffers made by `alloc` from each found object's size
     /// (called once per hit, in key order, before any read starts); an error from `alloc` is
-    /// that key's result, and so is a buffer shorter than the size asked (BufferTooSmall).
+    /// that key's result, and so is a buffer shorter than the size asked (BufferTooSmall). A
+    /// longer buffer gets the value in its first `size` bytes.
     pub async fn batch_get_alloc<B: AsMut<[u8]> + Send>(
         &self,
         keys: &[&str],
@@ -297,8 +301,13 @@ impl Client {
         let lookup = match self.lookup(&names).await {
             Ok(l) => l,
             Err(e) => {
+                self.leases.call_ended();
+                // An invalid key keeps its own error.
                 let e = ClientError::from(e);
-                return keys.iter().map(|_| Err(e.for_each_key())).collect();
+                return valid
+                    .into_iter()
+                    .map(|k| Err(k.err().unwrap_or_else(|| e.for_each_key())))
+                    .collect();
             }
         };
         let granted = Granted::by_lookup(asked_at, &lookup);
@@ -331,7 +340,9 @@ impl Client {
             .collect();
         let reads = jobs.into_iter().map(|job| async move {
             let (key, hit, mut buf) = job?;
-            self.read_one(&key, lookup.replicas(hit), &mut [buf.as_mut()])
+            // The value's bytes only: an allocator may round a buffer up.
+            let dst = &mut buf.as_mut()[..hit.size as usize];
+            self.read_one(&key, lookup.replicas(hit), &mut [dst])
                 .await?;
             if Instant::now() >= lease_deadline {
                 return Err(ClientError::LeaseExpired(key.to_string()));

@@ -76,6 +76,13 @@ async fn values_from_one_byte_to_16_mib_round_trip() {
         short[0].as_ref().map(Vec::len)
     );
     assert_eq!(short[1].as_deref().unwrap(), &values[2][..]);
+    // One rounded up (a pool's slab) gets the value in its first bytes, the rest untouched.
+    let long = client
+        .batch_get_alloc(&["rt/63"], |n| Ok(vec![0xAAu8; n + 1000]))
+        .await;
+    let long = long[0].as_ref().unwrap();
+    assert_eq!(&long[..63], &values[2][..]);
+    assert!(long[63..].iter().all(|b| *b == 0xAA));
     c.shutdown().await;
 }
 
