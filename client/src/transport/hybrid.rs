@@ -1,7 +1,8 @@
 //! The transport clients use: the same-host path for owners on this host that offer it (and
 //! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided once per owner without the
 //! caller being told. A same-host connection that fails is forgotten, so the next call probes
-//! again (an owner restart, for instance); the pool's mapping is kept for that probe, which
+//! again (an owner restart, for instance), and a batch that finds none (the owner's socket gone
+//! or taken by a restarted owner) goes over TCP instead of failing; the pool's mapping is kept for that probe, which
 //! takes it back when the owner's pool is the same.
 
 use std::{
@@ -140,6 +141,21 @@ impl HybridTransport {
         }
     }
 
+    /// A same-host batch found no connection (`e`; nothing was sent): the route is forgotten.
+    /// None when the batch should go over TCP at once: the owner's socket is gone or was taken
+    /// by a restarted owner, which TCP reaches all the same. Not after a timeout (an owner that
+    /// does not answer here would not over TCP either): the batch fails with it.
+    fn unconnected(&self, target: &SegmentName, e: TransferError) -> Option<Failed> {
+        self.forget(target);
+        match e {
+            TransferError::Timeout { .. } => Some(Failed(e)),
+            e => {
+                tracing::debug!(segment = %target, error = %e, "no same-host connection; this batch goes over TCP");
+                None
+            }
+        }
+    }
+
     /// Forgets a same-host route after a connection-level failure.
     fn forget_if_broken(&self, target: &SegmentName, results: &[Result<(), TransferError>]) {
         let broken = results.iter().any(|r| {
@@ -151,12 +167,18 @@ impl HybridTransport {
             )
         });
         if broken {
-            if let Some(Route::Local(owner)) = self.routes.lock().remove(target) {
-                let pool = owner.pool().clone();
-                self.retired
-                    .lock()
-                    .insert(target.clone(), (Instant::now(), pool));
-            }
+            self.forget(target);
+        }
+    }
+
+    /// Forgets the same-host route to `target` (the next call probes again), keeping its
+    /// mapping for a while.
+    fn forget(&self, target: &SegmentName) {
+        if let Some(Route::Local(owner)) = self.routes.lock().remove(target) {
+            let pool = owner.pool().clone();
+            self.retired
+                .lock()
+                .insert(target.clone(), (Instant::now(), pool));
         }
     }
 
@@ -167,6 +189,15 @@ impl HybridTransport {
             &self.tcp_bytes
         };
         c.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// A batch's one error, for each of its items.
+struct Failed(TransferError);
+
+impl Failed {
+    fn of(self, n: usize) -> Vec<Result<(), TransferError>> {
+        (0..n).map(|_| Err(self.0.duplicate())).collect()
     }
 }
 
@@ -214,12 +245,21 @@ impl DataTransport for HybridTransport {
         Box::pin(async move {
             let lens = || items.iter().map(|i| i.len());
             match self.route(target).await {
-                Route::Local(owner) => {
-                    let res = owner.write_batch(items).await;
-                    self.forget_if_broken(target, &res);
-                    self.count(true, ok_bytes(&res, lens()));
-                    res
-                }
+                Route::Local(owner) => match owner.try_write_batch(items).await {
+                    Ok(res) => {
+                        self.forget_if_broken(target, &res);
+                        self.count(true, ok_bytes(&res, lens()));
+                        res
+                    }
+                    Err(e) => match self.unconnected(target, e) {
+                        Some(res) => res.of(items.len()),
+                        None => {
+                            let res = self.tcp.write_batch(target, items).await;
+                            self.count(false, ok_bytes(&res, lens()));
+                            res
+                        }
+                    },
+                },
                 Route::Tcp => {
                     let res = self.tcp.write_batch(target, items).await;
                     self.count(false, ok_bytes(&res, lens()));
@@ -237,11 +277,16 @@ impl DataTransport for HybridTransport {
         Box::pin(async move {
             let lens: Vec<u64> = items.iter().map(|i| i.len()).collect();
             let (res, local) = match self.route(target).await {
-                Route::Local(owner) => {
-                    let res = owner.read_batch(items).await;
-                    self.forget_if_broken(target, &res);
-                    (res, true)
-                }
+                Route::Local(owner) => match owner.try_read_batch(items).await {
+                    Ok(res) => {
+                        self.forget_if_broken(target, &res);
+                        (res, true)
+                    }
+                    Err(e) => match self.unconnected(target, e) {
+                        Some(failed) => (failed.of(items.len()), true),
+                        None => (self.tcp.read_batch(target, items).await, false),
+                    },
+                },
                 Route::Tcp => (self.tcp.read_batch(target, items).await, false),
             };
             self.count(local, ok_bytes(&res, lens.into_iter()));

@@ -208,6 +208,20 @@ impl LocalOwner {
         }
     }
 
+    /// An idle connection still open: one the owner closed (it stopped, or restarted on the same
+    /// socket) is dropped rather than failing the batch it would carry.
+    fn idle_open(&self) -> Option<UnixStream> {
+        let mut idle = self.idle.lock();
+        while let Some(s) = idle.pop() {
+            let mut byte = [0u8; 1];
+            // Nothing to read (would block): open and in step; end of stream or stray bytes: not.
+            if matches!(s.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
+                return Some(s);
+            }
+        }
+        None
+    }
+
     /// A connection to the owner, by `deadline` (the call's): an idle one, or a new one that
     /// the owner answers within the connect timeout too.
     async fn checkout(
@@ -223,7 +237,7 @@ impl LocalOwner {
                 after: self.deadlines.transfer,
             })?
             .expect("semaphore never closed");
-        let pooled = self.idle.lock().pop();
+        let pooled = self.idle_open();
         let stream = match pooled {
             Some(s) => s,
             None => {
@@ -289,12 +303,19 @@ impl LocalOwner {
 
     /// Begin, copy, end: one exchange per batch in each direction. Results per item, in order.
     pub async fn write_batch(&self, items: &[WriteItem<'_>]) -> Vec<Result<(), TransferError>> {
+        self.try_write_batch(items)
+            .await
+            .unwrap_or_else(|e| items.iter().map(|_| Err(e.duplicate())).collect())
+    }
+
+    /// `write_batch`, or the error that left it without a connection (nothing was sent).
+    pub async fn try_write_batch(
+        &self,
+        items: &[WriteItem<'_>],
+    ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
         let all = |e: &TransferError| items.iter().map(|_| Err(e.duplicate())).collect::<Vec<_>>();
         let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
-        let (_permit, mut stream) = match self.checkout(deadline).await {
-            Ok(c) => c,
-            Err(e) => return all(&e),
-        };
+        let (_permit, mut stream) = self.checkout(deadline).await?;
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginWrite);
             w.u32(items.len() as u32);
@@ -352,7 +373,7 @@ impl LocalOwner {
             Ok::<_, TransferError>(results)
         };
         let outcome = tokio::time::timeout_at(deadline, exchange).await;
-        self.settle(stream, outcome, all)
+        Ok(self.settle(stream, outcome, all))
     }
 
     pub async fn read_batch(
@@ -360,12 +381,20 @@ impl LocalOwner {
         items: &mut [ReadItem<'_, '_>],
     ) -> Vec<Result<(), TransferError>> {
         let n = items.len();
+        self.try_read_batch(items)
+            .await
+            .unwrap_or_else(|e| (0..n).map(|_| Err(e.duplicate())).collect())
+    }
+
+    /// `read_batch`, or the error that left it without a connection (nothing was asked).
+    pub async fn try_read_batch(
+        &self,
+        items: &mut [ReadItem<'_, '_>],
+    ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
+        let n = items.len();
         let all = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect::<Vec<_>>();
         let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
-        let (_permit, mut stream) = match self.checkout(deadline).await {
-            Ok(c) => c,
-            Err(e) => return all(&e),
-        };
+        let (_permit, mut stream) = self.checkout(deadline).await?;
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginRead);
             w.u32(n as u32);
@@ -415,7 +444,7 @@ impl LocalOwner {
             Ok::<_, TransferError>(results)
         };
         let outcome = tokio::time::timeout_at(deadline, exchange).await;
-        self.settle(stream, outcome, all)
+        Ok(self.settle(stream, outcome, all))
     }
 
     /// Ends a batch exchange: the connection goes back to the pool only after a complete
