@@ -496,14 +496,14 @@ class MooncakeDistributedStore(NativeStore):
             _log.error("get_into_ranges: the lists' shapes differ")
             return [[_INVALID] * n for n in shapes]
         keys = list(dict.fromkeys(k for ks in all_keys for k in ks))
-        found = dict(zip(keys, self.batch_get_buffer(keys)))
+        found = dict(zip(keys, self._get_buffers_coded(keys, BufferHandle)))
         out = []
         for base, ks, dsts, srcs, sizes in zip(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
             row = []
             for k, dst, src, n in zip(ks, dsts, srcs, sizes):
-                h = found[k]
+                h, code = found[k]
                 if h is None:
-                    row.append(_NOT_FOUND)
+                    row.append(code)
                 elif src < 0 or dst < 0 or n < 0 or src + n > len(h) or not self._is_registered(base + dst, n):
                     row.append(_INVALID)
                 else:

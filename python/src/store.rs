@@ -474,6 +474,21 @@ impl NativeStore {
         buffer_results(got, &refs)
     }
 
+    /// `_get_buffers` with why each miss missed: (buffer, 0) or (None, a negative code).
+    fn _get_buffers_coded(
+        &self,
+        py: Python<'_>,
+        keys: Vec<PyBackedStr>,
+        cls: Bound<'_, PyType>,
+    ) -> Vec<(Option<Py<PyByteArray>>, i32)> {
+        let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
+        let cls = cls.unbind();
+        let got = self.with_session(py, Vec::new(), |s| {
+            s.rt.block_on(s.client.batch_get_alloc(&refs, FreshByteArray::maker(&cls)))
+        });
+        coded_buffer_results(got, &refs)
+    }
+
     #[pyo3(signature = (key, buffer_ptr, size, config=None))]
     fn put_from(
         &self,
@@ -1149,15 +1164,29 @@ pub(crate) fn buffer_results(
     got: Vec<Result<FreshByteArray, ClientError>>,
     keys: &[&str],
 ) -> Vec<Option<Py<PyByteArray>>> {
+    coded_buffer_results(got, keys)
+        .into_iter()
+        .map(|(b, _)| b)
+        .collect()
+}
+
+/// Each read buffer with 0, or None with the negative code of its miss or error (logged);
+/// INVALID for all when the store is not set up (no results at all).
+pub(crate) fn coded_buffer_results(
+    got: Vec<Result<FreshByteArray, ClientError>>,
+    keys: &[&str],
+) -> Vec<(Option<Py<PyByteArray>>, i32)> {
     if got.is_empty() {
-        return keys.iter().map(|_| None).collect();
+        return keys.iter().map(|_| (None, INVALID)).collect();
     }
     got.into_iter()
         .zip(keys)
-        .map(|(r, k)| {
-            r.map_err(|e| log_miss("get_buffer", k, &e))
-                .ok()
-                .map(FreshByteArray::into_object)
+        .map(|(r, k)| match r {
+            Ok(b) => (Some(b.into_object()), 0),
+            Err(e) => {
+                log_miss("get_buffer", k, &e);
+                (None, e.code().as_i32())
+            }
         })
         .collect()
 }

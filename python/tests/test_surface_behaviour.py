@@ -257,6 +257,8 @@ def test_partial_reads_metadata_puts_and_pool_memory(store, tmp_path):
     outside = np.zeros(16, dtype=np.uint8)
     assert store.get_into_ranges([outside.ctypes.data], [["pr/a"]], [[0]], [[0]], [[16]]) == [[INVALID]]
     assert store.get_into_ranges([base], [["pr/a"]], [[0, 1]], [[0]], [[1]]) == [[INVALID]], "shapes differ"
+    assert store.get_into_ranges([base], [["pr/a", ""]], [[0, 8]], [[0, 0]], [[8, 8]]) == [[8, INVALID]], \
+        "a bad key is named as such, not as a miss"
 
     # [metadata][data] from two buffers as one object, in pool memory the store allocated.
     meta, data = store.alloc_from_mem_pool(64), store.alloc_from_mem_pool(4096)
