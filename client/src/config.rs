@@ -165,7 +165,8 @@ impl ClientConfig {
     /// parse is a configuration error naming the variable.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Self, ClientError> {
         if self.preferred_segment.is_none() {
-            self.preferred_segment = env(PREFERRED_SEGMENT_ENV);
+            // Set but empty is unset, as connectors read it (`... or os.getenv(...)`).
+            self.preferred_segment = env(PREFERRED_SEGMENT_ENV).filter(|v| !v.trim().is_empty());
         }
         if let Some(v) = env(MASTER_SPIN_ENV) {
             self.master_spin = Duration::from_micros(parsed(MASTER_SPIN_ENV, &v)?);
@@ -292,16 +293,13 @@ impl ClientConfig {
     }
 }
 
-/// Parses a preferred segment setting. A value set but empty (in the config, or in
-/// `MOONCAKE_PREFERRED_SEGMENT`) is a configuration error rather than "none".
+/// Parses a preferred segment setting: empty is none (Mooncake's `preferred_segment=''`), and
+/// a value that is not a segment name ("host:port") is a configuration error naming it.
 pub fn resolve_preferred(value: Option<&str>) -> Result<Option<SegmentName>, ClientError> {
-    let Some(value) = value else { return Ok(None) };
+    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
     let source = "preferred_segment (or MOONCAKE_PREFERRED_SEGMENT)";
-    if value.trim().is_empty() {
-        return Err(ClientError::Config(format!(
-            "{source} is set but empty: name a segment \"host:port\" or leave it unset"
-        )));
-    }
     SegmentName::parse(value.trim())
         .map(Some)
         .map_err(|e| ClientError::Config(format!("{source}: {e}")))
@@ -336,10 +334,21 @@ mod tests {
     }
 
     #[test]
-    fn empty_or_malformed_is_an_error() {
-        for v in ["", " ", "nohost"] {
+    fn empty_is_none_and_malformed_is_an_error() {
+        for v in ["nohost", "host:0", "a:b"] {
             let err = resolve_preferred(Some(v)).unwrap_err();
             assert_eq!(err.code().as_i32(), -600, "{err}");
+        }
+        for v in ["", " "] {
+            assert_eq!(resolve_preferred(Some(v)).unwrap(), None, "{v:?}");
+            let from_env = ClientConfig::new("m:1")
+                .with_env(env(&[(PREFERRED_SEGMENT_ENV, v)]))
+                .unwrap();
+            assert_eq!(
+                from_env.preferred().unwrap(),
+                None,
+                "{v:?} in the environment"
+            );
         }
         let explicit_empty = ClientConfig {
             preferred_segment: Some(String::new()),
@@ -348,7 +357,11 @@ mod tests {
         let c = explicit_empty
             .with_env(env(&[(PREFERRED_SEGMENT_ENV, "b:2")]))
             .unwrap();
-        assert!(c.preferred().is_err(), "explicit empty is not overridden");
+        assert_eq!(
+            c.preferred().unwrap(),
+            None,
+            "explicit empty is not overridden"
+        );
     }
 
     #[test]

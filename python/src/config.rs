@@ -82,8 +82,10 @@ impl ReplicateConfig {
 }
 
 impl ReplicateConfig {
-    /// The client's form: `preferred_segment` goes first, then `preferred_segments`.
-    /// An error names a segment that does not parse, or too many replicas.
+    /// The client's form: `preferred_segment` goes first, then `preferred_segments`. A name that
+    /// is not a segment ("host:port"; a bare host, say) can be no segment, so placement falls
+    /// back as for one that is absent (logged once per name). An error names what this store
+    /// does not offer, or too many replicas.
     pub fn to_client(&self) -> Result<ClientReplicateConfig, String> {
         if self.nof_replica_num > 0 || !self.preferred_nof_segments.is_empty() {
             return Err(
@@ -106,8 +108,14 @@ impl ReplicateConfig {
         let preferred_segments = std::iter::once(&self.preferred_segment)
             .chain(&self.preferred_segments)
             .filter(|s| !s.is_empty())
-            .map(|s| SegmentName::parse(s).map_err(|e| e.to_string()))
-            .collect::<Result<_, _>>()?;
+            .filter_map(|s| match SegmentName::parse(s) {
+                Ok(name) => Some(name),
+                Err(e) => {
+                    not_a_segment(s, &e);
+                    None
+                }
+            })
+            .collect();
         Ok(ClientReplicateConfig {
             replica_num: ClientReplicateConfig::replica_count(self.replica_num as u64)?,
             preferred_segments,
@@ -275,4 +283,14 @@ fn int_arg(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     mooncake_common::ByteSize::parse(&s)
         .map(|b| b.bytes())
         .map_err(|e| PyValueError::new_err(format!("setup(): '{name}': {e}")))
+}
+
+/// Logs, once per name, a preferred segment that is not a segment name.
+fn not_a_segment(name: &str, e: &impl std::fmt::Display) {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if seen.len() < 64 && !seen.iter().any(|s| s == name) {
+        seen.push(name.to_string());
+        tracing::warn!(preferred_segment = name, error = %e, "not a segment name (host:port); placing as if it were absent");
+    }
 }

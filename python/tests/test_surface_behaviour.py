@@ -58,6 +58,10 @@ def test_replicate_config_has_mooncakes_current_fields(store, cluster):
         assert store.put("cfg/bad", b"v", config=bad) == INVALID, bad
     assert store.is_exist("cfg/bad") == 0
     assert store.put("cfg/empty-groups", b"v", config=ReplicateConfig(group_ids=[])) == 0
+    # A name that is no segment (a bare host, as Mooncake's etcd mode names segments) places as
+    # if absent: it falls back, as a preferred segment that is gone or full does.
+    assert store.put("cfg/bare-host", b"v", config=ReplicateConfig(preferred_segment="10.0.0.1")) == 0
+    assert store.get("cfg/bare-host") == b"v"
 
 
 def test_enums_have_mooncakes_values():
