@@ -245,6 +245,7 @@ impl RunningMaster {
     /// that never closes its connection (silent mid-handshake, or paused) would keep a graceful
     /// server waiting forever, so what is left then is stopped.
     pub async fn shutdown(self) {
+        self.shared.stop_polls();
         let _ = self.stop.send(true);
         let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for t in self.tasks {
@@ -271,7 +272,8 @@ fn grpc_server() -> tonic::transport::Server {
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
 }
 
-/// How long a shutdown waits for connections to close (an owner's long poll lasts up to 5 s).
+/// How long a shutdown waits for connections to close (long polls answer at once; a peer that
+/// does not read its answer holds its connection).
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(6);
 
 /// The cluster's secret, and the tenants whose own token files the master admits.

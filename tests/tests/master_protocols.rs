@@ -1,5 +1,6 @@
-//! The master answers the same calls over its framed RPC and over gRPC, on one port, and a
-//! malformed framed connection does not disturb it.
+//! The master answers the same calls over its framed RPC and over gRPC, on one port, a
+//! malformed framed connection does not disturb it, and a stopping master answers long polls at
+//! once.
 
 use mooncake_client::{Client, MasterProtocol, ReplicateConfig};
 use mooncake_proto::framed as rpc_wire;
@@ -90,4 +91,53 @@ async fn a_malformed_framed_connection_is_dropped_and_the_master_keeps_serving()
         .await
         .unwrap();
     c.shutdown().await;
+}
+
+/// A stopping master answers owners' long polls at once, so they turn to the next leader without
+/// waiting out their poll and the shutdown does not wait for them. Before, a poll held the
+/// shutdown for the rest of its wait (up to 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_master_answers_long_polls_at_once() {
+    use mooncake_proto::master::{
+        master_client::MasterClient, MountSegmentRequest, PollTasksRequest,
+    };
+    let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
+        .await
+        .unwrap();
+    let mut raw = MasterClient::connect(format!("http://{}", master.rpc_addr))
+        .await
+        .unwrap();
+    let (owner, segment) = ("0123456789abcdef0123456789abcdef", "127.0.0.1:1");
+    let mounted = raw
+        .mount_segment(MountSegmentRequest {
+            client_id: owner.into(),
+            segment: segment.into(),
+            size: 1 << 20,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(mounted.code, 0, "{}", mounted.message);
+    let poll = tokio::spawn(async move {
+        raw.poll_tasks(PollTasksRequest {
+            client_id: owner.into(),
+            segment: segment.into(),
+            max_tasks: 1,
+            wait_ms: 5000,
+        })
+        .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let stopping = std::time::Instant::now();
+    master.shutdown().await;
+    let took = stopping.elapsed();
+    let answer = poll.await.unwrap();
+    assert!(
+        took < std::time::Duration::from_secs(3),
+        "the shutdown waited {took:?} for the long poll"
+    );
+    if let Ok(a) = answer {
+        assert!(a.into_inner().tasks.is_empty());
+    }
 }

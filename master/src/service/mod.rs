@@ -41,6 +41,8 @@ pub struct Shared {
     pub leadership: Arc<Leadership>,
     /// Removal patterns matched at a time (each may cost up to its backtracking limit per key).
     pub matching: Arc<tokio::sync::Semaphore>,
+    /// Set when the server stops: long polls answer at once instead of holding it up.
+    pub stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -53,7 +55,16 @@ impl Shared {
             owner_work: tokio::sync::Notify::new(),
             offload_progress: tokio::sync::Notify::new(),
             matching: Arc::new(tokio::sync::Semaphore::new(1)),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The server is stopping (or its term ended): owners' long polls answer now, so they turn
+    /// to the next leader at once and the shutdown does not wait for them.
+    pub fn stop_polls(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.owner_work.notify_waiters();
     }
 
     /// Wakes polling owners if the last call under this lock queued work for them.

@@ -127,8 +127,14 @@ impl MasterService {
                     remount: true,
                 };
             };
-            // A long poll may outlive the term it began in: a deposed leader hands out nothing.
-            if !self.leading() {
+            // A long poll may outlive the term it began in: a deposed leader hands out nothing,
+            // and neither does a stopping server.
+            if !self.leading()
+                || self
+                    .shared
+                    .stopping
+                    .load(std::sync::atomic::Ordering::SeqCst)
+            {
                 return Polled {
                     tasks: Vec::new(),
                     remount: false,
