@@ -129,7 +129,7 @@ async fn preferred_segment_is_honoured_and_falls_back_when_full_or_unknown() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_an_error() {
+async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_none() {
     let c = Cluster::start(&[8 * MIB, 8 * MIB]).await;
     let seg = c.owners[1].segment.to_string();
     // The env var is read by `ClientConfig::with_process_env`; this test owns the variable in
@@ -168,17 +168,21 @@ async fn a_preferred_segment_from_the_environment_and_an_empty_one_is_an_error()
         client.preferred_segment().map(|s| s.to_string()),
         Some(explicit)
     );
+    // Empty is none, in the config and in the environment (as connectors read it); a value
+    // that names no segment is an error naming where it came from.
     cfg.preferred_segment = Some(String::new());
-    let err = Client::connect(cfg)
-        .await
-        .err()
-        .expect("empty preferred segment must fail");
-    assert_eq!(err.code().as_i32(), -600);
+    let client = Client::connect(cfg).await.unwrap();
+    assert_eq!(client.preferred_segment(), None);
     std::env::set_var(mooncake_client::PREFERRED_SEGMENT_ENV, "");
+    let client = Client::connect(c.client_config().with_process_env().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(client.preferred_segment(), None);
+    std::env::set_var(mooncake_client::PREFERRED_SEGMENT_ENV, "no-port");
     let err = Client::connect(c.client_config().with_process_env().unwrap())
         .await
         .err()
-        .expect("empty env value must fail");
+        .expect("a malformed env value must fail");
     assert!(
         err.to_string().contains("MOONCAKE_PREFERRED_SEGMENT"),
         "{err}"
