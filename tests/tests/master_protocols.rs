@@ -125,6 +125,7 @@ async fn a_stopping_master_answers_long_polls_at_once() {
             segment: segment.into(),
             max_tasks: 1,
             wait_ms: 5000,
+            epoch: mounted.epoch,
         })
         .await
     });

@@ -159,12 +159,15 @@ impl MasterState {
                 segment: name.clone(),
             });
         }
-        let Some(report) = seg.report.as_mut() else {
+        if seg.report.is_none() {
             return Err(MasterError::Invalid(format!(
                 "segment {} is not reporting a catalog (mount it again to report)",
                 seg.name
             )));
-        };
+        }
+        self.heard_from(owner, now);
+        let seg = self.segments.get_mut(&segment).expect("ids are live");
+        let report = seg.report.as_mut().expect("checked above");
         for it in &items {
             self.grants.next = self.grants.next.max(it.stamp.put_id + 1);
         }

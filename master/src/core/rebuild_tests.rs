@@ -341,3 +341,41 @@ fn a_rebuild_waits_for_the_records_an_owner_registers_from_disk() {
     ));
     s.check_invariants().unwrap();
 }
+
+/// An owner reporting its catalog (or registering disk records, or polling) sends no heartbeat
+/// meanwhile: each of those calls shows it alive, so a report longer than the client TTL does
+/// not get it expired half-way (it would start over at its remount, and again, for good).
+#[test]
+fn an_owner_reporting_for_longer_than_the_ttl_is_not_expired() {
+    let mut s = MasterState::with_seed(
+        Policy {
+            client_ttl: Duration::from_secs(1),
+            ..Policy::default()
+        },
+        7,
+    );
+    s.raise_grants(1000);
+    s.started(Millis(0));
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(900, 3), Millis(100))
+        .unwrap();
+    let mut now = 100;
+    for (i, key) in ["a", "b", "c"].into_iter().enumerate() {
+        // A chunk every 0.8 s; upkeep runs in between, as it does every fraction of a second.
+        for _ in 0..4 {
+            now += 200;
+            s.tick(Millis(now));
+        }
+        let done = i == 2;
+        let item = item(key, i as u64 * 4096, 1000, 800 + i as u64, 1);
+        s.catalog_reported(owner(0), &seg(0), vec![item], done, Millis(now))
+            .unwrap();
+    }
+    assert!(now > 100 + 2_000, "the report outlasted the TTL twice");
+    s.tick(Millis(now + 100));
+    assert_eq!(
+        lookup(&mut s, "c", now + 200),
+        Ok(1),
+        "every object adopted"
+    );
+    s.check_invariants().unwrap();
+}

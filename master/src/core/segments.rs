@@ -199,6 +199,13 @@ impl MasterState {
         }
     }
 
+    /// Any call of `owner` (a report, a registration, a poll) shows it alive, as a heartbeat
+    /// does: a long mount report or disk registration, during which the owner sends no
+    /// heartbeat, must not get it expired half-way (and start over at its remount).
+    pub fn heard_from(&mut self, owner: ClientId, now: Millis) {
+        self.touch(owner, now);
+    }
+
     fn touch(&mut self, owner: ClientId, now: Millis) -> bool {
         match self.owners.get_mut(&owner) {
             Some(o) => {

@@ -569,7 +569,12 @@ fn a_removed_version_is_not_registered_again_by_an_owner_that_never_dropped_it()
     let id = s.disk_segment(owner(7), &seg(0)).unwrap();
     assert!(s.register_disk(id, &k("a"), MIB, v, Millis(10)).is_err());
     assert_eq!(s.key_count(), 0);
-    // Once refused, the tombstone is spent: the owner drops its record.
+    // Refused again while the owner has not said the record is gone (the answer was lost, or
+    // its drop failed there); once it has, the tombstone goes.
+    assert!(s.register_disk(id, &k("a"), MIB, v, Millis(11)).is_err());
+    assert_eq!(s.key_count(), 0);
+    s.disk_dropped(id, &k("a"), v, Millis(12));
+    assert!(!s.tombstones.contains(&(seg(0), k("a")), v));
     s.check_invariants().unwrap();
 }
 

@@ -582,6 +582,8 @@ impl MasterState {
     /// The owner of `segment` is about to overwrite its disk record of `key` (SSD eviction):
     /// the disk replica goes, and with it the object if nothing else holds it.
     pub fn disk_dropped(&mut self, segment: SegmentId, key: &ObjectKey, put_id: u64, now: Millis) {
+        // Gone from that disk: a tombstone of it has done its work.
+        self.clear_tombstone(segment, key, put_id);
         let Some(obj) = self.objects.get_mut(key) else {
             return;
         };
@@ -630,7 +632,9 @@ impl MasterState {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
         }
         let id = (self.segment_name(segment).clone(), key.clone());
-        if self.tombstones.clear(&id, put_id) {
+        // Kept until the owner says the record is gone (`disk_dropped`): a refusal whose answer
+        // is lost, or a drop that fails there, must be refused again at the next registration.
+        if self.tombstones.contains(&id, put_id) {
             return Err(MasterError::StalePut {
                 key: key.clone(),
                 put_id,

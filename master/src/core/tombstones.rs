@@ -55,6 +55,11 @@ impl Tombstones {
     }
 
     /// Clears the tombstone of version `put_id` of `id`; whether there was one.
+    /// Whether version `put_id` of `id` was removed while its owner may still hold it.
+    pub fn contains(&self, id: &Id, put_id: u64) -> bool {
+        self.live.get(id).is_some_and(|v| v.contains(&put_id))
+    }
+
     pub fn clear(&mut self, id: &Id, put_id: u64) -> bool {
         let Some(versions) = self.live.get_mut(id) else {
             return false;

@@ -107,11 +107,13 @@ impl MasterService {
     }
 
     /// Waits up to `wait` (at most 5 s) for SSD-tier work for the segment and takes up to `max`
-    /// tasks (at most 1024).
+    /// tasks (at most 1024). None for an owner mounted under another epoch (`mounted`; 0: not
+    /// mounted yet): it would refuse them, and they would wait out their timeouts here.
     pub async fn poll_tasks(
         &self,
         owner: ClientId,
         segment: &SegmentName,
+        mounted: u64,
         max: usize,
         wait: Duration,
     ) -> Polled {
@@ -121,7 +123,15 @@ impl MasterService {
             let work = self.shared.owner_work.notified();
             tokio::pin!(work);
             work.as_mut().enable();
-            let Ok(id) = self.shared.state.lock().owned_segment(owner, segment) else {
+            let owned = {
+                let mut state = self.shared.state.lock();
+                let owned = state.owned_segment(owner, segment);
+                if owned.is_ok() {
+                    state.heard_from(owner, self.shared.clock.now());
+                }
+                owned
+            };
+            let Ok(id) = owned else {
                 return Polled {
                     tasks: Vec::new(),
                     remount: true,
@@ -141,7 +151,16 @@ impl MasterService {
                 };
             }
             let now = self.shared.clock.now();
-            let tasks = self.shared.state.lock().take_tasks(id, max, now);
+            let tasks = {
+                let mut state = self.shared.state.lock();
+                if mounted != state.epoch() {
+                    return Polled {
+                        tasks: Vec::new(),
+                        remount: false,
+                    };
+                }
+                state.take_tasks(id, max, now)
+            };
             if !tasks.is_empty() || tokio::time::timeout_at(deadline, work).await.is_err() {
                 return Polled {
                     tasks,
@@ -221,6 +240,7 @@ impl MasterService {
         let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
         let id = state.disk_segment(owner, segment)?;
+        state.heard_from(owner, now);
         let registered = records
             .iter()
             .map(|&(key, size, put_id)| {

@@ -430,7 +430,7 @@ impl pb::master_server::Master for GrpcMaster {
         let wait = Duration::from_millis(r.wait_ms);
         let polled = self
             .0
-            .poll_tasks(owner, &name, r.max_tasks as usize, wait)
+            .poll_tasks(owner, &name, r.epoch, r.max_tasks as usize, wait)
             .await;
         Ok(Response::new(pb::PollTasksResponse {
             tasks: polled.tasks.into_iter().map(task_to_pb).collect(),

@@ -23,7 +23,10 @@ use tonic::transport::Channel;
 
 use target::Target;
 
-use crate::{catalog::Catalog, ssd::SsdStore};
+use crate::{
+    catalog::Catalog,
+    ssd::{Dropped, SsdStore},
+};
 
 /// Catalog entries per report message.
 const REPORT_CHUNK: usize = 8192;
@@ -79,6 +82,9 @@ pub struct MasterLink {
     freed_applied: Arc<std::sync::atomic::AtomicU64>,
     /// The records on disk are not all registered at that master yet (a call failed).
     disk_unregistered: Arc<std::sync::atomic::AtomicBool>,
+    /// Set when this owner unmounts to stop: no remount after that (a heartbeat answered
+    /// after the unmount landed asks for one).
+    unmounting: Arc<std::sync::atomic::AtomicBool>,
     /// Proved to the master and to other owners (copies read from them).
     credential: Option<Credential>,
     /// Seals this owner's own reads from other owners (it holds the cluster's secret).
@@ -117,6 +123,7 @@ impl MasterLink {
             epoch: Arc::default(),
             freed_applied: Arc::default(),
             disk_unregistered: Arc::default(),
+            unmounting: Arc::default(),
             credential,
             seals: auth.map(|a| a.seals.clone()),
         })
@@ -191,6 +198,18 @@ impl MasterLink {
     /// Mounts the segment and reports what the pool holds (a remount after the master lost
     /// its catalog); the segment takes allocations once the report is in.
     pub async fn mount(&self) -> Result<(), LinkError> {
+        if self.unmounting.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(LinkError::Refused {
+                master: self.target.given().to_string(),
+                segment: self.segment.clone(),
+                code: Code::InvalidParams,
+                message: "this owner is stopping: it unmounted".into(),
+            });
+        }
+        // Mounted nowhere until the whole mount (and its report) is in: should any step fail
+        // after the master took the mount, the next heartbeat finds another epoch than this
+        // one and mounts again, instead of leaving the segment half-reported for good.
+        self.epoch.store(0, std::sync::atomic::Ordering::SeqCst);
         // Taken before the mount, so every entry is older than what the master grants after it.
         let entries = self.catalog.snapshot();
         let req = pb::MountSegmentRequest {
@@ -324,6 +343,8 @@ impl MasterLink {
     }
 
     pub async fn unmount(&self) -> Result<(), LinkError> {
+        self.unmounting
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let req = pb::UnmountSegmentRequest {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),
@@ -346,6 +367,7 @@ impl MasterLink {
             segment: self.segment.to_string(),
             max_tasks,
             wait_ms: wait.as_millis() as u64,
+            epoch: self.epoch(),
         };
         self.call(wait, |mut c| async move { c.poll_tasks(req).await })
             .await
@@ -423,6 +445,7 @@ impl MasterLink {
         let records = store.records();
         let mut registered = 0usize;
         let mut refused = 0usize;
+        let mut gone = Vec::new();
         let chunks: Vec<_> = records.chunks(1024).collect();
         let last = chunks.len().saturating_sub(1);
         for i in 0..=last {
@@ -450,10 +473,20 @@ impl MasterLink {
                     registered += 1;
                 } else {
                     // The key exists with other bytes, or this version was removed: drop it.
-                    // A header left behind is logged; the master refuses it again next time.
-                    let _ = store.delete(&r.key, r.put_id, None).await;
+                    // Once its header is gone, the master hears so (and forgets the removal it
+                    // kept refusing it for); a header left behind is refused again next time.
+                    if let Ok(Dropped::Gone | Dropped::NotFound) =
+                        store.delete(&r.key, r.put_id, None).await
+                    {
+                        gone.push((r.key.clone(), r.put_id));
+                    }
                     refused += 1;
                 }
+            }
+        }
+        if !gone.is_empty() {
+            if let Err(e) = self.disk_dropped(gone.iter().map(|(k, p)| (k, *p))).await {
+                tracing::debug!(error = %e, records = gone.len(), "cannot tell the master which refused records are gone; it refuses them again if they come back");
             }
         }
         self.disk_unregistered
@@ -488,6 +521,7 @@ impl MasterLink {
                         self.register_ssd_records(ssd).await;
                     }
                 }
+                Ok(true) if self.unmounting.load(std::sync::atomic::Ordering::SeqCst) => {}
                 Ok(true) => {
                     tracing::warn!(segment = %self.segment, "master does not know this owner; mounting again");
                     match self.mount().await {
