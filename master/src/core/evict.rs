@@ -23,6 +23,7 @@ impl MasterState {
         self.drain_eager_backlog(now);
         self.release_due(now);
         self.lingering.prune(now);
+        self.forgotten.prune(now);
         let capacity = self.capacity();
         let high = (capacity as f64 * self.policy.eviction_high_watermark) as u64;
         let allocated = self.allocated();

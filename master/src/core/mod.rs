@@ -7,6 +7,7 @@ mod backlog;
 mod evict;
 #[cfg(test)]
 mod evict_tests;
+mod forgotten;
 mod ghosts;
 mod lingering;
 mod objects;
@@ -287,6 +288,8 @@ pub struct MasterState {
     barren_until: Option<Millis>,
     /// Read holds of objects that left while being read, still to come back (see `lingering`).
     lingering: lingering::LingeringHolds,
+    /// What dropped segments held, should their owners come back (see `forgotten`).
+    forgotten: forgotten::ForgottenSegments,
 }
 
 impl MasterState {
@@ -346,6 +349,7 @@ impl MasterState {
             replica_tasks: Default::default(),
             barren_until: None,
             lingering: Default::default(),
+            forgotten: Default::default(),
         }
     }
 

@@ -678,6 +678,8 @@ impl MasterState {
     /// answered "not found", the caller would take it as gone, and the report bring it back.
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
         let Some(obj) = self.objects.get(key) else {
+            // Gone with a dropped segment: its owner's copy must not come back either.
+            self.forgotten.removed(key.as_str());
             if self.rebuilding(now) {
                 return Err(MasterError::Rebuilding(key.clone()));
             }
@@ -703,11 +705,15 @@ impl MasterState {
 
     /// `remove_all` of the objects whose keys `matches`.
     /// The keys `owned` accepts, copied out (to be matched without holding the state).
+    /// Keys of dropped segments' objects (see `forgotten`) are among them: removing them keeps
+    /// those copies from coming back.
     pub fn keys_where(&self, owned: impl Fn(&str) -> bool) -> Vec<ObjectKey> {
         self.objects
             .iter()
-            .filter(|o| owned(o.key().as_str()))
-            .map(|o| o.key().clone())
+            .map(|o| o.key())
+            .chain(self.forgotten.keys())
+            .filter(|k| owned(k.as_str()))
+            .cloned()
             .collect()
     }
 
@@ -716,6 +722,7 @@ impl MasterState {
     pub fn remove_listed(&mut self, force: bool, keys: &[ObjectKey], now: Millis) -> u64 {
         let mut removed = 0;
         for key in keys {
+            self.forgotten.removed(key.as_str());
             let removable = self
                 .objects
                 .get(key)

@@ -210,9 +210,21 @@ impl MasterState {
         let (allocator, allocations) = OffsetAllocator::with_used(capacity, &ranges)
             .expect("ranges were checked to be sorted, aligned, apart and inside");
         seg.allocator = allocator;
+        // An owner back at the master that dropped its segment: only what it was known to hold
+        // then, and still may, comes back (see `forgotten`).
+        let name = seg.name.clone();
+        let known = self.forgotten.take(&name);
         for (item, allocation) in items.into_iter().zip(allocations) {
             let put_id = item.stamp.put_id;
-            match self.adopt(segment, item, allocation, now) {
+            let agrees = known
+                .as_ref()
+                .is_none_or(|k| k.get(&item.key) == Some(&put_id));
+            let adopted = if agrees {
+                self.adopt(segment, item, allocation, now)
+            } else {
+                Err(allocation)
+            };
+            match adopted {
                 Ok(()) => outcome.registered += 1,
                 Err(allocation) => {
                     // The owner forgets it too, as when a newer version replaces an adopted one:
@@ -232,7 +244,6 @@ impl MasterState {
                 }
             }
         }
-        let name = self.segment_name(segment).clone();
         self.reported(&name);
         tracing::info!(segment = %name, registered = outcome.registered, refused = outcome.refused,
             "catalog rebuilt from the owner's report");

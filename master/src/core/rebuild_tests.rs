@@ -379,3 +379,99 @@ fn an_owner_reporting_for_longer_than_the_ttl_is_not_expired() {
     );
     s.check_invariants().unwrap();
 }
+
+/// An owner the master dropped (it missed heartbeats for the client TTL) comes back to the same
+/// master and reports its pool: what was removed meanwhile does not come back with it, whether
+/// the removal came before the drop (its note never reached the owner) or after (the object was
+/// already gone with the segment, or kept another replica); what it still held does.
+#[test]
+fn an_owner_back_after_being_dropped_does_not_bring_back_removed_objects() {
+    let mut s = MasterState::with_seed(
+        Policy {
+            client_ttl: Duration::from_secs(1),
+            ..Policy::default()
+        },
+        7,
+    );
+    s.raise_grants(1000);
+    s.started(Millis(0));
+    for i in 0..2 {
+        s.mount_segment(
+            owner(i),
+            seg(i),
+            4 * MIB,
+            0,
+            MountReport::default(),
+            Millis(0),
+        )
+        .unwrap();
+    }
+    let on_first = ReplicateConfig {
+        preferred_segments: vec![seg(0)],
+        ..ReplicateConfig::default()
+    };
+    let on_both = ReplicateConfig {
+        replica_num: 2,
+        ..ReplicateConfig::default()
+    };
+    let mut report = Vec::new();
+    for (key, config) in [
+        ("a", &on_first),
+        ("b", &on_first),
+        ("c", &on_first),
+        ("d", &on_both),
+    ] {
+        let g = s
+            .put_start(&ObjectKey::new(key).unwrap(), 1000, config, Millis(10))
+            .unwrap();
+        s.put_end(key, g.put_id, Millis(11)).unwrap();
+        let mine = g.replicas.iter().find(|r| r.segment == seg(0)).unwrap();
+        report.push(item(
+            key,
+            mine.offset,
+            1000,
+            g.put_id,
+            config.replica_num as u8,
+        ));
+    }
+    // Removed while its owner cannot hear of it; then the owner is dropped.
+    s.remove(&ObjectKey::new("a").unwrap(), false, Millis(20))
+        .unwrap();
+    let mut now = 20;
+    while now < 1_500 {
+        now += 200;
+        s.heartbeat(owner(1), Millis(now));
+        s.tick(Millis(now));
+    }
+    assert_eq!(
+        lookup(&mut s, "c", now),
+        Err(MasterError::NotFound(ObjectKey::new("c").unwrap()))
+    );
+    // Removed after the drop: one gone with the segment, one that kept its other replica.
+    assert!(s
+        .remove(&ObjectKey::new("b").unwrap(), false, Millis(now))
+        .is_err());
+    s.remove(&ObjectKey::new("d").unwrap(), false, Millis(now))
+        .unwrap();
+
+    // The owner is back (the partition healed) and reports what its pool holds.
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        returning(1900, 4),
+        Millis(now + 10),
+    )
+    .unwrap();
+    let outcome = s
+        .catalog_reported(owner(0), &seg(0), report, true, Millis(now + 20))
+        .unwrap()
+        .unwrap();
+    assert_eq!((outcome.registered, outcome.refused), (1, 3));
+    assert_eq!(lookup(&mut s, "c", now + 30), Ok(1), "still held: adopted");
+    for gone in ["a", "b", "d"] {
+        assert!(lookup(&mut s, gone, now + 30).is_err(), "{gone} came back");
+    }
+    s.check_invariants().unwrap();
+}

@@ -3,7 +3,7 @@
 
 use mooncake_common::{ClientId, SegmentName};
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use super::{
     allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, LeaseMode, MasterState,
@@ -293,8 +293,13 @@ impl MasterState {
         let now = self.last_tick.unwrap_or_default();
         let reads = self.policy.lease_mode == LeaseMode::Reads;
         let lingering = &mut self.lingering;
+        let mut held = HashMap::new();
         self.objects.retain(|obj| {
+            let before = obj.replicas.len();
             obj.replicas.retain(|r| r.segment != id);
+            if obj.replicas.len() < before && obj.phase.is_complete() {
+                held.insert(obj.key().clone(), obj.put_id);
+            }
             if obj.disk().contains(&id) {
                 let tier = obj.tier_mut();
                 tier.disk.retain(|s| *s != id);
@@ -332,6 +337,7 @@ impl MasterState {
             obj.tidy_tier();
             keep
         });
+        self.forgotten.remember(seg.name.clone(), held, now);
         for offload in forgotten {
             self.forget_offload(&offload);
         }

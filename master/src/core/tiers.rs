@@ -106,6 +106,7 @@ impl MasterState {
     pub(super) fn discard(&mut self, mut obj: Object, now: Millis) {
         let tier = obj.take_tier();
         let key = obj.key();
+        self.forgotten.removed(key.as_str());
         if self.policy.lease_mode == LeaseMode::Reads {
             self.lingering.keep(key, obj.lease, now);
         }
