@@ -703,7 +703,6 @@ impl MasterState {
         self.remove_matching(force, |_| true, now)
     }
 
-    /// `remove_all` of the objects whose keys `matches`.
     /// The keys `owned` accepts, copied out (to be matched without holding the state).
     /// Keys of dropped segments' objects (see `forgotten`) are among them: removing them keeps
     /// those copies from coming back.
@@ -734,6 +733,7 @@ impl MasterState {
         removed
     }
 
+    /// `remove_all` of the objects whose keys `matches`.
     pub fn remove_matching(
         &mut self,
         force: bool,
