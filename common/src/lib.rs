@@ -13,6 +13,7 @@ pub mod code;
 pub mod config;
 pub mod data_socket;
 pub mod disk_stats;
+pub mod host_memory;
 pub mod ids;
 pub mod leader;
 pub mod local;

@@ -240,6 +240,16 @@ impl TransferEngine {
                  allocation on its own"
             )));
         }
+        // Host memory is read and written as such: anything else would crash the process.
+        if device.is_none()
+            && len > 0
+            && !mooncake_common::host_memory::readable_and_writable(start, n)
+        {
+            return Err(EngineError::Invalid(format!(
+                "region {addr:#x} of {len} bytes is not host memory this process can read and \
+                 write (unmapped, read-only, or device memory this build does not recognise)"
+            )));
+        }
         self.regions.register(addr, len, device)
     }
 

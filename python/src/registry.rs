@@ -31,6 +31,7 @@ pub enum RegistryError {
     Overflow,
     NotRegistered,
     PartlyDevice,
+    NotHostMemory,
 }
 
 impl std::error::Error for RegistryError {}
@@ -44,6 +45,10 @@ impl std::fmt::Display for RegistryError {
             RegistryError::PartlyDevice => {
                 "buffer is partly device memory: register each device allocation on its own"
             }
+            RegistryError::NotHostMemory => {
+                "buffer is not host memory this process can read and write (unmapped, \
+                 read-only, or device memory this build does not recognise)"
+            }
         })
     }
 }
@@ -54,6 +59,10 @@ impl Registry {
             return Err(RegistryError::NullOrEmpty);
         }
         ptr.checked_add(len).ok_or(RegistryError::Overflow)?;
+        // Host memory is read and written through slices of it: anything else would crash.
+        if !mooncake_common::host_memory::readable_and_writable(ptr, len) {
+            return Err(RegistryError::NotHostMemory);
+        }
         let mut ranges = self.ranges.write();
         let entry = ranges.host.entry(ptr).or_insert(len);
         *entry = (*entry).max(len);

@@ -152,6 +152,16 @@ def test_pointers_outside_registered_memory_are_refused(store):
     assert store.get_into("ok", p, 4096) == INVALID, "unregistered memory is refused"
     assert store.register_buffer(0, 10) == INVALID
     assert store.register_buffer(p, 0) == INVALID
+    # Only memory this process maps readable and writable counts as host memory: anything else
+    # (a stray address, reserved address space as device memory's, a read-only mapping) would
+    # crash the process when a transfer touched it.
+    assert store.register_buffer(4096, 4096) == INVALID
+    import mmap
+    ro = mmap.mmap(-1, 8192, prot=mmap.PROT_READ)
+    ro_array = np.frombuffer(ro, dtype=np.uint8)
+    assert store.register_buffer(ro_array.ctypes.data, 8192) == INVALID
+    del ro_array
+    ro.close()
 
 
 def test_objects_scattered_over_several_buffers(store):

@@ -1,6 +1,6 @@
 //! Bad input is a clear error and the servers keep serving: malformed and truncated data-plane
 //! frames, out-of-range offsets, reads of ranges that do not hold the key, stalled frames, unknown
-//! flags, and an owner that cannot mount.
+//! flags, an owner that cannot mount, and memory that is not host memory.
 
 use std::time::{Duration, Instant};
 
@@ -347,4 +347,31 @@ fn an_owner_that_cannot_mount_exits_non_zero_with_a_clear_message() {
         "{err}"
     );
     assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+/// Memory a registration would take for host memory must be mapped readable and writable in
+/// this process: a reserved range with no access (as the address space of device memory a build
+/// does not recognise) or a read-only one is refused, never dereferenced later.
+#[test]
+fn only_readable_and_writable_memory_counts_as_host_memory() {
+    use mooncake_common::host_memory::readable_and_writable;
+    let heap = vec![0u8; 1 << 16];
+    assert!(readable_and_writable(heap.as_ptr() as usize, heap.len()));
+    for prot in [libc::PROT_NONE, libc::PROT_READ] {
+        // SAFETY: a new anonymous mapping, unmapped below; nothing dereferences it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                1 << 16,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        assert!(!readable_and_writable(p as usize, 1 << 16), "prot {prot}");
+        // SAFETY: the mapping made above, of that length.
+        unsafe { libc::munmap(p, 1 << 16) };
+    }
 }
