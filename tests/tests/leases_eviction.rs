@@ -239,6 +239,24 @@ async fn a_hold_handed_back_after_its_lease_ran_out_leaves_another_readers_lease
     c.shutdown().await;
 }
 
+/// A master in process, an owner of `size` as a process (so that it can be stopped with a
+/// transfer under way), and a client that waits long for transfers.
+async fn with_stoppable_owner(
+    config: MasterConfig,
+    size: &str,
+) -> (RunningMaster, mooncake_tests::ChildGuard, Client) {
+    let master = RunningMaster::start(config).await.unwrap();
+    let addr = master.rpc_addr.to_string();
+    let (owner, _seg) = spawn_owner(&addr, size, &["--no-shm"]);
+    let client = Client::connect(ClientConfig {
+        transfer_timeout: Duration::from_secs(30),
+        ..ClientConfig::new(&addr)
+    })
+    .await
+    .unwrap();
+    (master, owner, client)
+}
+
 /// A get its caller drops mid-read (a timeout around it) hands its hold back: before, the hold
 /// went back only at the end of the get's reads, so a dropped get left the object leased, and
 /// unevictable, for the whole TTL.
@@ -248,16 +266,7 @@ async fn a_get_dropped_mid_read_hands_its_hold_back() {
         default_kv_lease_ttl: Duration::from_secs(60),
         ..master_config()
     };
-    let master = RunningMaster::start(config).await.unwrap();
-    let addr = master.rpc_addr.to_string();
-    // A process, so that it can be stopped with the read under way.
-    let (owner, _seg) = spawn_owner(&addr, "4MiB", &["--no-shm"]);
-    let client = Client::connect(ClientConfig {
-        transfer_timeout: Duration::from_secs(30),
-        ..ClientConfig::new(&addr)
-    })
-    .await
-    .unwrap();
+    let (master, owner, client) = with_stoppable_owner(config, "4MiB").await;
     let cfg = ReplicateConfig::default();
     client
         .put("k", &payload("k", MIB as usize), &cfg)
@@ -285,16 +294,7 @@ async fn a_get_dropped_mid_read_hands_its_hold_back() {
 /// timeout was told it already exists (a success) for an object that never came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_dropped_mid_write_is_revoked() {
-    let master = RunningMaster::start(master_config()).await.unwrap();
-    let addr = master.rpc_addr.to_string();
-    // A process, so that it can be stopped with the write under way.
-    let (owner, _seg) = spawn_owner(&addr, "8MiB", &["--no-shm"]);
-    let client = Client::connect(ClientConfig {
-        transfer_timeout: Duration::from_secs(30),
-        ..ClientConfig::new(&addr)
-    })
-    .await
-    .unwrap();
+    let (master, owner, client) = with_stoppable_owner(master_config(), "8MiB").await;
     let cfg = ReplicateConfig::default();
     let first = vec![1u8; MIB as usize];
     owner.signal(libc::SIGSTOP);

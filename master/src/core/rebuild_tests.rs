@@ -33,9 +33,14 @@ fn item(key: &str, offset: u64, size: u64, put_id: u64, replicas: u8) -> Reporte
 }
 
 fn fresh() -> MasterState {
+    fresh_with_ttl(Duration::from_secs(3600))
+}
+
+/// `fresh`, with owners expiring after `client_ttl` without a heartbeat.
+fn fresh_with_ttl(client_ttl: Duration) -> MasterState {
     let mut s = MasterState::with_seed(
         Policy {
-            client_ttl: Duration::from_secs(3600),
+            client_ttl,
             ..Policy::default()
         },
         7,
@@ -347,15 +352,7 @@ fn a_rebuild_waits_for_the_records_an_owner_registers_from_disk() {
 /// not get it expired half-way (it would start over at its remount, and again, for good).
 #[test]
 fn an_owner_reporting_for_longer_than_the_ttl_is_not_expired() {
-    let mut s = MasterState::with_seed(
-        Policy {
-            client_ttl: Duration::from_secs(1),
-            ..Policy::default()
-        },
-        7,
-    );
-    s.raise_grants(1000);
-    s.started(Millis(0));
+    let mut s = fresh_with_ttl(Duration::from_secs(1));
     s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(900, 3), Millis(100))
         .unwrap();
     let mut now = 100;
@@ -386,15 +383,7 @@ fn an_owner_reporting_for_longer_than_the_ttl_is_not_expired() {
 /// already gone with the segment, or kept another replica); what it still held does.
 #[test]
 fn an_owner_back_after_being_dropped_does_not_bring_back_removed_objects() {
-    let mut s = MasterState::with_seed(
-        Policy {
-            client_ttl: Duration::from_secs(1),
-            ..Policy::default()
-        },
-        7,
-    );
-    s.raise_grants(1000);
-    s.started(Millis(0));
+    let mut s = fresh_with_ttl(Duration::from_secs(1));
     for i in 0..2 {
         s.mount_segment(
             owner(i),
