@@ -165,7 +165,7 @@ impl MasterState {
                 seg.name
             )));
         }
-        self.heard_from(owner, now);
+        self.touch(owner, now);
         let seg = self.segments.get_mut(&segment).expect("ids are live");
         let report = seg.report.as_mut().expect("checked above");
         for it in &items {

@@ -199,14 +199,11 @@ impl MasterState {
         }
     }
 
-    /// Any call of `owner` (a report, a registration, a poll) shows it alive, as a heartbeat
-    /// does: a long mount report or disk registration, during which the owner sends no
-    /// heartbeat, must not get it expired half-way (and start over at its remount).
-    pub fn heard_from(&mut self, owner: ClientId, now: Millis) {
-        self.touch(owner, now);
-    }
-
-    fn touch(&mut self, owner: ClientId, now: Millis) -> bool {
+    /// `owner` was heard from; whether it is known. Any call of it (a heartbeat, a report, a
+    /// registration, a poll) shows it alive: a long mount report or disk registration, during
+    /// which the owner sends no heartbeat, must not get it expired half-way (and start over at
+    /// its remount).
+    pub fn touch(&mut self, owner: ClientId, now: Millis) -> bool {
         match self.owners.get_mut(&owner) {
             Some(o) => {
                 o.last_seen = o.last_seen.max(now);

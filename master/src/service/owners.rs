@@ -123,41 +123,25 @@ impl MasterService {
             let work = self.shared.owner_work.notified();
             tokio::pin!(work);
             work.as_mut().enable();
-            let owned = {
-                let mut state = self.shared.state.lock();
-                let owned = state.owned_segment(owner, segment);
-                if owned.is_ok() {
-                    state.heard_from(owner, self.shared.clock.now());
-                }
-                owned
+            let nothing = |remount| Polled {
+                tasks: Vec::new(),
+                remount,
             };
-            let Ok(id) = owned else {
-                return Polled {
-                    tasks: Vec::new(),
-                    remount: true,
-                };
-            };
-            // A long poll may outlive the term it began in: a deposed leader hands out nothing,
-            // and neither does a stopping server.
-            if !self.leading()
-                || self
-                    .shared
-                    .stopping
-                    .load(std::sync::atomic::Ordering::SeqCst)
-            {
-                return Polled {
-                    tasks: Vec::new(),
-                    remount: false,
-                };
-            }
-            let now = self.shared.clock.now();
             let tasks = {
                 let mut state = self.shared.state.lock();
-                if mounted != state.epoch() {
-                    return Polled {
-                        tasks: Vec::new(),
-                        remount: false,
-                    };
+                let Ok(id) = state.owned_segment(owner, segment) else {
+                    return nothing(true);
+                };
+                let now = self.shared.clock.now();
+                state.touch(owner, now);
+                // A long poll may outlive the term it began in: a deposed leader hands out
+                // nothing, and neither does a stopping server.
+                let stopping = self
+                    .shared
+                    .stopping
+                    .load(std::sync::atomic::Ordering::SeqCst);
+                if !self.leading() || stopping || mounted != state.epoch() {
+                    return nothing(false);
                 }
                 state.take_tasks(id, max, now)
             };
@@ -240,7 +224,7 @@ impl MasterService {
         let now = self.shared.clock.now();
         let mut state = self.shared.state.lock();
         let id = state.disk_segment(owner, segment)?;
-        state.heard_from(owner, now);
+        state.touch(owner, now);
         let registered = records
             .iter()
             .map(|&(key, size, put_id)| {
