@@ -8,7 +8,7 @@ use futures::future::join_all;
 use mooncake_common::{
     master_api::Grants,
     transport::{parts_len, WriteItem},
-    Code, MasterApi, ObjectKey, ReplicateConfig, SegmentName, Stamp,
+    ApiError, Code, MasterApi, ObjectKey, ReplicateConfig, SegmentName, Stamp,
 };
 
 use crate::{client::Client, error::ClientError, group::Groups};
@@ -108,11 +108,19 @@ impl Client {
             .iter()
             .map(|(i, k)| (k.as_str(), parts_len(items[*i].1)))
             .collect();
-        let grants = match self.master.put_start(&starts, config).await {
+        // Names this start, should its answer not come back (see `Unsettled`).
+        let token = rand::random::<u64>().max(1);
+        let starting = Unsettled::start(&self.master, token);
+        let grants = match self.master.put_start(&starts, config, token).await {
             Ok(g) => g,
-            Err(e) => return fill(results, valid, &e.into()),
+            Err(e) => {
+                if !unanswered(&e) {
+                    starting.settled(); // the master's own refusal: it granted nothing
+                }
+                return fill(results, valid, &e.into());
+            }
         };
-        let unsettled = Unsettled::of(&self.master, valid, &grants);
+        let unsettled = starting.granted(valid, &grants);
 
         let write_errors = self.write_replicas(items, valid, &grants, config).await;
         self.end_or_revoke(valid, &grants, write_errors, results)
@@ -221,51 +229,81 @@ impl Client {
     }
 }
 
-/// Puts granted and not yet ended or revoked. Should the put be dropped before (its caller's
-/// timeout, a `select!`), they are revoked in the background: otherwise each key would stay a
-/// put in flight, refusing every other put of it (which reads as "already exists") with no
-/// object coming, until the master's discard timeout, and its space held until the release
-/// timeout. A revoke of a put that did end is refused by the master, so nothing stored goes.
-#[must_use = "revokes the puts when dropped unless settled"]
+/// Whether a failed call may have reached the master, its answer lost: it timed out, or its
+/// connection broke.
+fn unanswered(e: &ApiError) -> bool {
+    matches!(e.code, Code::RpcTimeout | Code::RpcFail)
+}
+
+/// Puts started and not yet ended or revoked. Should the put be dropped before (its caller's
+/// timeout, a `select!`), or its start's answer never come, they are given up in the
+/// background: otherwise each key would stay a put in flight, refusing every other put of it
+/// (which reads as "already exists") with no object coming, until the master's discard
+/// timeout, and its space held until the release timeout. A revoke of a put that did end is
+/// refused by the master, so nothing stored goes.
+#[must_use = "gives the puts up when dropped unless settled"]
 struct Unsettled {
     master: Arc<dyn MasterApi>,
-    puts: Vec<(ObjectKey, u64)>,
+    pending: Pending,
+}
+
+enum Pending {
+    /// The start is on its way under this token: what it grants is not known.
+    Start(u64),
+    /// The puts it granted, by key and put id.
+    Granted(Vec<(ObjectKey, u64)>),
 }
 
 impl Unsettled {
-    fn of(master: &Arc<dyn MasterApi>, valid: &[(usize, ObjectKey)], grants: &Grants) -> Self {
+    fn start(master: &Arc<dyn MasterApi>, token: u64) -> Self {
+        Unsettled {
+            master: master.clone(),
+            pending: Pending::Start(token),
+        }
+    }
+
+    /// The start's answer came: what it granted is pending now.
+    fn granted(mut self, valid: &[(usize, ObjectKey)], grants: &Grants) -> Self {
         let puts = valid
             .iter()
             .zip(&grants.results)
             .filter_map(|((_, key), g)| Some((key.clone(), g.as_ref().ok()?.put_id)))
             .collect();
-        Unsettled {
-            master: master.clone(),
-            puts,
-        }
+        self.pending = Pending::Granted(puts);
+        self
     }
 
     /// Every put was ended or revoked (or left to the master after a failed call).
     fn settled(mut self) {
-        self.puts.clear();
+        self.pending = Pending::Granted(Vec::new());
     }
 }
 
 impl Drop for Unsettled {
     fn drop(&mut self) {
-        if self.puts.is_empty() {
+        let pending = std::mem::replace(&mut self.pending, Pending::Granted(Vec::new()));
+        if matches!(&pending, Pending::Granted(puts) if puts.is_empty()) {
             return;
         }
-        let puts = std::mem::take(&mut self.puts);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(puts = puts.len(), "a put was dropped outside a runtime; the master reclaims its space after its release timeout");
+            tracing::warn!("a put was dropped outside a runtime; the master reclaims its space after its release timeout");
             return;
         };
         let master = self.master.clone();
         runtime.spawn(async move {
-            let refs: Vec<(&str, u64)> = puts.iter().map(|(k, id)| (k.as_str(), *id)).collect();
-            if let Err(e) = master.put_revoke(&refs).await {
-                tracing::warn!(error = %e, puts = refs.len(), "cannot revoke the puts of a dropped put; the master reclaims them after its release timeout");
+            match pending {
+                Pending::Start(token) => {
+                    if let Err(e) = master.abandon_put_start(token).await {
+                        tracing::warn!(error = %e, "cannot give up a put start whose answer never came; its keys read as puts in flight until the master's discard timeout");
+                    }
+                }
+                Pending::Granted(puts) => {
+                    let refs: Vec<(&str, u64)> =
+                        puts.iter().map(|(k, id)| (k.as_str(), *id)).collect();
+                    if let Err(e) = master.put_revoke(&refs).await {
+                        tracing::warn!(error = %e, puts = refs.len(), "cannot revoke the puts of a dropped put; the master reclaims them after its release timeout");
+                    }
+                }
             }
         });
     }

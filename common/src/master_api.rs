@@ -37,12 +37,19 @@ pub type Call<'a, T> = Pin<Box<dyn Future<Output = Result<T, ApiError>> + Send +
 /// order; the outer `Result` is the call itself (unreachable master, deadline, malformed batch).
 pub trait MasterApi: Send + Sync {
     /// Starts puts of (key, size): space on `config.replica_num` segments each, or why not
-    /// (OBJECT_ALREADY_EXISTS for a committed key or another writer's put in flight).
+    /// (OBJECT_ALREADY_EXISTS for a committed key or another writer's put in flight). `token`
+    /// (random; 0: none) names the start for `abandon_put_start`.
     fn put_start<'a>(
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants>;
+
+    /// Gives up the start tagged `token`, whose answer never came (its deadline passed, its
+    /// connection broke): whatever it granted is revoked, and should it reach the master later
+    /// it grants nothing. How many puts were revoked.
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32>;
 
     /// Commits the puts named by (key, put id) once every replica is written.
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>>;

@@ -234,6 +234,7 @@ async fn the_master_refuses_bad_ids_per_item_and_keeps_serving() {
                 },
             ],
             config: None,
+            token: 0,
         })
         .await
         .unwrap()
@@ -249,6 +250,7 @@ async fn the_master_refuses_bad_ids_per_item_and_keeps_serving() {
                 preferred_segments: vec!["no port".into()],
                 ..Default::default()
             }),
+            token: 0,
         })
         .await
         .unwrap()

@@ -166,6 +166,7 @@ async fn an_abandoned_put_is_released_after_the_release_timeout_on_an_injected_c
                 size: 2 * MIB,
             }],
             config: None,
+            token: 0,
         })
         .await
         .unwrap()

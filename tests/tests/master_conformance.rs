@@ -82,7 +82,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
 
         let cfg = ReplicateConfig::default();
         let grants = m
-            .put_start(&[("a", 100), ("b", 5000), ("", 5), ("a", 7)], &cfg)
+            .put_start(&[("a", 100), ("b", 5000), ("", 5), ("a", 7)], &cfg, 0)
             .await
             .unwrap();
         assert_eq!(grants.results.len(), 4, "{kind:?}");
@@ -153,7 +153,7 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
         assert_eq!(e.lease_ttl, l.lease_ttl, "{kind:?}");
 
         // A revoked put leaves the key absent and its space free.
-        let gc = m.put_start(&[("c", 64)], &cfg).await.unwrap();
+        let gc = m.put_start(&[("c", 64)], &cfg, 0).await.unwrap();
         let gc = gc.results[0].as_ref().unwrap().put_id;
         assert_eq!(
             m.put_revoke(&[("c", gc)]).await.unwrap(),
@@ -200,6 +200,49 @@ async fn every_master_api_answers_the_two_phase_put_the_same() {
     }
 }
 
+/// A start whose answer its caller never got is given up by its token: what it granted is
+/// revoked (the key may be put again at once), and a start under an abandoned token that
+/// arrives later grants nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_api_gives_up_an_abandoned_start_the_same() {
+    for kind in KINDS {
+        let c = Cluster::start(&[SEGMENT]).await;
+        let m = api(&c, kind);
+        let cfg = ReplicateConfig::default();
+        let g = m
+            .put_start(&[("a", 100), ("b", 100)], &cfg, 7)
+            .await
+            .unwrap();
+        assert!(g.results.iter().all(|r| r.is_ok()), "{kind:?}");
+        let ended = m
+            .put_end(&[("a", g.results[0].as_ref().unwrap().put_id)])
+            .await
+            .unwrap();
+        assert_eq!(codes(&ended), [Code::Ok], "{kind:?}");
+        // Only the put that had not ended goes.
+        assert_eq!(m.abandon_put_start(7).await.unwrap(), 1, "{kind:?}");
+        let again = m
+            .put_start(&[("a", 100), ("b", 100)], &cfg, 8)
+            .await
+            .unwrap();
+        let e = again.results[0].as_ref().unwrap_err();
+        assert_eq!(e.code, Code::ObjectAlreadyExists, "{kind:?}: a stays");
+        assert!(again.results[1].is_ok(), "{kind:?}: b is free again");
+        // Abandoned before it arrived: refused, and the key stays free.
+        assert_eq!(m.abandon_put_start(9).await.unwrap(), 0, "{kind:?}");
+        let late = m.put_start(&[("c", 100)], &cfg, 9).await.unwrap();
+        let e = late.results[0].as_ref().unwrap_err();
+        assert_eq!(e.code, Code::InvalidParams, "{kind:?}: {e}");
+        assert!(e.message.contains("abandoned"), "{kind:?}: {e}");
+        let fresh = m.put_start(&[("c", 100)], &cfg, 10).await.unwrap();
+        assert!(fresh.results[0].is_ok(), "{kind:?}");
+        // Token 0 names no start.
+        assert_eq!(m.abandon_put_start(0).await.unwrap(), 0, "{kind:?}");
+        assert!(m.put_start(&[("d", 100)], &cfg, 0).await.unwrap().results[0].is_ok());
+        c.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
     for kind in KINDS {
@@ -210,7 +253,7 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             ..Default::default()
         };
         let g = m
-            .put_start(&[("x", 10), ("y", 10)], &too_many)
+            .put_start(&[("x", 10), ("y", 10)], &too_many, 0)
             .await
             .unwrap();
         for r in &g.results {
@@ -223,10 +266,10 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             preferred_segments: vec![mooncake_common::SegmentName::parse("10.255.0.1:9").unwrap()],
             ..Default::default()
         };
-        let g = m.put_start(&[("z", 10)], &elsewhere).await.unwrap();
+        let g = m.put_start(&[("z", 10)], &elsewhere, 0).await.unwrap();
         assert!(g.results[0].is_ok(), "{kind:?}");
         assert!(m
-            .put_start(&[], &elsewhere)
+            .put_start(&[], &elsewhere, 0)
             .await
             .unwrap()
             .results

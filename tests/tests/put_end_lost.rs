@@ -1,5 +1,6 @@
-//! A put whose end never reached the master: the client revokes it, so the key is free again.
-//! Before, the put stayed in flight until the master's release timeout (10 minutes), and a retry
+//! A put whose end never reached the master, or whose start's answer never came back: the
+//! client revokes or abandons it, so the key is free again. Before, the put stayed in flight
+//! until the master's discard timeout (30 s) or its release timeout (10 minutes), and a retry
 //! was told the key exists (`Ok(AlreadyExists)`) for an object that never came. Real master and
 //! owner; the lost call is the one thing faked.
 
@@ -15,22 +16,41 @@ use mooncake_common::{
 };
 use mooncake_tests::{payload, transport, Cluster};
 
-/// The in-process master, except that the first `put_end` is lost on its way (never forwarded).
-struct LosesFirstEnd {
+/// The in-process master, except for one lost call: the first `put_end` on its way (never
+/// forwarded), or the first `put_start`'s answer on its way back (the start is made).
+struct LosesFirst {
     inner: Arc<dyn MasterApi>,
+    what: Lost,
     lost: AtomicBool,
 }
 
-impl MasterApi for LosesFirstEnd {
+#[derive(PartialEq)]
+enum Lost {
+    End,
+    StartAnswer,
+}
+
+impl MasterApi for LosesFirst {
     fn put_start<'a>(
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
-        self.inner.put_start(items, config)
+        if self.what == Lost::StartAnswer && !self.lost.swap(true, Ordering::SeqCst) {
+            return Box::pin(async move {
+                let made = self.inner.put_start(items, config, token).await;
+                assert!(made.unwrap().results.iter().all(|r| r.is_ok()));
+                Err(ApiError::new(Code::RpcTimeout, "the answer was lost"))
+            });
+        }
+        self.inner.put_start(items, config, token)
+    }
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        self.inner.abandon_put_start(token)
     }
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        if !self.lost.swap(true, Ordering::SeqCst) {
+        if self.what == Lost::End && !self.lost.swap(true, Ordering::SeqCst) {
             return Box::pin(async { Err(ApiError::new(Code::RpcFail, "lost on its way")) });
         }
         self.inner.put_end(puts)
@@ -71,16 +91,22 @@ impl MasterApi for LosesFirstEnd {
     }
 }
 
+/// A client on the in-process master of `c` that loses `what` once.
+async fn losing(c: &Cluster, what: Lost) -> Client {
+    let master = Arc::new(LosesFirst {
+        inner: Arc::new(c.master.in_process()),
+        what,
+        lost: AtomicBool::new(false),
+    });
+    Client::with_master(master, None, transport(&c.client_config()))
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_whose_end_was_lost_is_revoked_and_can_be_put_again() {
     let c = Cluster::start(&[16 << 20]).await;
-    let master = Arc::new(LosesFirstEnd {
-        inner: Arc::new(c.master.in_process()),
-        lost: AtomicBool::new(false),
-    });
-    let client = Client::with_master(master, None, transport(&c.client_config()))
-        .await
-        .unwrap();
+    let client = losing(&c, Lost::End).await;
     let value = payload("k", 100_000);
     let cfg = ReplicateConfig::default();
     let first = client.put("k", &value, &cfg).await;
@@ -90,6 +116,31 @@ async fn a_put_whose_end_was_lost_is_revoked_and_can_be_put_again() {
         PutOutcome::Stored,
         "the retry stores the object"
     );
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
+    assert!(buf == value);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_whose_start_answer_was_lost_is_abandoned_and_can_be_put_again() {
+    let c = Cluster::start(&[16 << 20]).await;
+    let client = losing(&c, Lost::StartAnswer).await;
+    let value = payload("k", 100_000);
+    let cfg = ReplicateConfig::default();
+    let first = client.put("k", &value, &cfg).await;
+    assert!(first.is_err(), "{first:?}");
+    // The start is given up in the background: a retry right after may still find its put in
+    // flight, for a moment (within the 30 s discard timeout it otherwise would).
+    let mut outcome = PutOutcome::AlreadyExists;
+    for _ in 0..50 {
+        outcome = client.put("k", &value, &cfg).await.unwrap();
+        if outcome == PutOutcome::Stored {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(outcome, PutOutcome::Stored, "a retry stores the object");
     let mut buf = vec![0u8; value.len()];
     assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
     assert!(buf == value);

@@ -132,7 +132,7 @@ async fn freed_range_notes_stay_until_the_owner_applied_them() {
     // An object put and removed (no bytes needed: the owner only forgets its range).
     let api = master.in_process();
     let grant = api
-        .put_start(&[("gone", 4096)], &ReplicateConfig::default())
+        .put_start(&[("gone", 4096)], &ReplicateConfig::default(), 0)
         .await
         .unwrap();
     let put_id = grant.results[0].as_ref().unwrap().put_id;

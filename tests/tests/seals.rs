@@ -93,7 +93,7 @@ impl Sealed {
     async fn granted(&self, key: &str, size: u64) -> (u64, ReplicaLocation) {
         let grants = self
             .api
-            .put_start(&[(key, size)], &ReplicateConfig::default())
+            .put_start(&[(key, size)], &ReplicateConfig::default(), 0)
             .await
             .unwrap();
         let g = grants.results[0].as_ref().unwrap();

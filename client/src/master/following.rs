@@ -189,8 +189,15 @@ impl MasterApi for Following {
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
-        on_leader!(self, Retry::NewLeader, |m| m.put_start(items, config))
+        on_leader!(self, Retry::NewLeader, |m| m
+            .put_start(items, config, token))
+    }
+
+    // Idempotent: a leader that never saw the start only remembers the token.
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        on_leader!(self, Retry::Always, |m| m.abandon_put_start(token))
     }
 
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {

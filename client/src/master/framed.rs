@@ -114,21 +114,38 @@ impl MasterApi for FramedMaster {
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
-        use fields::put_start_request::{CONFIG, ITEMS};
+        use fields::put_start_request::{CONFIG, ITEMS, TOKEN};
         Box::pin(async move {
             let config = config_pb(config);
             let len = keys::keyed_len(ITEMS, items)
-                + prost::encoding::message::encoded_len(CONFIG, &config);
+                + prost::encoding::message::encoded_len(CONFIG, &config)
+                + keys::u64_field_len(TOKEN, token);
             let body = self
                 .raw(Method::BatchPutStart, len, |buf| {
                     keys::encode_keyed(ITEMS, items, buf);
                     prost::encoding::message::encode(CONFIG, &config, buf);
+                    keys::encode_u64(TOKEN, token, buf);
                 })
                 .await?;
             let grants = answers::grants_from_frame(&body)?;
             check_len("put start", grants.results.len(), items.len())?;
             Ok(grants)
+        })
+    }
+
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        Box::pin(async move {
+            let req = pb::AbandonPutStartRequest { token };
+            let body = self
+                .raw(Method::AbandonPutStart, req.encoded_len(), |buf| {
+                    req.encode_raw(buf)
+                })
+                .await?;
+            let resp =
+                pb::AbandonPutStartResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
+            Ok(resp.revoked)
         })
     }
 

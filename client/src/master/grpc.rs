@@ -132,9 +132,11 @@ impl MasterApi for GrpcMaster {
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
         Box::pin(async move {
             let req = pb::BatchPutStartRequest {
+                token,
                 items: items
                     .iter()
                     .map(|&(k, size)| pb::PutStartItem {
@@ -150,6 +152,16 @@ impl MasterApi for GrpcMaster {
             let grants = answers::grants_from_pb(resp)?;
             check_len("put start", grants.results.len(), items.len())?;
             Ok(grants)
+        })
+    }
+
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        Box::pin(async move {
+            let req = pb::AbandonPutStartRequest { token };
+            let resp = self
+                .unary(|mut c| async move { c.abandon_put_start(req).await })
+                .await?;
+            Ok(resp.revoked)
         })
     }
 

@@ -116,8 +116,13 @@ impl MasterApi for Patient {
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
-        self.inner.put_start(items, config)
+        self.inner.put_start(items, config, token)
+    }
+
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        self.inner.abandon_put_start(token)
     }
 
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
@@ -252,7 +257,11 @@ mod tests {
             &'a self,
             _: &'a [(&'a str, u64)],
             _: &'a ReplicateConfig,
+            _: u64,
         ) -> Call<'a, Grants> {
+            unreachable!("only lookups are asked")
+        }
+        fn abandon_put_start(&self, _: u64) -> Call<'_, u32> {
             unreachable!("only lookups are asked")
         }
         fn put_end<'a>(&'a self, _: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {

@@ -41,7 +41,7 @@ impl MasterState {
             if started.plus(timeout) > now {
                 break;
             }
-            let key = entry.remove();
+            let key = entry.remove().key;
             let abandoned = self
                 .objects
                 .get(&key)

@@ -2,6 +2,7 @@
 //! Every transition takes `now` as an argument and performs no I/O, so the gRPC layer only
 //! decodes, locks, calls one method and encodes, and every race is a plain unit test.
 
+mod abandoned;
 pub mod allocator;
 mod backlog;
 mod evict;
@@ -241,6 +242,12 @@ pub struct SegmentStat {
     pub disk_objects: u64,
 }
 
+/// A put not ended yet: its key, and the token its caller's start named (0: none).
+struct Unfinished {
+    key: ObjectKey,
+    token: u64,
+}
+
 pub struct MasterState {
     policy: Policy,
     segments: BTreeMap<SegmentId, Segment>,
@@ -263,7 +270,9 @@ pub struct MasterState {
     /// Puts not ended yet, by (start, put id): upkeep expires abandoned ones from the front
     /// instead of looking at every object. An entry whose put ended another way (revoked,
     /// taken over, removed) is skipped when reached.
-    unfinished: BTreeMap<(Millis, u64), ObjectKey>,
+    unfinished: BTreeMap<(Millis, u64), Unfinished>,
+    /// Put starts their callers gave up on (see `abandoned`).
+    abandoned: abandoned::AbandonedStarts,
     last_early_offload: Millis,
     /// Versions removed while an owner (by segment name) still held them on disk.
     tombstones: tombstones::Tombstones,
@@ -338,6 +347,7 @@ impl MasterState {
             offload_freeing: 0,
             eager_backlog: backlog::EagerBacklog::default(),
             unfinished: BTreeMap::new(),
+            abandoned: Default::default(),
             last_early_offload: Millis(0),
             tombstones: Default::default(),
             next_freed: 1,
@@ -447,7 +457,7 @@ impl MasterState {
         for obj in self.objects.iter() {
             let key = obj.key();
             if let Some(started) = obj.phase.started() {
-                if self.unfinished.get(&(started, obj.put_id)) != Some(key) {
+                if self.unfinished.get(&(started, obj.put_id)).map(|u| &u.key) != Some(key) {
                     return Err(format!("{key}: an unfinished put upkeep does not know of"));
                 }
             }

@@ -10,7 +10,7 @@ use super::{
     allocator::Allocation,
     order::Place,
     placement::{self, Candidate},
-    MasterState, PendingRelease, Segment, SegmentId,
+    MasterState, PendingRelease, Segment, SegmentId, Unfinished,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -427,7 +427,13 @@ impl MasterState {
             .iter()
             .map(|r| memory_view(&self.segments, r, size, put_id))
             .collect();
-        self.unfinished.insert((now, put_id), key.clone());
+        self.unfinished.insert(
+            (now, put_id),
+            Unfinished {
+                key: key.clone(),
+                token: 0,
+            },
+        );
         self.objects.insert(Object::new(
             key.clone(),
             size,
@@ -471,7 +477,13 @@ impl MasterState {
         obj.put_id = put_id;
         obj.phase = Phase::processing(now);
         obj.pin = pin;
-        self.unfinished.insert((now, put_id), key.clone());
+        self.unfinished.insert(
+            (now, put_id),
+            Unfinished {
+                key: key.clone(),
+                token: 0,
+            },
+        );
         let obj = &self.objects[key];
         let replicas = obj
             .replicas
@@ -579,6 +591,47 @@ impl MasterState {
         self.drop_replicas(obj.replicas, put_id);
         self.evictable_changed();
         Ok(())
+    }
+
+    /// Names `token`, the token of its caller's start, on the put `put_id` granted at `now`
+    /// (see `abandoned`). Token 0 names nothing.
+    pub fn tag_start(&mut self, now: Millis, put_id: u64, token: u64) {
+        if token == 0 {
+            return;
+        }
+        if let Some(u) = self.unfinished.get_mut(&(now, put_id)) {
+            u.token = token;
+        }
+    }
+
+    /// Whether the start tagged `token` was abandoned by its caller: it grants nothing more.
+    pub fn start_abandoned(&self, token: u64) -> bool {
+        token != 0 && self.abandoned.contains(token)
+    }
+
+    /// The caller of the start tagged `token` gave up on it without its answer: every put it
+    /// granted that has not ended is revoked (those whose keys `may` revoke: the caller's
+    /// tenant), and it grants nothing should it arrive later. How many puts were revoked. Looks
+    /// at every put in flight; abandonments are rare.
+    pub fn abandon_start(&mut self, token: u64, now: Millis, may: impl Fn(&str) -> bool) -> u32 {
+        if token == 0 {
+            return 0;
+        }
+        self.abandoned
+            .add(token, now, self.policy.put_discard_timeout);
+        let granted: Vec<(ObjectKey, u64)> = self
+            .unfinished
+            .iter()
+            .filter(|(_, u)| u.token == token && may(u.key.as_str()))
+            .map(|(&(_, put_id), u)| (u.key.clone(), put_id))
+            .collect();
+        let mut revoked = 0;
+        for (key, put_id) in granted {
+            if self.put_revoke(key.as_str(), put_id).is_ok() {
+                revoked += 1;
+            }
+        }
+        revoked
     }
 
     fn current_put(&mut self, key: &str, put_id: u64) -> Result<&mut Object, MasterError> {

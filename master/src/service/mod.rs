@@ -165,12 +165,14 @@ impl MasterService {
 
     /// Starts every put of (key, size): space on `config.replica_num` segments each, or the
     /// reason why not. A batch short of memory while offloads are on their way waits (briefly)
-    /// for their room.
+    /// for their room. `token` (0: none) names the start, should its caller abandon it (see
+    /// `abandon_put_start`).
     pub async fn put_start(
         &self,
         caller: &Caller,
         items: &[(&str, u64)],
         config: &ReplicateConfig,
+        token: u64,
     ) -> Vec<Result<PutGrant, MasterError>> {
         if config.replica_num > MAX_REPLICAS {
             let e = MasterError::Invalid(format!(
@@ -193,15 +195,26 @@ impl MasterService {
             let waiting = {
                 let now = self.shared.clock.now();
                 let mut state = self.shared.state.lock();
+                // Abandoned while it waited (or before it arrived): what it granted is revoked
+                // already, and it grants nothing more.
+                let abandoned = state.start_abandoned(token);
                 for (&(k, size), slot) in items.iter().zip(results.iter_mut()) {
                     if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
                         continue;
                     }
-                    *slot = Some(
-                        caller
-                            .object_key(k)
-                            .and_then(|k| state.put_start(&k, size, config, now)),
-                    );
+                    if abandoned {
+                        *slot = Some(Err(MasterError::Invalid(
+                            "this put start was abandoned by its caller".into(),
+                        )));
+                        continue;
+                    }
+                    let granted = caller
+                        .object_key(k)
+                        .and_then(|k| state.put_start(&k, size, config, now));
+                    if let Ok(g) = &granted {
+                        state.tag_start(now, g.put_id, token);
+                    }
+                    *slot = Some(granted);
                 }
                 // Out of memory while offloads are on their way to disk: their memory comes
                 // back when they land, so start room for every item still short at once and
@@ -257,6 +270,25 @@ impl MasterService {
             }
         }
         results
+    }
+
+    /// The caller of the start tagged `token` never got its answer: whatever it granted of the
+    /// caller's tenant is revoked, and should it arrive later it grants nothing. How many puts
+    /// were revoked.
+    pub fn abandon_put_start(&self, caller: &Caller, token: u64) -> u32 {
+        let now = self.shared.clock.now();
+        let revoked = {
+            let mut state = self.shared.state.lock();
+            let revoked = state.abandon_start(token, now, |k| caller.key(k).is_ok());
+            self.shared.wake_owners(&mut state);
+            revoked
+        };
+        tracing::info!(
+            token,
+            revoked,
+            "a client abandoned a put start it got no answer to"
+        );
+        revoked
     }
 
     /// A put start whose request could not be used (its config is invalid): every item gets

@@ -239,8 +239,12 @@ async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, V
         Ok(items) => items,
         Err(e) => return bad_request(e),
     };
+    let token = match keys::decode_u64(body, fields::put_start_request::TOKEN) {
+        Ok(t) => t,
+        Err(e) => return bad_request(e),
+    };
     let results = match replicate_config(config) {
-        Ok(config) => svc.put_start(caller, &items, &config).await,
+        Ok(config) => svc.put_start(caller, &items, &config, token).await,
         Err(e) => svc.refuse_put_start(items.len(), &e),
     };
     let mut enc = Encoder::with_capacity(results.len() * 48);
@@ -335,6 +339,10 @@ async fn dispatch(grpc: &GrpcMaster, caller: &Caller, m: Method, body: &[u8]) ->
         }
         Method::QueryTask => {
             call::<pb::QueryTaskRequest, _, _, _>(caller, body, |r| grpc.query_task(r)).await
+        }
+        Method::AbandonPutStart => {
+            call::<pb::AbandonPutStartRequest, _, _, _>(caller, body, |r| grpc.abandon_put_start(r))
+                .await
         }
         Method::BatchReleaseLeases => {
             call::<pb::BatchReleaseLeasesRequest, _, _, _>(caller, body, |r| {

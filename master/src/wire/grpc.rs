@@ -175,7 +175,7 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let items: Vec<(&str, u64)> = r.items.iter().map(|i| (i.key.as_str(), i.size)).collect();
         let results = match replicate_config(r.config) {
-            Ok(config) => self.0.put_start(&caller, &items, &config).await,
+            Ok(config) => self.0.put_start(&caller, &items, &config, r.token).await,
             Err(e) => self.0.refuse_put_start(items.len(), &e),
         };
         if !self.0.leading() {
@@ -389,6 +389,15 @@ impl pb::master_server::Master for GrpcMaster {
         Ok(Response::new(pb::BatchReplicaClearResponse {
             codes: results.iter().map(code).collect(),
         }))
+    }
+
+    async fn abandon_put_start(
+        &self,
+        req: Request<pb::AbandonPutStartRequest>,
+    ) -> Reply<pb::AbandonPutStartResponse> {
+        let caller = caller_of(&req)?;
+        let revoked = self.0.abandon_put_start(&caller, req.into_inner().token);
+        Ok(Response::new(pb::AbandonPutStartResponse { revoked }))
     }
 
     async fn batch_release_leases(

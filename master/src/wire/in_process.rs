@@ -33,9 +33,10 @@ impl MasterApi for InProcessMaster {
         &'a self,
         items: &'a [(&'a str, u64)],
         config: &'a ReplicateConfig,
+        token: u64,
     ) -> Call<'a, Grants> {
         Box::pin(async move {
-            let results = self.0.put_start(&self.1, items, config).await;
+            let results = self.0.put_start(&self.1, items, config, token).await;
             let mut grants = Grants::with_capacity(results.len());
             for r in results {
                 match r {
@@ -48,6 +49,10 @@ impl MasterApi for InProcessMaster {
             }
             Ok(grants)
         })
+    }
+
+    fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
+        Box::pin(async move { Ok(self.0.abandon_put_start(&self.1, token)) })
     }
 
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {

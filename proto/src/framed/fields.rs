@@ -17,6 +17,8 @@ pub mod put_start_request {
     pub const ITEMS: u32 = 1;
     /// `ReplicateConfig config`.
     pub const CONFIG: u32 = 2;
+    /// `uint64 token`.
+    pub const TOKEN: u32 = 3;
 }
 
 /// `BatchPutEndRequest`, `BatchPutRevokeRequest`: `repeated PutRef items`.

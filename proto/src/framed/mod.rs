@@ -57,6 +57,7 @@ pub enum Method {
     /// `mooncake_common::tenant`); answered with an empty body, or `STATUS_DENIED` /
     /// `STATUS_BAD_REQUEST` and why.
     UseTenant = 16,
+    AbandonPutStart = 17,
 }
 
 impl Method {
@@ -79,6 +80,7 @@ impl Method {
             14 => BatchReplicaClear,
             15 => BatchReleaseLeases,
             16 => UseTenant,
+            17 => AbandonPutStart,
             _ => return None,
         })
     }
