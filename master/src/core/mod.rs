@@ -187,15 +187,33 @@ struct Grants {
     ceiling: u64,
 }
 
+/// No put id is issued at or above this: an owner reporting one has a corrupt catalog. Ids
+/// start at the wall clock in microseconds, so this is thousands of centuries away.
+const GRANT_LIMIT: u64 = 1 << 62;
+
 impl Grants {
     /// The next id, or None when the reservation is used up (until the next one is published).
     fn next(&mut self) -> Option<u64> {
-        if self.next >= self.ceiling {
+        if self.exhausted() {
             return None;
         }
         let id = self.next;
         self.next += 1;
         Some(id)
+    }
+
+    fn exhausted(&self) -> bool {
+        self.next >= self.ceiling
+    }
+
+    /// Whether `id` could have been issued by this cluster (see `GRANT_LIMIT`).
+    fn plausible(id: u64) -> bool {
+        id < GRANT_LIMIT
+    }
+
+    /// An owner saw `id` (a plausible one): later ids are above it.
+    fn saw(&mut self, id: u64) {
+        self.next = self.next.max(id + 1);
     }
 }
 

@@ -344,6 +344,11 @@ impl MasterState {
         if size > largest {
             return Err(MasterError::TooLarge { size, largest });
         }
+        // Before anything is evicted, or an upsert's stored value retired, for a put that
+        // could not start.
+        if self.grants.exhausted() {
+            return Err(MasterError::GrantsExhausted);
+        }
         if let Some(old) = self.objects.get(key) {
             let Some(started) = old.phase.started() else {
                 if !config.upsert {
@@ -387,6 +392,25 @@ impl MasterState {
         now: Millis,
     ) -> Result<Vec<Replica>, MasterError> {
         let mut replicas = self.allocate_replicas(size, config);
+        // A segment reporting its catalog (after a master restart or a leader change) takes no
+        // allocation until it is done: that is a wait, not a full store, and evicting elsewhere
+        // would not help a put only it can hold.
+        let reporting = |s: &MasterState, settled: bool| {
+            s.segments
+                .values()
+                .find(|g| g.report.is_none() == settled && g.allocator.capacity() >= size)
+                .map(|g| g.name.clone())
+        };
+        let busy = |name: SegmentName| {
+            MasterError::Busy(format!(
+                "segment {name} is reporting its catalog to a new master; retry shortly"
+            ))
+        };
+        if replicas.is_empty() && reporting(self, true).is_none() {
+            if let Some(name) = reporting(self, false) {
+                return Err(busy(name));
+            }
+        }
         if replicas.is_empty() {
             // Make room and try once more; a second round helps when the first one freed space
             // in the wrong places.
@@ -399,7 +423,10 @@ impl MasterState {
             }
         }
         if replicas.is_empty() {
-            return Err(MasterError::NoSpace { size });
+            return Err(match reporting(self, false) {
+                Some(name) => busy(name),
+                None => MasterError::NoSpace { size },
+            });
         }
         Ok(replicas)
     }
@@ -752,6 +779,7 @@ impl MasterState {
     }
 
     /// Removes every object that `remove` would; returns how many went.
+    #[cfg(test)]
     pub fn remove_all(&mut self, force: bool, now: Millis) -> u64 {
         self.remove_matching(force, |_| true, now)
     }

@@ -18,7 +18,7 @@ use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
 use super::{
     allocator::{Allocation, OffsetAllocator, GRANULE},
     objects::{Object, Phase, Pin, Replica, Replicas},
-    MasterState, SegmentId,
+    Grants, MasterState, SegmentId,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -166,11 +166,19 @@ impl MasterState {
             )));
         }
         self.touch(owner, now);
+        let mut items = items;
+        items.retain(|it| {
+            let plausible = Grants::plausible(it.stamp.put_id);
+            if !plausible {
+                tracing::warn!(key = %it.key, put_id = it.stamp.put_id, segment = %name, "an owner reported an object with a put id beyond any this cluster issues (a corrupt catalog): not adopted");
+            }
+            plausible
+        });
+        for it in &items {
+            self.grants.saw(it.stamp.put_id);
+        }
         let seg = self.segments.get_mut(&segment).expect("ids are live");
         let report = seg.report.as_mut().expect("checked above");
-        for it in &items {
-            self.grants.next = self.grants.next.max(it.stamp.put_id + 1);
-        }
         report.items.extend(items);
         if !done {
             return Ok(None);

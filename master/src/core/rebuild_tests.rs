@@ -107,8 +107,8 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
         s.next_grant() > 1950,
         "ids continue above every grant the owners saw"
     );
-    // Reporting segments take no allocation; unknown keys are not known yet, also past the
-    // grace, while a report is open.
+    // Reporting segments take no allocation (a put is told to retry shortly); unknown keys are
+    // not known yet, also past the grace, while a report is open.
     assert!(matches!(
         s.put_start(
             &ObjectKey::new("new").unwrap(),
@@ -116,7 +116,7 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
             &ReplicateConfig::default(),
             Millis(150)
         ),
-        Err(MasterError::NoSpace { .. })
+        Err(MasterError::Busy(_))
     ));
     s.catalog_reported(
         owner(0),
@@ -462,5 +462,86 @@ fn an_owner_back_after_being_dropped_does_not_bring_back_removed_objects() {
     for gone in ["a", "b", "d"] {
         assert!(lookup(&mut s, gone, now + 30).is_err(), "{gone} came back");
     }
+    s.check_invariants().unwrap();
+}
+
+/// While the only segment that could hold a put reports its catalog (a master restart, a
+/// leader change), a put is told to retry shortly, not that the store is full, and nothing the
+/// report brought is evicted for it.
+#[test]
+fn a_put_while_its_segment_reports_is_told_to_retry() {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
+        .unwrap();
+    let e = s
+        .put_start(
+            &ObjectKey::new("x").unwrap(),
+            1000,
+            &ReplicateConfig::default(),
+            Millis(20),
+        )
+        .unwrap_err();
+    assert!(matches!(e, MasterError::Busy(_)), "{e:?}");
+    assert_eq!(e.code(), mooncake_common::Code::UnavailableInCurrentStatus);
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("a", 0, 1000, 1500, 1)],
+        true,
+        Millis(30),
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(lookup(&mut s, "a", 40), Ok(1));
+    s.put_start(
+        &ObjectKey::new("x").unwrap(),
+        1000,
+        &ReplicateConfig::default(),
+        Millis(50),
+    )
+    .unwrap();
+    s.check_invariants().unwrap();
+}
+
+/// Put ids no master of the cluster issues (a corrupt catalog) neither use up the ids nor
+/// overflow them: a mount naming one is refused, a reported object with one is not adopted.
+#[test]
+fn put_ids_beyond_any_issued_are_refused() {
+    let mut s = fresh();
+    for newest in [u64::MAX, u64::MAX - 1] {
+        let e = s
+            .mount_segment(
+                owner(0),
+                seg(0),
+                4 * MIB,
+                0,
+                returning(newest, 1),
+                Millis(10),
+            )
+            .unwrap_err();
+        assert!(matches!(e, MasterError::Invalid(_)), "{e:?}");
+    }
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 2), Millis(20))
+        .unwrap();
+    let report = vec![
+        item("a", 0, 1000, 1500, 1),
+        item("b", MIB, 1000, u64::MAX, 1),
+    ];
+    let outcome = s
+        .catalog_reported(owner(0), &seg(0), report, true, Millis(30))
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome.registered, 1);
+    assert_eq!(lookup(&mut s, "a", 40), Ok(1));
+    assert!(lookup(&mut s, "b", 40).is_err());
+    let g = s
+        .put_start(
+            &ObjectKey::new("c").unwrap(),
+            1000,
+            &ReplicateConfig::default(),
+            Millis(50),
+        )
+        .unwrap();
+    assert!(g.put_id > 1900 && g.put_id < 1 << 62);
     s.check_invariants().unwrap();
 }

@@ -6,8 +6,8 @@ use mooncake_common::{ClientId, SegmentName};
 use std::collections::{HashMap, VecDeque};
 
 use super::{
-    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, LeaseMode, MasterState,
-    Owner, Segment, SegmentId, MAX_FREED_NOTES, MAX_FREED_PER_REPLY,
+    allocator::GRANULE, objects::Offload, DiskStats, DiskTier, Freed, Grants, LeaseMode,
+    MasterState, Owner, Segment, SegmentId, MAX_FREED_NOTES, MAX_FREED_PER_REPLY,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -54,8 +54,14 @@ impl MasterState {
         report: MountReport,
         now: Millis,
     ) -> Result<Mounted, MasterError> {
+        if !Grants::plausible(report.newest_grant) {
+            return Err(MasterError::Invalid(format!(
+                "the owner of {name} reports put id {}, beyond any this cluster issues: its pool's catalog is corrupt; restart the owner with an empty pool",
+                report.newest_grant
+            )));
+        }
         // Above every grant the owner has seen, so none of its ranges' writes looks newer.
-        self.grants.next = self.grants.next.max(report.newest_grant + 1);
+        self.grants.saw(report.newest_grant);
         self.owner_mounted(report.newest_grant > 0, now);
         if size < GRANULE {
             return Err(MasterError::Invalid(format!(

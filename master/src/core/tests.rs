@@ -184,6 +184,32 @@ fn an_upsert_that_finds_no_space_leaves_the_stored_value() {
     assert_eq!(s.allocated(), 4 * MIB);
 }
 
+/// An upsert that needs new space while the master's put ids are used up (with HA, until its
+/// next reservation reaches etcd) fails before the stored value is retired or anything evicted.
+#[test]
+fn an_upsert_that_finds_no_put_id_leaves_the_stored_value() {
+    let mut s = state_with(&[8 * MIB]);
+    let a = put(&mut s, "a", MIB, &cfg(1), 0).unwrap();
+    put(&mut s, "b", MIB, &cfg(1), 0).unwrap();
+    s.reserve_grants(s.next_grant());
+    assert_eq!(
+        s.put_start(&k("a"), 2 * MIB, &upsert(), Millis(3)),
+        Err(MasterError::GrantsExhausted)
+    );
+    assert_eq!(
+        s.put_start(&k("c"), 7 * MIB, &cfg(1), Millis(3)),
+        Err(MasterError::GrantsExhausted)
+    );
+    s.check_invariants().unwrap();
+    let (size, locs) = s.get_replicas(&k("a"), Millis(4)).unwrap();
+    assert_eq!((size, locs[0].put_id), (MIB, a.put_id));
+    assert_eq!(
+        s.key_count(),
+        2,
+        "nothing evicted for a put that could not start"
+    );
+}
+
 /// A heartbeat's notes stay until a later heartbeat says they were applied: an answer lost on
 /// its way loses none (before, they were handed out once, and a removed object could come back
 /// at the next rebuild).

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     count_disk_copy,
     objects::{Object, Offload, Phase, Pin, Promotion, Replica, Replicas},
-    DiskTier, LeaseMode, MasterState, SegmentId,
+    DiskTier, Grants, LeaseMode, MasterState, SegmentId,
 };
 
 /// Removed objects whose owners may still hold a disk record, at most (oldest forgotten first).
@@ -214,6 +214,11 @@ impl MasterState {
     }
 
     /// Whether some offload is queued, in flight, or waiting in the eager backlog.
+    /// Whether any segment has an SSD tier.
+    pub fn any_disk_tier(&self) -> bool {
+        self.segments.values().any(|s| s.disk.is_some())
+    }
+
     pub fn offloads_outstanding(&self) -> bool {
         !self.eager_backlog.is_empty()
             || self
@@ -631,6 +636,15 @@ impl MasterState {
     ) -> Result<u64, MasterError> {
         if size == 0 {
             return Err(MasterError::Invalid(format!("object {key} has size 0")));
+        }
+        let disk = self.segments[&segment]
+            .disk
+            .as_ref()
+            .map_or(0, |d| d.capacity);
+        if size > disk || !Grants::plausible(put_id) {
+            return Err(MasterError::Invalid(format!(
+                "the record of {key} (put {put_id}, {size} bytes) cannot be on a disk tier of {disk} bytes of this cluster: its file is corrupt"
+            )));
         }
         let id = (self.segment_name(segment).clone(), key.clone());
         // Kept until the owner says the record is gone (`disk_dropped`): a refusal whose answer

@@ -6,6 +6,8 @@
 
 mod caller;
 mod owners;
+#[cfg(test)]
+mod tests;
 
 use std::{sync::Arc, time::Duration};
 
@@ -187,6 +189,10 @@ impl MasterService {
         // Once the wait for offloads is over (a slow or stuck SSD), what is still short takes
         // memory that can go at once elsewhere, and is tried once more.
         let mut stage = Stage::Waiting;
+        // Whether this stage tried again at once already: room that came free at once and
+        // still did not fit (in the wrong places) is not worth evicting more for, round after
+        // round, until nothing is left.
+        let mut retried = false;
         loop {
             // Registered before looking, so progress made in between is not missed.
             let progress = self.shared.offload_progress.notified();
@@ -226,7 +232,9 @@ impl MasterService {
                     .map(|(&(_, size), _)| size)
                     .sum();
                 let freed_now = match stage {
-                    _ if short == 0 => 0,
+                    _ if short == 0 || retried => 0,
+                    // Without an SSD tier each put's start evicted what could help already.
+                    _ if !state.any_disk_tier() => 0,
                     Stage::Waiting => state.make_room(now, short),
                     Stage::LastResort => {
                         let freed = state.free_at_once(now, short);
@@ -243,6 +251,7 @@ impl MasterService {
                 self.shared.wake_owners(&mut state);
                 if short > 0 && freed_now > 0 {
                     // Room came free at once (objects with disk copies left memory): try again.
+                    retried = true;
                     continue;
                 }
                 short > 0 && stage == Stage::Waiting && state.offloads_outstanding()
@@ -253,6 +262,7 @@ impl MasterService {
             if tokio::time::timeout_at(deadline, progress).await.is_err() {
                 stage = Stage::LastResort;
             }
+            retried = false;
         }
         let mut results: Vec<Result<PutGrant, MasterError>> = results
             .into_iter()
@@ -533,9 +543,8 @@ impl MasterService {
             }
             let removed = match &matched {
                 Some(keys) => state.remove_listed(force, keys, now),
-                None if tenant.is_default() && state.tenant_usage().len() <= 1 => {
-                    state.remove_all(force, now)
-                }
+                // Never "everything" even where no other tenant has objects now: dropped
+                // segments may hold other tenants' (see `core::forgotten`).
                 None => state.remove_matching(force, |k| tenant.owns(k), now),
             };
             self.shared.wake_owners(&mut state);
