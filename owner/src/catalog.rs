@@ -95,11 +95,11 @@ impl Catalog {
     ) -> impl Iterator<Item = u64> + '_ {
         // Recorded ranges never overlap, so walking back from the last one starting before the
         // end stops at the first that ends at or before `offset`. Usually there is none, and
-        // this is one lookup.
+        // this is one lookup. An empty range overlaps nothing (not the range it lies inside).
         ranges
             .range(..offset + len)
             .rev()
-            .take_while(move |(start, e)| **start + e.len > offset)
+            .take_while(move |(start, e)| len > 0 && **start + e.len > offset)
             .map(|(start, _)| *start)
     }
 
@@ -111,11 +111,19 @@ impl Catalog {
     }
 
     /// Forgets the range at `offset` if it holds `key` at version `put_id` (as `holds` says),
-    /// under one lock: a write recorded there in between is never forgotten instead.
-    pub fn forget_if_holds(&self, offset: u64, len: u64, key: &ObjectKey, put_id: u64) -> bool {
+    /// written under `grant`, under one lock: a write recorded there in between, even a later
+    /// copy of the same version, is never forgotten instead.
+    pub fn forget_if_holds(
+        &self,
+        offset: u64,
+        len: u64,
+        key: &ObjectKey,
+        put_id: u64,
+        grant: u64,
+    ) -> bool {
         let mut ranges = self.ranges.lock();
         let held = matches!(ranges.get(&offset),
-            Some(e) if e.key == *key && e.len >= len && e.stamp.put_id == put_id);
+            Some(e) if e.key == *key && e.len >= len && e.stamp.put_id == put_id && e.grant == grant);
         if held {
             ranges.remove(&offset);
         }
@@ -192,6 +200,17 @@ mod tests {
         }
     }
 
+    /// An empty range claims nothing: before, a zero-length write inside a recorded range
+    /// (an ungated same-host client) forgot the object there.
+    #[test]
+    fn an_empty_range_overlaps_nothing() {
+        let c = Catalog::default();
+        c.record(0, 100, k("a"), v(7), 7);
+        assert_eq!(c.claim(50, 0, 9), None);
+        assert_eq!(c.newer_than(50, 0, 1), None);
+        assert!(c.holds(0, 100, &k("a"), 7));
+    }
+
     #[test]
     fn overlapping_writes_replace_older_ranges() {
         let c = Catalog::default();
@@ -254,11 +273,18 @@ mod tests {
     #[test]
     fn a_range_is_forgotten_only_while_it_holds_that_key_and_version() {
         let c = Catalog::default();
-        c.record(0, 100, k("a"), v(7), 7);
-        assert!(!c.forget_if_holds(0, 100, &k("b"), 7), "another key");
-        assert!(!c.forget_if_holds(0, 100, &k("a"), 8), "another version");
+        c.record(0, 100, k("a"), v(7), 12);
+        assert!(!c.forget_if_holds(0, 100, &k("b"), 7, 12), "another key");
+        assert!(
+            !c.forget_if_holds(0, 100, &k("a"), 8, 12),
+            "another version"
+        );
+        assert!(
+            !c.forget_if_holds(0, 100, &k("a"), 7, 10),
+            "a later copy of the version"
+        );
         assert!(c.holds(0, 100, &k("a"), 7));
-        assert!(c.forget_if_holds(0, 100, &k("a"), 7));
+        assert!(c.forget_if_holds(0, 100, &k("a"), 7, 12));
         assert!(c.snapshot().is_empty());
     }
 }

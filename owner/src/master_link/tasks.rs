@@ -206,7 +206,7 @@ impl Worker {
                     // Only if the range still holds what the promotion wrote (checked and
                     // forgotten under one lock: a new put may record there at any moment).
                     self.catalog
-                        .forget_if_holds(t.offset, t.size, &key, t.put_id);
+                        .forget_if_holds(t.offset, t.size, &key, t.put_id, t.grant);
                 }
                 pb::TaskKind::Drop => {}
             }
