@@ -14,9 +14,10 @@ use std::{
     os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
         Arc,
     },
+    time::{Duration, Instant},
 };
 
 use mooncake_common::{Code, DiskStats, ObjectKey};
@@ -46,12 +47,14 @@ pub enum SsdError {
     TooLarge { len: u64, capacity: u64 },
     #[error("the ssd tier's ring is busy with writes where the next record would go; retry")]
     Busy,
+    #[error("the ssd tier's last {failures} writes failed: offloads pause (the records on it stay readable); check the disk and the owner's log")]
+    Failing { failures: u32 },
 }
 
 impl SsdError {
     pub fn code(&self) -> Code {
         match self {
-            SsdError::Io(_) | SsdError::Busy => Code::TransferFail,
+            SsdError::Io(_) | SsdError::Busy | SsdError::Failing { .. } => Code::TransferFail,
             SsdError::Format { .. } => Code::InternalError,
             SsdError::NotFound { .. } => Code::ObjectNotFound,
             SsdError::Corrupt { .. } => Code::ChecksumMismatch,
@@ -202,6 +205,57 @@ pub struct SsdStore {
     read: AtomicU64,
     corrupt: AtomicU64,
     evicted: AtomicU64,
+    failing: Failing,
+}
+
+/// Record writes that failed in a row. Past a few, reservations are refused for a while: each
+/// one gives up the records in its way (the master is told they are gone) before its write
+/// fails too, so a dead disk or a stopped engine would otherwise empty the tier's index one
+/// offload at a time while the records stay on disk. One reservation goes ahead per pause, to
+/// find out whether writes work again.
+#[derive(Default)]
+struct Failing {
+    in_a_row: AtomicU32,
+    /// When the pause after the last failure ends.
+    until: Mutex<Option<Instant>>,
+}
+
+/// Failed writes in a row after which offloads pause.
+const FAILURES_TO_PAUSE: u32 = 3;
+/// How long they pause.
+const FAILURE_PAUSE: Duration = Duration::from_secs(10);
+
+impl Failing {
+    fn failed(&self) {
+        let n = self.in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= FAILURES_TO_PAUSE {
+            *self.until.lock() = Some(Instant::now() + FAILURE_PAUSE);
+            tracing::warn!(failures = n, pause = ?FAILURE_PAUSE, "ssd tier writes keep failing: offloads pause");
+        }
+    }
+
+    fn succeeded(&self) {
+        if self.in_a_row.swap(0, Ordering::Relaxed) > 0 {
+            *self.until.lock() = None;
+        }
+    }
+
+    /// The failures in a row, while reservations are refused.
+    fn refusing(&self) -> Option<u32> {
+        let n = self.in_a_row.load(Ordering::Relaxed);
+        if n < FAILURES_TO_PAUSE {
+            return None;
+        }
+        let mut until = self.until.lock();
+        match *until {
+            Some(t) if Instant::now() < t => Some(n),
+            // The pause is over: this one goes ahead, the next wait for its outcome.
+            _ => {
+                *until = Some(Instant::now() + FAILURE_PAUSE);
+                None
+            }
+        }
+    }
 }
 
 impl SsdStore {
@@ -212,6 +266,17 @@ impl SsdStore {
         capacity: u64,
         kind: EngineKind,
         queue_depth: u32,
+        read_budget: u64,
+    ) -> Result<(Arc<SsdStore>, Vec<Recovered>), SsdError> {
+        let engine = |file| super::open_engine(kind, file, queue_depth);
+        Self::open_with(dir, capacity, engine, read_budget).await
+    }
+
+    /// `open`, with the engine `engine` makes over the tier's file.
+    pub(super) async fn open_with(
+        dir: &Path,
+        capacity: u64,
+        engine: impl FnOnce(std::fs::File) -> io::Result<Arc<dyn DiskEngine>>,
         read_budget: u64,
     ) -> Result<(Arc<SsdStore>, Vec<Recovered>), SsdError> {
         let end = capacity / ALIGN as u64 * ALIGN as u64;
@@ -240,7 +305,7 @@ impl SsdStore {
             )));
         }
         let file = super::open_direct(&path, end)?;
-        let engine = super::open_engine(kind, file, queue_depth)?;
+        let engine = engine(file)?;
         let (buf, res) = engine.read_at(zeroed(ALIGN), 0).await;
         res?;
         let (file_id, found) = match Superblock::decode(&buf).map_err(format)? {
@@ -286,6 +351,7 @@ impl SsdStore {
             read: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
+            failing: Failing::default(),
         };
         let recovered = if found {
             store.recover().await?
@@ -341,6 +407,9 @@ impl SsdStore {
     /// in the way become `victims`; a region still being written is never taken (`Busy`).
     pub fn reserve(&self, key: &ObjectKey, value_len: u64) -> Result<Reservation, SsdError> {
         let len = record::record_len(key.as_str().len(), value_len);
+        if let Some(failures) = self.failing.refusing() {
+            return Err(SsdError::Failing { failures });
+        }
         let room = self.end - ALIGN as u64;
         if len > room {
             return Err(SsdError::TooLarge {
@@ -457,10 +526,17 @@ impl SsdStore {
     ) -> Result<(), SsdError> {
         let (buf, res) = self.engine.write_at(buf, r.offset).await;
         self.bufs.give(buf);
+        if let Err(e) = res {
+            self.failing.failed();
+            // The victims were given up (the master was told they are gone): their headers
+            // must not bring them back at a restart.
+            self.abandon(r).await;
+            return Err(e.into());
+        }
+        self.failing.succeeded();
         let zero = {
             let mut ring = self.ring.lock();
             ring.inflight.remove(&r.offset);
-            res?;
             self.written.fetch_add(r.len, Ordering::Relaxed);
             match ring.by_key.get(key) {
                 Some(old) if old.put_id > put_id => Some(r.offset),

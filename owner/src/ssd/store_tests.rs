@@ -414,3 +414,83 @@ async fn a_record_that_keeps_failing_to_read_is_reported_lost_pread() {
 async fn a_record_that_keeps_failing_to_read_is_reported_lost_uring() {
     a_record_that_keeps_failing_to_read_is_reported_lost(EngineKind::Uring).await;
 }
+
+/// The pread engine over the tier's file, except that record writes (larger than one block)
+/// fail while `fail` is set; header zeroing (one block) still works.
+struct FailingRecordWrites {
+    inner: std::sync::Arc<dyn super::DiskEngine>,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl super::DiskEngine for FailingRecordWrites {
+    fn write_at(
+        &self,
+        buf: super::AlignedBuf,
+        offset: u64,
+    ) -> futures::future::BoxFuture<'static, (super::AlignedBuf, std::io::Result<()>)> {
+        if buf.len() > super::ALIGN && self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async move { (buf, Err(std::io::Error::other("injected EIO"))) });
+        }
+        self.inner.write_at(buf, offset)
+    }
+    fn read_at(
+        &self,
+        buf: super::AlignedBuf,
+        offset: u64,
+    ) -> futures::future::BoxFuture<'static, (super::AlignedBuf, std::io::Result<()>)> {
+        self.inner.read_at(buf, offset)
+    }
+    fn sync(&self) -> futures::future::BoxFuture<'static, std::io::Result<()>> {
+        self.inner.sync()
+    }
+    fn kind(&self) -> EngineKind {
+        self.inner.kind()
+    }
+}
+
+/// A record write that fails gives up the records in its way (the master was told they are
+/// gone): their headers are zeroed, so a restart does not bring them back. Writes that keep
+/// failing pause offloads before they give up more records.
+#[tokio::test]
+async fn a_failed_record_write_does_not_bring_its_victims_back_at_a_restart() {
+    let dir = TempDir::new();
+    let cap = (1 << 20) + 4096;
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let f = fail.clone();
+    let engine = move |file| {
+        let inner = super::open_engine(EngineKind::Pread, file, 16)?;
+        Ok(std::sync::Arc::new(FailingRecordWrites { inner, fail: f })
+            as std::sync::Arc<dyn super::DiskEngine>)
+    };
+    let (s, _) = SsdStore::open_with(dir.path(), cap, engine, 64 << 20)
+        .await
+        .unwrap();
+    for i in 0..15u8 {
+        put(&s, &format!("k{i}"), 100 + i as u64, &value(i, 65536)).await;
+    }
+    fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    for (i, victim) in ["k0", "k1", "k2"].into_iter().enumerate() {
+        let mut r = s.reserve(&k("new"), 65536).unwrap();
+        assert_eq!(r.victims[0].key, k(victim));
+        s.evict_victims(&mut r);
+        let buf = s.encode(&r, &k("new"), 999, &value(77, 65536));
+        assert!(s.write(r, buf, &k("new"), 999, 65536).await.is_err(), "{i}");
+    }
+    // Three in a row: offloads pause, and k3 stays.
+    assert!(matches!(
+        s.reserve(&k("new"), 65536),
+        Err(SsdError::Failing { failures: 3 })
+    ));
+    assert!(s.read(&k("k3"), 103, 65536).await.is_ok());
+    drop(s);
+    let (s, n) = open(&dir, cap, EngineKind::Pread).await;
+    assert_eq!(n, 12, "the three given up stay gone");
+    for i in 0..3u8 {
+        assert!(s
+            .read(&k(&format!("k{i}")), 100 + i as u64, 65536)
+            .await
+            .is_err());
+    }
+    let v = s.read(&k("k3"), 103, 65536).await.unwrap();
+    assert_eq!(&v[..], &value(3, 65536)[..]);
+}
