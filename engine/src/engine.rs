@@ -284,12 +284,16 @@ impl TransferEngine {
         Ok(addr)
     }
 
-    /// Unregisters and frees a buffer `allocate_managed` returned.
+    /// Unregisters and frees a buffer `allocate_managed` returned (also one unregistered
+    /// already with `unregister`).
     pub async fn free_managed(&self, addr: u64) -> Result<(), EngineError> {
         if !self.managed.lock().contains_key(&addr) {
             return Err(EngineError::NotRegistered { addr, len: 0 });
         }
-        self.unregister(addr).await?;
+        match self.unregister(addr).await {
+            Ok(()) | Err(EngineError::NotRegistered { .. }) => {}
+            Err(e) => return Err(e),
+        }
         let freed = self.managed.lock().remove(&addr);
         drop(freed);
         Ok(())

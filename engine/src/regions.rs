@@ -244,8 +244,8 @@ impl Regions {
             })
     }
 
-    /// Unregisters the region at `addr` at once if no transfer uses it; false (and left as it
-    /// is) otherwise.
+    /// Unregisters the region at `addr` at once if no transfer uses it: whether nothing uses
+    /// it now (also when it was not registered); false (and left as it is) otherwise.
     pub fn remove_if_idle(&self, addr: u64) -> bool {
         let mut map = self.by_addr.write();
         match map.get(&addr) {
@@ -254,7 +254,8 @@ impl Regions {
                 map.remove(&addr);
                 true
             }
-            _ => false,
+            Some(_) => false,
+            None => true,
         }
     }
 

@@ -442,6 +442,39 @@ async fn managed_buffers_are_registered_and_local_bytes_stay_inside_regions() {
         a.read_local(buf, 1).is_err(),
         "freed memory is not readable"
     );
+    // Unregistered first (as `unregister_memory` would): still freed, its mapping gone.
+    // The /proc/self/maps line of the mapping at `addr` less its permissions (its range,
+    // offset, device, inode and file): another mapping placed at the same address meanwhile,
+    // by a test running beside this one, has another inode.
+    let mapping = |addr: u64| {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with(&format!("{addr:x}-")))
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                format!("{} {}", f[0], f[2..].join(" "))
+            })
+    };
+    let other = a.allocate_managed(1 << 20).unwrap();
+    let before = mapping(other).expect("mapped");
+    a.unregister(other).await.unwrap();
+    a.free_managed(other).await.unwrap();
+    assert_ne!(
+        mapping(other).as_ref(),
+        Some(&before),
+        "the buffer was unmapped"
+    );
+    // And one unregistered when its engine goes is freed with it.
+    let last = a.allocate_managed(1 << 20).unwrap();
+    let before = mapping(last).expect("mapped");
+    a.unregister(last).await.unwrap();
+    drop(a);
+    assert_ne!(
+        mapping(last).as_ref(),
+        Some(&before),
+        "freed with its engine"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
