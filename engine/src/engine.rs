@@ -165,6 +165,8 @@ impl TransferEngine {
             name: name.clone(),
             frame_timeout: config.transfer_timeout,
             incarnation,
+            // Twice the time an unregister waits for it.
+            grant_patience: config.transfer_timeout * 4,
         });
         tokio::spawn(server::serve(listener, served, stopped));
         let directory = match &config.metadata {

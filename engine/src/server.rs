@@ -38,6 +38,10 @@ pub struct Served {
     pub frame_timeout: Duration,
     /// Drawn at start; reads, writes and grants must carry it (see `peers`).
     pub incarnation: u64,
+    /// The longest a same-host peer may hold a grant: past it, its connection is closed and
+    /// the ranges go (a peer whose copy takes that long is stuck; without a bound, any client
+    /// of the port could keep a region from ever being unregistered).
+    pub grant_patience: Duration,
 }
 
 /// Accepts peers until `stop` changes.
@@ -96,10 +100,16 @@ struct Connection {
     reader: BufReader<OwnedReadHalf>,
     writer: BufWriter<OwnedWriteHalf>,
     peer: SocketAddr,
+    /// This end's address: a grant goes only to a peer connecting from it (the same host).
+    local: Option<SocketAddr>,
     served: Arc<Served>,
     key: Vec<u8>,
-    /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`).
+    /// Ranges a same-host peer is copying (`PeerGrant` until `PeerRelease`), and until when
+    /// they may be held.
     held: Vec<crate::regions::Use>,
+    held_until: Option<tokio::time::Instant>,
+    /// The engine is stopping: only a release of the held grant is answered.
+    stopping: bool,
     /// The last request carried a large payload: the next header is read alone, straight from
     /// the socket, so that the payload behind it lands in place instead of in the buffer.
     direct: bool,
@@ -128,14 +138,18 @@ async fn read_head(
 
 impl Connection {
     fn new(stream: TcpStream, peer: SocketAddr, served: Arc<Served>) -> Self {
+        let local = stream.local_addr().ok();
         let (r, w) = stream.into_split();
         Connection {
             reader: BufReader::with_capacity(READ_BUF, r),
             writer: BufWriter::with_capacity(READ_BUF, w),
             peer,
+            local,
             served,
             key: Vec::with_capacity(64),
             held: Vec::new(),
+            held_until: None,
+            stopping: false,
             direct: false,
         }
     }
@@ -166,6 +180,12 @@ impl Connection {
                     return Ok(());
                 }
                 let idle = self.held.is_empty();
+                let held_until = self.held_until.unwrap_or_else(tokio::time::Instant::now);
+                let overheld = async {
+                    tokio::time::sleep_until(held_until).await;
+                    tracing::warn!(peer = %self.peer, patience = ?self.served.grant_patience,
+                        "transfer engine: a same-host peer held its grant too long; closing its connection");
+                };
                 if self.direct {
                     tokio::select! {
                         r = self.reader.get_mut().read(&mut head.bytes) => match r? {
@@ -173,14 +193,17 @@ impl Connection {
                             n => head.read = n,
                         },
                         _ = stop.changed(), if idle && !stopping => return Ok(()),
+                        _ = overheld, if !idle => return Ok(()),
                     }
                 } else {
                     tokio::select! {
                         r = self.reader.fill_buf() => if r?.is_empty() { return Ok(()) },
                         _ = stop.changed(), if idle && !stopping => return Ok(()),
+                        _ = overheld, if !idle => return Ok(()),
                     }
                 }
             }
+            self.stopping = *stop.borrow();
             let timeout = self.served.frame_timeout;
             match tokio::time::timeout(timeout, self.frame(head)).await {
                 Ok(Ok(true)) => {}
@@ -245,6 +268,15 @@ impl Connection {
                 (msg, peers::RESTARTED)
             };
             return self.refuse_frame_with(&h, payload_in, &msg, code).await;
+        }
+        if self.stopping && h.op != Op::PeerRelease {
+            let msg = format!(
+                "transfer engine {} is stopping: it answers only the release of a grant",
+                self.served.name
+            );
+            return self
+                .refuse_frame_with(&h, payload_in, &msg, Code::UnavailableInCurrentStatus)
+                .await;
         }
         match h.op {
             Op::Ping => self.ok(&h, 0).await?,
@@ -316,8 +348,16 @@ impl Connection {
             }
             Op::PeerGrant => {
                 self.held.clear();
+                self.held_until = None;
                 if h.length % 16 != 0 || h.length > MAX_GRANT {
                     let msg = format!("a grant of {} bytes of ranges", h.length);
+                    return self.refuse_frame(&h, true, &msg).await;
+                }
+                if self.local.is_none_or(|l| l.ip() != self.peer.ip()) {
+                    let msg = format!(
+                        "a grant is for a peer on this host, and {} connects from elsewhere: copy over TCP",
+                        self.peer
+                    );
                     return self.refuse_frame(&h, true, &msg).await;
                 }
                 let mut raw = vec![0u8; h.length as usize];
@@ -348,6 +388,8 @@ impl Connection {
                         }
                         .encode(h.flags & wire::PEER_GRANT_FILES != 0);
                         self.held = uses;
+                        self.held_until =
+                            Some(tokio::time::Instant::now() + self.served.grant_patience);
                         self.ok(&h, answer.len() as u64).await?;
                         self.writer.write_all(&answer).await?;
                     }
@@ -356,6 +398,7 @@ impl Connection {
             }
             Op::PeerRelease => {
                 self.held.clear();
+                self.held_until = None;
                 self.ok(&h, 0).await?;
             }
             Op::Write | Op::Read | Op::ReadDisk => {

@@ -671,6 +671,66 @@ async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
     // Once the peer is gone, its grant goes with it.
     drop(s);
     b.unregister(addr(&region)).await.unwrap();
+    // A peer that holds a grant past four times the deadline (stuck, or hostile) has its
+    // connection closed, and the range goes.
+    b.register(addr(&region), 4096).unwrap();
+    let (mut s, status, _) = raw_grant(&b, 0, addr(&region), 4096).await;
+    assert_eq!(status, 0, "granted");
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    use tokio::io::AsyncReadExt;
+    let closed = tokio::time::timeout(deadline * 10, s.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "closed");
+    assert!(t.elapsed() >= deadline * 3, "{:?}", t.elapsed());
+    b.unregister(addr(&region)).await.unwrap();
+}
+
+/// A stopping engine answers a connection that holds a grant only with the release of it:
+/// reads and writes of its memory are refused, and the connection closes once released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_engine_answers_a_grant_holder_only_its_release() {
+    use mooncake_common::wire::{Op, RequestHeader, ResponseHeader, RESPONSE_HEADER_LEN};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let b = engine(Duration::from_secs(5)).await;
+    let region = vec![7u8; 4096];
+    b.register(addr(&region), 4096).unwrap();
+    let (mut s, status, len) = raw_grant(&b, 0, addr(&region), 4096).await;
+    assert_eq!(status, 0, "granted");
+    let mut answer = vec![0u8; len as usize];
+    s.read_exact(&mut answer).await.unwrap();
+    b.stop();
+    let name = b.session_name().as_bytes().to_vec();
+    let frame = |op, length| {
+        let mut f = RequestHeader {
+            op,
+            key_len: name.len() as u16,
+            flags: 0,
+            request_id: 2,
+            offset: addr(&region),
+            length,
+            grant: b.incarnation(),
+            seal: Default::default(),
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(&name);
+        f
+    };
+    s.write_all(&frame(Op::PeerRead, 4096)).await.unwrap();
+    let mut hb = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut hb).await.unwrap();
+    let r = ResponseHeader::decode(&hb).unwrap();
+    assert_eq!((r.op, r.status), (Op::PeerRead, -1010), "refused");
+    let mut msg = vec![0u8; r.length as usize];
+    s.read_exact(&mut msg).await.unwrap();
+    assert!(String::from_utf8_lossy(&msg).contains("stopping"));
+    s.write_all(&frame(Op::PeerRelease, 0)).await.unwrap();
+    s.read_exact(&mut hb).await.unwrap();
+    assert_eq!(ResponseHeader::decode(&hb).unwrap().status, 0, "released");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert_eq!(closed.unwrap().unwrap(), 0, "closed after the release");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
