@@ -342,7 +342,13 @@ impl Requester {
                     TransferOp::Write => Dir::Write(u.bytes(r.local, r.len)),
                     TransferOp::Read => Dir::Read(u.bytes_mut(r.local, r.len)),
                 };
-                small.transfer(target, hello.incarnation, r.remote, dir)?;
+                small.transfer(
+                    target,
+                    hello.incarnation,
+                    r.remote,
+                    dir,
+                    deadline.into_std(),
+                )?;
                 self.counters.tcp.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
             }

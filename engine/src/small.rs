@@ -42,14 +42,17 @@ impl Small {
     }
 
     /// Moves one range: `Dir::Write` sends its bytes to `remote` of `target` (met as
-    /// `incarnation`), `Dir::Read` fills its buffer from there.
+    /// `incarnation`), `Dir::Read` fills its buffer from there; all of it, a connection made
+    /// included, by `deadline` (the call's, at most the transfer timeout from now).
     pub fn transfer(
         &self,
         target: &str,
         incarnation: u64,
         remote: u64,
         mut dir: Dir<'_>,
+        deadline: Instant,
     ) -> Result<(), EngineError> {
+        let deadline = deadline.min(Instant::now() + self.timeout);
         let exchange = Exchange {
             target,
             incarnation,
@@ -59,11 +62,11 @@ impl Small {
         let (mut s, reused) = match pooled {
             Some(s) => (s, true),
             None => (
-                self.connect(target).map_err(|e| Self::fail(target, e))?,
+                self.connect(target, deadline)
+                    .map_err(|e| Self::fail(target, e))?,
                 false,
             ),
         };
-        let deadline = Instant::now() + self.timeout;
         let mut outcome = exchange.run(&mut s, &mut dir, deadline);
         let closed = |e: &io::Error| {
             matches!(
@@ -77,7 +80,9 @@ impl Small {
         if reused && outcome.as_ref().is_err_and(closed) {
             // An idle connection the peer closed meanwhile (it restarted, say): once more on a
             // fresh one, under the same deadline. Both directions are idempotent.
-            s = self.connect(target).map_err(|e| Self::fail(target, e))?;
+            s = self
+                .connect(target, deadline)
+                .map_err(|e| Self::fail(target, e))?;
             outcome = exchange.run(&mut s, &mut dir, deadline);
         }
         match outcome {
@@ -94,11 +99,18 @@ impl Small {
         }
     }
 
-    fn connect(&self, target: &str) -> io::Result<TcpStream> {
+    fn connect(&self, target: &str, deadline: Instant) -> io::Result<TcpStream> {
         let addr = std::net::ToSocketAddrs::to_socket_addrs(target)?
             .next()
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))?;
-        let s = TcpStream::connect_timeout(&addr, self.timeout)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the transfer's deadline passed before it could connect",
+            ));
+        }
+        let s = TcpStream::connect_timeout(&addr, left)?;
         s.set_nodelay(true)?;
         s.set_write_timeout(Some(self.timeout))?;
         Ok(s)

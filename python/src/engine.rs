@@ -38,13 +38,40 @@ fn opcode(op: i64, notify: bool) -> Option<TransferOp> {
 }
 
 struct Running {
-    /// Serves peers and runs background batches.
+    /// Serves peers and runs background batches, and the synchronous calls of threads that
+    /// find the sync lane taken.
     rt: Runtime,
     engine: Arc<TransferEngine>,
-    /// Synchronous calls: a current-thread runtime that the calling thread drives itself, so
-    /// an answer wakes it directly instead of through another thread (a 4 KiB write's latency).
-    sync_rt: Runtime,
-    sync: Requester,
+    /// Synchronous calls, one thread at a time: a current-thread runtime that the calling
+    /// thread drives itself, so an answer wakes it directly instead of through another thread
+    /// (a 4 KiB write's latency). Its calls may block that thread (a small transfer on a
+    /// blocking socket), so a second thread must not wait on the same runtime: it goes through
+    /// `rt`.
+    sync_lane: Mutex<SyncLane>,
+    /// The synchronous calls' requester on `rt`.
+    shared: Requester,
+}
+
+struct SyncLane {
+    rt: Runtime,
+    requester: Requester,
+}
+
+/// Runs a synchronous call (`$call`, with `$q` a requester) to completion on the calling
+/// thread of `$r` (a `Running`): on the sync lane when it is free, else on the shared runtime.
+macro_rules! block_on {
+    ($r:expr, |$q:ident| $call:expr) => {
+        match $r.sync_lane.try_lock() {
+            Some(lane) => {
+                let $q = &lane.requester;
+                lane.rt.block_on($call)
+            }
+            None => {
+                let $q = &$r.shared;
+                $r.rt.block_on($call)
+            }
+        }
+    };
 }
 
 #[pyclass(name = "TransferEngine", module = "mooncake_rs._native", subclass)]
@@ -109,7 +136,7 @@ impl NativeEngine {
     ) -> i64 {
         let run = || -> Result<(), EngineError> {
             let (r, batch) = (self.running()?, batch?);
-            py.detach(|| r.sync_rt.block_on(r.sync.transfer(target, op, &batch)))
+            py.detach(|| block_on!(r, |q| q.transfer(target, op, &batch)))
         };
         match run() {
             Ok(()) => 0,
@@ -243,12 +270,16 @@ impl NativeEngine {
         };
         match py.detach(|| rt.block_on(TransferEngine::start(config))) {
             Ok(engine) => {
-                let sync = engine.requester(true);
+                let requester = engine.requester(true);
+                let shared = engine.requester(false);
                 self.running = Some(Running {
                     rt,
                     engine: Arc::new(engine),
-                    sync_rt,
-                    sync,
+                    sync_lane: Mutex::new(SyncLane {
+                        rt: sync_rt,
+                        requester,
+                    }),
+                    shared,
                 });
                 0
             }
@@ -580,7 +611,7 @@ impl NativeEngine {
     fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
         let run = || {
             let r = self.running()?;
-            py.detach(|| r.sync_rt.block_on(r.sync.peer_regions(segment_name)))
+            py.detach(|| block_on!(r, |q| q.peer_regions(segment_name)))
         };
         match run() {
             Ok(list) => list.first().map_or(0, |(a, _)| *a),
@@ -595,7 +626,7 @@ impl NativeEngine {
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i64 {
         let run = || {
             let r = self.running()?;
-            py.detach(|| r.sync_rt.block_on(r.sync.peer_regions(peer_server_name)))
+            py.detach(|| block_on!(r, |q| q.peer_regions(peer_server_name)))
         };
         match run() {
             Ok(_) => 0,
@@ -673,8 +704,10 @@ impl Drop for NativeEngine {
         if let Some(r) = self.running.take() {
             r.rt.block_on(r.engine.withdraw());
             r.engine.stop();
-            drop(r.sync);
-            r.sync_rt.shutdown_timeout(Duration::from_secs(1));
+            let lane = r.sync_lane.into_inner();
+            drop(lane.requester);
+            lane.rt.shutdown_timeout(Duration::from_secs(1));
+            drop(r.shared);
             // Background batches end within their deadline; the engine goes after them.
             drop(r.engine);
             r.rt.shutdown_timeout(Duration::from_secs(1));

@@ -229,6 +229,46 @@ def test_another_processs_managed_buffer_is_copied_through_a_mapping(shm, monkey
             stop_target(second)
 
 
+def test_a_sync_call_is_not_held_up_by_another_threads_call_to_a_silent_peer(monkeypatch):
+    """Sync calls from several threads (a connector's thread pool): one waiting on a peer that
+    stopped answering does not hold up another's call to a healthy peer. Before, every sync call
+    ran on one runtime, which the first call's blocking socket held: the second waited out the
+    first one's deadline."""
+    import signal
+    import threading
+    import time
+
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    n = 4096
+    target, peer, m = start_target(n)
+    try:
+        a, b = TransferEngine(), TransferEngine()
+        for e in (a, b):
+            assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        src, src_p = buf(n, seed=3)
+        dst, dst_p = buf(n)
+        assert a.register_memory(src_p, n) == 0 and b.register_memory(dst_p, n) == 0
+        # Met once: the next small call to it waits on a blocking socket.
+        assert a.transfer_sync_write(peer, src_p, m, n) == 0
+        os.kill(target.pid, signal.SIGSTOP)
+        stuck = {}
+        t = threading.Thread(
+            target=lambda: stuck.setdefault("rc", a.transfer_sync_write(peer, src_p, m, n)))
+        t.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert a.transfer_sync_write(session(b), src_p, dst_p, n) == 0
+        took = time.monotonic() - start
+        assert dst.raw == src.raw
+        t.join(timeout=30)
+        assert stuck["rc"] == -1, "the silent peer's call fails at its deadline"
+        assert took < 2.5, f"the healthy call waited {took:.1f} s"
+    finally:
+        os.kill(target.pid, signal.SIGCONT)
+        stop_target(target)
+
+
 def test_initialize_refuses_what_it_cannot_do():
     e = TransferEngine()
     assert e.get_rpc_port() == -1
