@@ -55,6 +55,10 @@ pub struct ReplicateConfig {
 /// The most replicas one put may ask for.
 pub const MAX_REPLICAS: usize = 64;
 
+/// The most preferred segments one put may name (each is looked at for every object of the
+/// batch, under the master's lock).
+pub const MAX_PREFERRED: usize = 256;
+
 impl Default for ReplicateConfig {
     fn default() -> Self {
         ReplicateConfig {

@@ -261,6 +261,18 @@ async fn every_master_api_refuses_a_bad_config_and_answers_empty_batches() {
             assert_eq!(e.code, Code::InvalidParams, "{kind:?}: {e}");
             assert!(e.message.contains("replica_num"), "{kind:?}: {e}");
         }
+        let too_long = ReplicateConfig {
+            preferred_segments: (0..300)
+                .map(|i| {
+                    mooncake_common::SegmentName::parse(&format!("10.0.0.1:{}", 1000 + i)).unwrap()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let g = m.put_start(&[("x", 10)], &too_long, 0).await.unwrap();
+        let e = g.results[0].as_ref().unwrap_err();
+        assert_eq!(e.code, Code::InvalidParams, "{kind:?}: {e}");
+        assert!(e.message.contains("preferred segments"), "{kind:?}: {e}");
         // Unmounted preferred segments are skipped, not refused.
         let elsewhere = ReplicateConfig {
             preferred_segments: vec![mooncake_common::SegmentName::parse("10.255.0.1:9").unwrap()],

@@ -14,7 +14,7 @@ use std::{sync::Arc, time::Duration};
 use mooncake_common::{
     auth::{wall_clock_us, Access, Scope, SealKey},
     master_api::Releases,
-    replica::MAX_REPLICAS,
+    replica::{MAX_PREFERRED, MAX_REPLICAS},
     Code, ObjectKey, ReplicaLocation, ReplicateConfig, SegmentName,
 };
 use parking_lot::Mutex;
@@ -180,6 +180,13 @@ impl MasterService {
             let e = MasterError::Invalid(format!(
                 "replica_num {} is above the limit of {MAX_REPLICAS}",
                 config.replica_num
+            ));
+            return self.refuse_put_start(items.len(), &e);
+        }
+        if config.preferred_segments.len() > MAX_PREFERRED {
+            let e = MasterError::Invalid(format!(
+                "{} preferred segments is above the limit of {MAX_PREFERRED}",
+                config.preferred_segments.len()
             ));
             return self.refuse_put_start(items.len(), &e);
         }
