@@ -525,6 +525,7 @@ impl MasterState {
                 ));
             }
         }
+        self.replica_tasks.check_open()?;
         for (segment, allocation) in self.replica_tasks.reserved() {
             let size = self
                 .segments

@@ -6,7 +6,7 @@
 //! in place. Every report is checked against the object's current version, so a copy of a
 //! version that was removed or rewritten meanwhile is thrown away, never served.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use mooncake_common::{
     master_api::{ReplicaTaskStatus, ReplicaTaskType},
@@ -101,9 +101,32 @@ impl ReplicaTask {
 pub(super) struct ReplicaTasks {
     tasks: HashMap<u64, ReplicaTask>,
     finished_order: VecDeque<u64>,
+    /// The tasks not finished, by (creation, id): what expiry and a new task's checks look
+    /// at, instead of every task remembered.
+    open: BTreeSet<(Millis, u64)>,
 }
 
 impl ReplicaTasks {
+    /// The tasks not finished.
+    fn open(&self) -> impl Iterator<Item = (u64, &ReplicaTask)> {
+        self.open.iter().map(|&(_, id)| (id, &self.tasks[&id]))
+    }
+
+    /// Whether `open` lists exactly the tasks not finished, for the invariant check.
+    pub fn check_open(&self) -> Result<(), String> {
+        let unfinished: BTreeSet<(Millis, u64)> = (self.tasks.iter())
+            .filter(|(_, t)| !t.finished)
+            .map(|(id, t)| (t.created, *id))
+            .collect();
+        if unfinished != self.open {
+            return Err(format!(
+                "open replica tasks {:?}, unfinished ones {unfinished:?}",
+                self.open
+            ));
+        }
+        Ok(())
+    }
+
     /// The reserved ranges of copies under way, for the invariant check.
     pub fn reserved(&self) -> impl Iterator<Item = (SegmentId, &Allocation)> {
         self.tasks.values().flat_map(|t| {
@@ -205,9 +228,8 @@ impl MasterState {
         .ok_or_else(|| MasterError::NotFound(key.clone()))?;
         let held: Vec<SegmentId> = obj.replicas.iter().map(|r| r.segment).collect();
         for (&id, name) in targets.iter().zip(names) {
-            let under_way = self.replica_tasks.tasks.values().any(|t| {
-                !t.finished
-                    && &t.key == key
+            let under_way = self.replica_tasks.open().any(|(_, t)| {
+                &t.key == key
                     && t.targets
                         .iter()
                         .any(|x| x.segment == id && x.allocation.is_some())
@@ -292,6 +314,7 @@ impl MasterState {
         };
         tracing::info!(task = id, %key, ?kind, targets = task.targets.len(), "replica task created");
         self.replica_tasks.tasks.insert(id, task);
+        self.replica_tasks.open.insert((now, id));
         self.settle_task(id, now);
         Ok(id)
     }
@@ -397,10 +420,10 @@ impl MasterState {
         let timeout = self.policy.offload_timeout;
         let late: Vec<u64> = self
             .replica_tasks
-            .tasks
+            .open
             .iter()
-            .filter(|(_, t)| !t.finished && t.created.plus(timeout) <= now)
-            .map(|(id, _)| *id)
+            .take_while(|(created, _)| created.plus(timeout) <= now)
+            .map(|&(_, id)| id)
             .collect();
         for id in late {
             let task = self.replica_tasks.tasks.get_mut(&id).expect("listed above");
@@ -428,13 +451,7 @@ impl MasterState {
     /// A segment went away: copies to it fail (their room went with it), and so do moves from
     /// it.
     pub(super) fn replica_tasks_lose_segment(&mut self, segment: SegmentId, now: Millis) {
-        let ids: Vec<u64> = self
-            .replica_tasks
-            .tasks
-            .iter()
-            .filter(|(_, t)| !t.finished)
-            .map(|(id, _)| *id)
-            .collect();
+        let ids: Vec<u64> = self.replica_tasks.open().map(|(id, _)| id).collect();
         for id in ids {
             let task = self.replica_tasks.tasks.get_mut(&id).expect("listed above");
             for x in &mut task.targets {
@@ -468,6 +485,7 @@ impl MasterState {
         }
         task.finished = true;
         task.updated = now;
+        self.replica_tasks.open.remove(&(task.created, id));
         let moved_from = match (task.kind, task.failures.is_empty()) {
             (ReplicaTaskType::Move, true) => task.source,
             _ => None,
