@@ -189,3 +189,87 @@ fn cuda_memory_opens_only_with_a_driver_and_knows_host_memory_is_not_its() {
         }
     }
 }
+
+/// A host-backed device whose copies to it take 100 ms each, and which notes when each began.
+struct SlowDevice {
+    inner: HostBackedDevice,
+    copies_to_device: std::sync::Mutex<Vec<std::time::Instant>>,
+}
+
+impl DeviceMemory for SlowDevice {
+    fn name(&self) -> &str {
+        "slow"
+    }
+    fn owns(&self, ptr: usize, len: usize) -> bool {
+        self.inner.owns(ptr, len)
+    }
+    fn copy_to_host(
+        &self,
+        src: usize,
+        dst: &mut [u8],
+    ) -> Result<(), mooncake_client::device::DeviceError> {
+        self.inner.copy_to_host(src, dst)
+    }
+    fn copy_from_host(
+        &self,
+        src: &[u8],
+        dst: usize,
+    ) -> Result<(), mooncake_client::device::DeviceError> {
+        self.copies_to_device
+            .lock()
+            .unwrap()
+            .push(std::time::Instant::now());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        self.inner.copy_from_host(src, dst)
+    }
+}
+
+/// A device get dropped by its caller (a timeout) copies nothing more to the device once the
+/// drop has returned: the caller may free that memory then. Before, the staging thread went on
+/// copying every key it had read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_device_get_copies_nothing_to_the_device_after_the_drop() {
+    let c = Cluster::start(&[64 << 20]).await;
+    let client = c.client().await;
+    let n = 8;
+    let keys: Vec<String> = (0..n).map(|i| format!("slow/{i}")).collect();
+    let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    for k in &keys {
+        client
+            .put(k, &payload(k, MIB), &ReplicateConfig::default())
+            .await
+            .unwrap();
+    }
+    let dev = Arc::new(SlowDevice {
+        inner: HostBackedDevice::new(),
+        copies_to_device: Default::default(),
+    });
+    let dst: Vec<DeviceParts> = (0..n)
+        .map(|_| {
+            vec![DeviceRange {
+                ptr: dev.inner.alloc(MIB),
+                len: MIB,
+            }]
+        })
+        .collect();
+    let device: Arc<dyn DeviceMemory> = dev.clone();
+    let get = client.batch_get_into_device(&refs, &dst, device);
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(250), get)
+            .await
+            .is_err(),
+        "8 copies of 100 ms do not end in 250 ms"
+    );
+    let dropped = std::time::Instant::now();
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    let copies = dev.copies_to_device.lock().unwrap().clone();
+    assert!(
+        !copies.is_empty() && copies.len() < n,
+        "{} copies",
+        copies.len()
+    );
+    assert!(
+        copies.iter().all(|at| *at < dropped),
+        "a copy began after the drop returned"
+    );
+}

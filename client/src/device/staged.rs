@@ -4,8 +4,15 @@
 //! of the slice before it is in flight (one slice staged ahead at most, so staging memory stays
 //! at about three slices).
 
-use std::{ops::Range, sync::Arc};
+use std::{
+    ops::Range,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
 
+use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use super::{DeviceError, DeviceMemory, Staging};
@@ -193,12 +200,17 @@ impl Client {
             Vec<Result<usize, ClientError>>,
         );
         let (tx, mut rx) = mpsc::channel::<Read>(1);
+        let stop = StopScatter::default();
         let unstager = {
-            let (ranges, device) = (ranges.to_vec(), device.clone());
+            let (ranges, device, stop) = (ranges.to_vec(), device.clone(), stop.0.clone());
             tokio::task::spawn_blocking(move || {
                 let mut out: Vec<(usize, Result<usize, ClientError>)> = Vec::new();
                 while let Some((s, spans, buf, read)) = rx.blocking_recv() {
                     for ((i, span), r) in s.zip(spans).zip(read) {
+                        let _scattering = stop.scattering.lock();
+                        if stop.dropped.load(Ordering::Acquire) {
+                            return out;
+                        }
                         let r = r.and_then(|n| {
                             let read = &buf.bytes()[span.start..span.start + n];
                             scatter(&*device, read, &ranges[i])?;
@@ -256,6 +268,26 @@ impl Client {
             results[i] = Some(Err(e));
         }
         finish(results, copied.map(|_| ()))
+    }
+}
+
+/// Stops a device get's copies to the device when the get is dropped (its caller's timeout, a
+/// `select!`): no copy starts after, and the drop waits for the one under way, since the caller
+/// may free or reuse that device memory as soon as the drop returns.
+#[derive(Default)]
+struct StopScatter(Arc<Scattering>);
+
+#[derive(Default)]
+struct Scattering {
+    dropped: AtomicBool,
+    /// Held by the staging thread across each copy to the device.
+    scattering: Mutex<()>,
+}
+
+impl Drop for StopScatter {
+    fn drop(&mut self) {
+        self.0.dropped.store(true, Ordering::Release);
+        drop(self.0.scattering.lock());
     }
 }
 
