@@ -190,6 +190,9 @@ impl MasterLink {
             tonic::Code::PermissionDenied => refusal(Code::PermissionDenied),
             tonic::Code::Unauthenticated => refusal(Code::Unauthenticated),
             tonic::Code::InvalidArgument => refusal(Code::InvalidParams),
+            // The master's word on this segment (not mounted, another owner's, no SSD tier): a
+            // leader that answered, not one to look for again.
+            tonic::Code::FailedPrecondition => refusal(Code::SegmentNotFound),
             _ if mooncake_common::auth::refused_proof(s) => refusal(Code::Unauthenticated),
             _ => self.unreachable(addr, format!("{}: {}", s.code(), s.message())),
         }
@@ -536,5 +539,35 @@ impl MasterLink {
                 Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_refusal_about_the_segment_is_the_masters_word_not_an_unreachable_master() {
+        let link = MasterLink::new(
+            "127.0.0.1:9",
+            "c",
+            ClientId::from_u128(1),
+            SegmentName::parse("127.0.0.1:10").unwrap(),
+            1 << 20,
+            Duration::from_secs(1),
+            None,
+            Arc::default(),
+            None,
+            None,
+        )
+        .unwrap();
+        let refused = link.status_error(
+            "127.0.0.1:9",
+            &tonic::Status::failed_precondition("segment 127.0.0.1:10 is not mounted"),
+        );
+        assert!(matches!(refused, LinkError::Status { .. }), "{refused}");
+        assert_eq!(refused.code(), Code::SegmentNotFound);
+        let gone = link.status_error("127.0.0.1:9", &tonic::Status::unavailable("down"));
+        assert!(matches!(gone, LinkError::Unreachable { .. }), "{gone}");
     }
 }
