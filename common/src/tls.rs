@@ -182,6 +182,22 @@ impl ClientStream {
             ClientStream::Tls(_) => None,
         }
     }
+
+    /// Whether an idle connection is still usable: its peer has not closed it (and, on plain
+    /// TCP, sent nothing nobody asked for). Never waits. Through TLS, bytes waiting unread (a
+    /// session ticket, say) are the session's to judge: only a close is seen here.
+    pub fn idle_and_open(&self) -> bool {
+        match self {
+            ClientStream::Plain(s) => crate::data_socket::idle_and_open(s),
+            ClientStream::Tls(s) => {
+                let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+                match socket2::SockRef::from(s.get_ref().0).peek(&mut byte) {
+                    Ok(n) => n > 0,
+                    Err(e) => e.kind() == io::ErrorKind::WouldBlock,
+                }
+            }
+        }
+    }
 }
 
 impl tokio::io::AsyncRead for ClientStream {

@@ -399,8 +399,7 @@ impl FramedPool {
             .acquire()
             .await
             .expect("semaphore never closed");
-        let pooled = self.idle.lock().pop();
-        let mut conn = match pooled {
+        let mut conn = match self.idle_open() {
             Some(c) => c,
             None => self.connect().await?,
         };
@@ -415,6 +414,18 @@ impl FramedPool {
         match status {
             rpc_wire::STATUS_OK => Ok(out),
             _ => Err(status_error(&self.addr, status, &out)),
+        }
+    }
+
+    /// An idle connection the master has not closed meanwhile (it restarted, or an idle
+    /// timeout on the way cut it), if any: the others are dropped. A call on a closed one
+    /// would fail although the master is up and the request never reached it.
+    fn idle_open(&self) -> Option<FramedConn> {
+        loop {
+            let conn = self.idle.lock().pop()?;
+            if conn.stream.idle_and_open() {
+                return Some(conn);
+            }
         }
     }
 
@@ -461,6 +472,59 @@ impl FramedPool {
         match status {
             rpc_wire::STATUS_OK => Ok(()),
             _ => Err(status_error(&self.addr, status, &out)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A master that answers one call per connection (an empty segment list), then closes it,
+    /// as a master that restarted leaves its clients' idle connections.
+    async fn one_call_per_connection() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let mut hello = [0u8; rpc_wire::HELLO_LEN];
+                    s.read_exact(&mut hello).await.unwrap();
+                    s.write_all(&rpc_wire::hello()).await.unwrap();
+                    let mut h = [0u8; rpc_wire::HEADER_LEN];
+                    s.read_exact(&mut h).await.unwrap();
+                    let (len, _, id) = rpc_wire::decode_header(&h).unwrap();
+                    let mut body = vec![0u8; len];
+                    s.read_exact(&mut body).await.unwrap();
+                    let out = pb::ListSegmentsResponse::default().encode_to_vec();
+                    s.write_all(&rpc_wire::encode_header(out.len(), 0, id))
+                        .await
+                        .unwrap();
+                    s.write_all(&out).await.unwrap();
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_master_closed_is_not_used() {
+        let addr = one_call_per_connection().await;
+        let m = FramedMaster::new(
+            &addr,
+            Duration::from_secs(2),
+            Duration::from_secs(2),
+            Duration::ZERO,
+            None,
+            Tenant::default(),
+            None,
+        );
+        for i in 0..3 {
+            // The connection the last call left in the pool is closed by now.
+            assert!(m.list_segments().await.unwrap().is_empty(), "call {i}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

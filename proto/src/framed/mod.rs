@@ -142,9 +142,9 @@ mod tests {
         bad[4] = 7;
         assert!(check_hello(&bad).unwrap_err().contains("version 7"));
         assert!(check_hello(b"PRI * HT").is_err());
-        for m in 1..=16 {
+        for m in 1..=17 {
             assert_eq!(Method::from_u32(m).unwrap() as u32, m);
         }
-        assert!(Method::from_u32(17).is_none());
+        assert!(Method::from_u32(18).is_none());
     }
 }
