@@ -93,6 +93,8 @@ struct Hold {
 pub(crate) struct Taken {
     pub keys: Vec<String>,
     pub epoch: u64,
+    /// The earliest of their holds' `send_by`.
+    pub send_by: Option<Instant>,
 }
 
 impl Taken {
@@ -101,6 +103,7 @@ impl Taken {
         Releases {
             keys,
             epoch: self.epoch,
+            send_by: self.send_by,
         }
     }
 
@@ -209,6 +212,7 @@ impl Leases {
         let now = Instant::now();
         let epoch = self.newest.load(Ordering::Relaxed);
         let mut dropped = 0;
+        let mut send_by: Option<Instant> = None;
         let keys: Vec<String> = {
             let mut q = self.queue.lock();
             let n = q.len().min(BATCH);
@@ -216,6 +220,9 @@ impl Leases {
                 .filter_map(|h| {
                     let goes = now < h.send_by && h.epoch == epoch;
                     dropped += u64::from(!goes);
+                    if goes {
+                        send_by = Some(send_by.map_or(h.send_by, |t| t.min(h.send_by)));
+                    }
                     goes.then_some(h.key)
                 })
                 .collect()
@@ -228,7 +235,11 @@ impl Leases {
                 "read holds past half their lease, or granted by a master gone since, not handed back; they end at their TTL"
             );
         }
-        Taken { keys, epoch }
+        Taken {
+            keys,
+            epoch,
+            send_by,
+        }
     }
 
     /// Holds dropped so far for being too late to hand back.
@@ -309,11 +320,14 @@ mod tests {
         Granted { asked, ttl, epoch }
     }
 
-    fn taken(keys: &[&str], epoch: u64) -> Taken {
-        Taken {
-            keys: keys.iter().map(|k| k.to_string()).collect(),
-            epoch,
-        }
+    /// What `take` answered, less when its holds must go out by (checked on its own).
+    fn taken(keys: &[&str], epoch: u64) -> (Vec<String>, u64) {
+        (keys.iter().map(|k| k.to_string()).collect(), epoch)
+    }
+
+    fn take(leases: &Leases) -> (Vec<String>, u64) {
+        let t = leases.take();
+        (t.keys, t.epoch)
     }
 
     #[test]
@@ -325,9 +339,13 @@ mod tests {
         leases.keep(["kept-too-long"], asked_ago(5, ttl, 7));
         leases.keep(["kept"], asked_ago(4, ttl, 7));
         leases.call_ended();
-        assert_eq!(leases.take(), taken(&["fresh", "kept"], 7));
+        let t = leases.take();
+        assert_eq!((t.keys, t.epoch), taken(&["fresh", "kept"], 7));
+        // The request must go out by the earliest of theirs: kept's, asked 4 s ago.
+        let left = t.send_by.unwrap() - Instant::now();
+        assert!(left <= Duration::from_secs(1), "{left:?}");
         assert_eq!(leases.dropped(), 2);
-        assert_eq!(leases.take(), taken(&[], 7));
+        assert_eq!(take(&leases), taken(&[], 7));
     }
 
     #[test]
@@ -336,13 +354,13 @@ mod tests {
         let ttl = Duration::from_secs(10);
         drop(leases.reading(["a"], asked_ago(0, ttl, 7)));
         // Before any newer master answered, the old one's holds go, naming it.
-        assert_eq!(leases.take(), taken(&["a"], 7));
+        assert_eq!(take(&leases), taken(&["a"], 7));
         drop(leases.reading(["b"], asked_ago(0, ttl, 7)));
         leases.keep(["c"], asked_ago(0, ttl, 7));
         // A newer master answered (a restart, a new leader): the older holds are dropped.
         drop(leases.reading(["d"], asked_ago(0, ttl, 9)));
         leases.call_ended();
-        assert_eq!(leases.take(), taken(&["d"], 9));
+        assert_eq!(take(&leases), taken(&["d"], 9));
         assert_eq!(leases.dropped(), 2);
     }
 }

@@ -243,18 +243,42 @@ pub struct Existence {
 /// counts a lease's holds without naming them, so a hold it never granted would end another
 /// reader's: a master of another epoch (restarted, or a new leader) ignores them. Epoch 0 (not
 /// known) is taken as the receiving master's.
+///
+/// A release that reaches the master after the lease it belongs to ran out would take a hold of
+/// the next reader's lease: `send_by` is the last instant its request may go out (an adapter
+/// leaves the keys out of a request written later, after a wait for a connection, say).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Releases<'a> {
     pub keys: &'a [&'a str],
     pub epoch: u64,
+    /// None: no limit (the master's side, which decoded them from a request).
+    pub send_by: Option<std::time::Instant>,
 }
 
-impl Releases<'_> {
+impl<'a> Releases<'a> {
     /// Nothing to hand back.
     pub const NONE: Releases<'static> = Releases {
         keys: &[],
         epoch: 0,
+        send_by: None,
     };
+
+    /// Holds of the master of `epoch` that a request may carry whenever it goes out.
+    pub fn of(keys: &'a [&'a str], epoch: u64) -> Releases<'a> {
+        Releases {
+            keys,
+            epoch,
+            send_by: None,
+        }
+    }
+
+    /// What a request going out now carries: these holds, or none once past `send_by`.
+    pub fn now(self) -> Releases<'a> {
+        match self.send_by {
+            Some(t) if std::time::Instant::now() >= t => Releases::NONE,
+            _ => self,
+        }
+    }
 }
 
 /// A key that was found: its size, and its replicas in `Lookup::replicas`.

@@ -362,12 +362,9 @@ async fn every_master_api_hands_back_read_holds_the_same() {
         assert_ne!(epoch, 0, "{kind:?}");
         let checked = m.exists(&["h/a", "h/c"], Releases::NONE).await.unwrap();
         assert_eq!(checked.epoch, epoch, "{kind:?}");
-        let of = |keys| Releases { keys, epoch };
+        let of = |keys| Releases::of(keys, epoch);
         // Holds that name another master's epoch are not this master's to end.
-        let foreign = Releases {
-            keys: &["h/a", "h/a", "h/b", "h/c"],
-            epoch: epoch + 1,
-        };
+        let foreign = Releases::of(&["h/a", "h/a", "h/b", "h/c"], epoch + 1);
         m.release_leases(foreign).await.unwrap();
         // One of a's and b's go back with a lookup of nothing, c's with a check of nothing.
         m.get_replicas(&[], of(&["h/a", "h/b"])).await.unwrap();
@@ -379,12 +376,7 @@ async fn every_master_api_hands_back_read_holds_the_same() {
             "{kind:?}"
         );
         // Epoch 0 (a caller that does not know it) is taken as this master's.
-        m.release_leases(Releases {
-            keys: &["h/a"],
-            epoch: 0,
-        })
-        .await
-        .unwrap();
+        m.release_leases(Releases::of(&["h/a"], 0)).await.unwrap();
         assert_eq!(
             codes(&m.remove(&["h/a"], false).await.unwrap()),
             vec![Code::Ok],

@@ -109,6 +109,24 @@ impl FramedMaster {
     }
 }
 
+/// A lookup's or an existence check's request: its keys, and the holds it hands back if it goes
+/// out in time for them (`Releases::now`, when it is written); the most bytes it takes.
+fn keys_and_release<'a>(
+    keys: &'a [&'a str],
+    release: Releases<'a>,
+) -> (usize, impl FnOnce(&mut Vec<u8>) + 'a) {
+    let len = keys::strings_len(fields::KEYS, keys)
+        + keys::strings_len(fields::RELEASE, release.keys)
+        + keys::u64_field_len(fields::RELEASE_EPOCH, release.epoch);
+    let encode = move |buf: &mut Vec<u8>| {
+        let release = release.now();
+        keys::encode_strings(fields::KEYS, keys, buf);
+        keys::encode_strings(fields::RELEASE, release.keys, buf);
+        keys::encode_u64(fields::RELEASE_EPOCH, release.epoch, buf);
+    };
+    (len, encode)
+}
+
 impl MasterApi for FramedMaster {
     fn put_start<'a>(
         &'a self,
@@ -159,19 +177,8 @@ impl MasterApi for FramedMaster {
 
     fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
         Box::pin(async move {
-            let body = self
-                .raw(
-                    Method::BatchGetReplicas,
-                    keys::strings_len(fields::KEYS, keys)
-                        + keys::strings_len(fields::RELEASE, release.keys)
-                        + keys::u64_field_len(fields::RELEASE_EPOCH, release.epoch),
-                    |buf| {
-                        keys::encode_strings(fields::KEYS, keys, buf);
-                        keys::encode_strings(fields::RELEASE, release.keys, buf);
-                        keys::encode_u64(fields::RELEASE_EPOCH, release.epoch, buf);
-                    },
-                )
-                .await?;
+            let (len, encode) = keys_and_release(keys, release);
+            let body = self.raw(Method::BatchGetReplicas, len, encode).await?;
             let lookup = answers::lookup_from_frame(&body)?;
             check_len("lookup", lookup.results().len(), keys.len())?;
             Ok(lookup)
@@ -180,19 +187,8 @@ impl MasterApi for FramedMaster {
 
     fn exists<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Existence> {
         Box::pin(async move {
-            let body = self
-                .raw(
-                    Method::BatchExists,
-                    keys::strings_len(fields::KEYS, keys)
-                        + keys::strings_len(fields::RELEASE, release.keys)
-                        + keys::u64_field_len(fields::RELEASE_EPOCH, release.epoch),
-                    |buf| {
-                        keys::encode_strings(fields::KEYS, keys, buf);
-                        keys::encode_strings(fields::RELEASE, release.keys, buf);
-                        keys::encode_u64(fields::RELEASE_EPOCH, release.epoch, buf);
-                    },
-                )
-                .await?;
+            let (len, encode) = keys_and_release(keys, release);
+            let body = self.raw(Method::BatchExists, len, encode).await?;
             let resp =
                 pb::BatchExistsResponse::decode(&body[..]).map_err(|e| self.undecodable(e))?;
             let found = exists_codes(expect_len("exists", resp.codes, keys.len())?);
@@ -237,12 +233,14 @@ impl MasterApi for FramedMaster {
 
     fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
         Box::pin(async move {
-            let req = pb::BatchReleaseLeasesRequest {
-                keys: release.keys.iter().map(|k| k.to_string()).collect(),
-                epoch: release.epoch,
+            // `BatchReleaseLeasesRequest`: `repeated string keys = 1; uint64 epoch = 2;`.
+            let len = keys::strings_len(1, release.keys) + keys::u64_field_len(2, release.epoch);
+            let encode = |buf: &mut Vec<u8>| {
+                let release = release.now();
+                keys::encode_strings(1, release.keys, buf);
+                keys::encode_u64(2, release.epoch, buf);
             };
-            let _: pb::BatchReleaseLeasesResponse =
-                self.call(Method::BatchReleaseLeases, &req).await?;
+            self.raw(Method::BatchReleaseLeases, len, encode).await?;
             Ok(())
         })
     }
@@ -319,22 +317,34 @@ impl FramedConn {
         spin: Duration,
     ) -> Result<(i32, Vec<u8>), ApiError> {
         let rpc_err = |e: io::Error| ApiError::rpc(format!("master {addr} connection failed: {e}"));
-        if len > rpc_wire::MAX_BODY {
+        let too_large = |len: usize| {
             // The master would drop the connection (and a retry would send it again).
-            return Err(ApiError::new(
+            ApiError::new(
                 Code::InvalidParams,
                 format!(
                     "a request of {len} bytes exceeds the frame limit of {} bytes: split the batch",
                     rpc_wire::MAX_BODY
                 ),
-            ));
+            )
+        };
+        if len > rpc_wire::MAX_BODY {
+            return Err(too_large(len));
         }
         let id = self.next_id;
         self.next_id += 1;
+        // `len` is at least the body: the body may leave out what is late by now (releases).
         let mut frame = Vec::with_capacity(rpc_wire::HEADER_LEN + len);
-        frame.extend_from_slice(&rpc_wire::encode_header(len, method as u32, id));
+        frame.resize(rpc_wire::HEADER_LEN, 0);
         encode(&mut frame);
-        debug_assert_eq!(frame.len(), rpc_wire::HEADER_LEN + len);
+        let len = frame.len() - rpc_wire::HEADER_LEN;
+        if len > rpc_wire::MAX_BODY {
+            return Err(too_large(len));
+        }
+        frame[..rpc_wire::HEADER_LEN].copy_from_slice(&rpc_wire::encode_header(
+            len,
+            method as u32,
+            id,
+        ));
         self.stream.write_all(&frame).await.map_err(rpc_err)?;
         let mut h = [0u8; rpc_wire::HEADER_LEN];
         // The answer is usually microseconds away: poll for it before parking the thread.
@@ -507,6 +517,60 @@ mod tests {
             }
         });
         addr
+    }
+
+    /// A release goes out only in time: a request written after its `send_by` (it waited for
+    /// a connection, say) leaves the holds out, since the lease may have run out by then.
+    #[tokio::test]
+    async fn releases_written_too_late_are_left_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; rpc_wire::HELLO_LEN];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&rpc_wire::hello()).await.unwrap();
+            loop {
+                let mut h = [0u8; rpc_wire::HEADER_LEN];
+                if s.read_exact(&mut h).await.is_err() {
+                    return;
+                }
+                let (len, _, id) = rpc_wire::decode_header(&h).unwrap();
+                let mut body = vec![0u8; len];
+                s.read_exact(&mut body).await.unwrap();
+                let req = pb::BatchGetReplicasRequest::decode(&body[..]).unwrap();
+                seen_tx.send(req.release).unwrap();
+                let out = pb::BatchGetReplicasResponse::default().encode_to_vec();
+                s.write_all(&rpc_wire::encode_header(out.len(), 0, id))
+                    .await
+                    .unwrap();
+                s.write_all(&out).await.unwrap();
+            }
+        });
+        let m = FramedMaster::new(
+            &addr,
+            Duration::from_secs(2),
+            Duration::from_secs(2),
+            Duration::ZERO,
+            None,
+            Tenant::default(),
+            None,
+        );
+        let keys = ["a", "b"];
+        let now = std::time::Instant::now();
+        for (send_by, want) in [
+            (now + Duration::from_secs(10), vec!["a", "b"]),
+            (now - Duration::from_millis(1), vec![]),
+        ] {
+            let release = Releases {
+                keys: &keys,
+                epoch: 7,
+                send_by: Some(send_by),
+            };
+            m.get_replicas(&[], release).await.unwrap();
+            assert_eq!(seen.recv().await.unwrap(), want);
+        }
     }
 
     #[tokio::test]

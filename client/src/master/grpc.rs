@@ -193,7 +193,7 @@ impl MasterApi for GrpcMaster {
         Box::pin(async move {
             let req = pb::BatchGetReplicasRequest {
                 keys: owned(keys),
-                release: owned(release.keys),
+                release: owned(release.now().keys),
                 release_epoch: release.epoch,
             };
             let resp = self
@@ -209,7 +209,7 @@ impl MasterApi for GrpcMaster {
         Box::pin(async move {
             let req = pb::BatchExistsRequest {
                 keys: owned(keys),
-                release: owned(release.keys),
+                release: owned(release.now().keys),
                 release_epoch: release.epoch,
             };
             let resp = self
@@ -262,7 +262,7 @@ impl MasterApi for GrpcMaster {
     fn release_leases<'a>(&'a self, release: Releases<'a>) -> Call<'a, ()> {
         Box::pin(async move {
             let req = pb::BatchReleaseLeasesRequest {
-                keys: owned(release.keys),
+                keys: owned(release.now().keys),
                 epoch: release.epoch,
             };
             self.unary(|mut c| async move { c.batch_release_leases(req).await })

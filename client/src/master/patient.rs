@@ -89,7 +89,7 @@ impl Patient {
                     let (keys, epoch) = hits(replaced);
                     if !keys.is_empty() {
                         // Best effort: a hold not handed back ends at its TTL.
-                        let release = self.inner.release_leases(Releases { keys: &keys, epoch });
+                        let release = self.inner.release_leases(Releases::of(&keys, epoch));
                         let _ = tokio::time::timeout_at(give_up, release).await;
                     }
                 }

@@ -265,10 +265,7 @@ fn get_replicas(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<
         Ok(k) => k,
         Err(e) => return bad_request(e),
     };
-    let release = Releases {
-        keys: &release,
-        epoch: release_epoch,
-    };
+    let release = Releases::of(&release, release_epoch);
     let mut enc = Encoder::with_capacity(keys.len() * 48);
     let leased = svc.get_replicas(caller, &keys, release, |found| {
         let code = code(&found);
@@ -311,10 +308,7 @@ async fn dispatch(grpc: &GrpcMaster, caller: &Caller, m: Method, body: &[u8]) ->
         Method::BatchGetReplicas => get_replicas(svc, caller, body),
         Method::BatchExists => match keys_and_release(body) {
             Ok((keys, release, epoch)) => {
-                let release = Releases {
-                    keys: &release,
-                    epoch,
-                };
+                let release = Releases::of(&release, epoch);
                 (
                     rpc_wire::STATUS_OK,
                     grpc::exists(svc, caller, &keys, release).encode_to_vec(),

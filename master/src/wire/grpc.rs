@@ -232,10 +232,7 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
-        let release = Releases {
-            keys: &release,
-            epoch: r.release_epoch,
-        };
+        let release = Releases::of(&release, r.release_epoch);
         let mut results = Vec::with_capacity(keys.len());
         let leased = self.0.get_replicas(&caller, &keys, release, |found| {
             let code = code(&found);
@@ -261,10 +258,7 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
-        let release = Releases {
-            keys: &release,
-            epoch: r.release_epoch,
-        };
+        let release = Releases::of(&release, r.release_epoch);
         Ok(Response::new(exists(&self.0, &caller, &keys, release)))
     }
 
@@ -407,10 +401,7 @@ impl pb::master_server::Master for GrpcMaster {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
-        let release = Releases {
-            keys: &keys,
-            epoch: r.epoch,
-        };
+        let release = Releases::of(&keys, r.epoch);
         self.0.release_leases(&caller, release);
         Ok(Response::new(pb::BatchReleaseLeasesResponse {}))
     }
