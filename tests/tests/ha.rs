@@ -224,6 +224,33 @@ async fn a_leader_stopped_with_sigterm_hands_over_at_once() {
     all_exact(&client, &keys).await;
 }
 
+/// A leader whose key is deleted while its lease lives on (an operator forcing a failover, a
+/// cleanup of the prefix) steps down within a keepalive period, as the standby takes the key.
+/// Before, it went on leading for as long as its lease lived, beside the new leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_key_is_deleted_steps_down() {
+    let etcd = Etcd::start().await;
+    let a = ha_master_with_ttl(&etcd, "9");
+    a.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let b = ha_master_with_ttl(&etcd, "9");
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    c.delete(mooncake_common::leader::leader_key("ha-test"), None)
+        .await
+        .unwrap();
+    b.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(15));
+    // A campaigns again, and finds B leading.
+    let stepped_down = a
+        .guard
+        .line_within("mooncake_master standby leader=", Duration::from_secs(8));
+    assert!(stepped_down.is_some(), "the old leader still leads");
+}
+
 /// etcd stalling for longer than a keepalive period but shorter than the lease does not end the
 /// leader's term: the keepalive is tried again (on a new connection) while the lease lasts, and
 /// the leader serves throughout, with no new election and no rebuild. Before, the first

@@ -28,8 +28,8 @@ struct Args {
     /// Read lease: milliseconds, or a duration such as "10s".
     #[arg(long = "default_kv_lease_ttl", value_parser = ms)]
     default_kv_lease_ttl: Option<Duration>,
-    /// Soft-pin protection: seconds, or a duration such as "30m".
-    #[arg(long = "default_kv_soft_pin_ttl", value_parser = secs)]
+    /// Soft-pin protection: milliseconds (as Mooncake reads it), or a duration such as "30m".
+    #[arg(long = "default_kv_soft_pin_ttl", value_parser = ms)]
     soft_pin_ttl: Option<Duration>,
     #[arg(long = "eviction_high_watermark_ratio")]
     eviction_high_watermark_ratio: Option<f64>,
@@ -46,7 +46,8 @@ struct Args {
     #[arg(long = "allocation_strategy")]
     allocation_strategy: Option<AllocationStrategy>,
     /// Offload objects to their owner's SSD tier when their put ends (not only on eviction).
-    #[arg(long = "eager_offload", alias = "eager-offload")]
+    #[arg(long = "eager_offload", alias = "eager-offload", num_args = 0..=1,
+        default_missing_value = "true", action = clap::ArgAction::Set, default_value = "false")]
     eager_offload: bool,
     /// Which objects eviction takes first: "car" (adaptive recency/frequency) or "lru".
     #[arg(long = "eviction_policy", alias = "eviction-policy")]
@@ -68,7 +69,9 @@ struct Args {
     #[arg(long = "rebuild_window_sec", value_parser = secs)]
     rebuild_window: Option<Duration>,
     /// Campaign for leadership in etcd (with --etcd_endpoints); standbys take over on failure.
-    #[arg(long = "enable_ha", alias = "enable-ha")]
+    /// `--enable_ha` alone, or with a value as Mooncake writes it (`--enable_ha=true`).
+    #[arg(long = "enable_ha", alias = "enable-ha", num_args = 0..=1,
+        default_missing_value = "true", action = clap::ArgAction::Set, default_value = "false")]
     enable_ha: bool,
     /// etcd endpoints, "host:port;host:port".
     #[arg(long = "etcd_endpoints", alias = "etcd-endpoints")]
@@ -238,4 +241,30 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
     }
     tracing::info!("shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Mooncake's own launch lines parse, with its units.
+    #[test]
+    fn mooncakes_flags_parse_as_mooncake_writes_them() {
+        let args = Args::try_parse_from([
+            "mooncake_master",
+            "--enable_ha=true",
+            "--etcd_endpoints=127.0.0.1:2379",
+            "--default_kv_soft_pin_ttl=1800000",
+            "--default_kv_lease_ttl=5000",
+            "--eager_offload",
+        ])
+        .unwrap();
+        assert!(args.enable_ha && args.eager_offload);
+        assert_eq!(args.soft_pin_ttl, Some(Duration::from_secs(30 * 60)));
+        assert_eq!(args.default_kv_lease_ttl, Some(Duration::from_secs(5)));
+        let off = Args::try_parse_from(["mooncake_master", "--enable_ha=false"]).unwrap();
+        assert!(!off.enable_ha && !off.eager_offload);
+        let bare = Args::try_parse_from(["mooncake_master", "--enable_ha"]).unwrap();
+        assert!(bare.enable_ha);
+    }
 }

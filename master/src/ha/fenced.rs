@@ -66,6 +66,14 @@ impl Seat {
         }
     }
 
+    /// Whether this term still holds the leader key: an error (`Deposed`) once it was deleted
+    /// (by an operator, a cleanup) or taken by another term, even while this term's lease
+    /// lives on. Nothing is written.
+    pub async fn confirm(&self, etcd: &mut Client) -> anyhow::Result<()> {
+        self.write_all(etcd, Vec::new(), "nothing (the seat is confirmed)")
+            .await
+    }
+
     async fn write(&self, etcd: &mut Client, op: TxnOp, key: &str) -> anyhow::Result<()> {
         self.write_all(etcd, vec![op], key).await
     }

@@ -430,10 +430,12 @@ impl Books {
     }
 }
 
-/// Keeps the lease alive every third of its TTL, and the books written, until `stop`. A call etcd
-/// does not answer (a slow or stalled member, a broken connection) does not end the term: it is
-/// tried again on a new connection, to the next member, for as long as the lease may still be
-/// alive. Only a lapsed lease, or a write refused because another term holds the key, ends it.
+/// Keeps the lease alive every third of its TTL, the seat confirmed, and the books written,
+/// until `stop`. A call etcd does not answer (a slow or stalled member, a broken connection)
+/// does not end the term: it is tried again on a new connection, to the next member, for as
+/// long as the lease may still be alive. Only a lapsed lease, or a leader key that is no longer
+/// this term's (deleted, or another term's), ends it. The key is looked at every period: a key
+/// deleted while the lease lives on lets a standby win, and two masters would answer.
 async fn keep_leading(
     etcd: &mut Client,
     candidate: &Candidate<'_>,
@@ -461,6 +463,7 @@ async fn keep_leading(
                 clock.as_ref(),
             )
             .await?;
+            books.seat.confirm(etcd).await?;
             if last_reserve.elapsed() >= Duration::from_secs(1) {
                 books.reserve(etcd, master).await?;
                 last_reserve = Instant::now();
