@@ -120,10 +120,15 @@ impl RunningMaster {
         ));
         let grpc = GrpcMaster(service.clone());
         let leader = service.clone();
-        let svc = tonic::service::interceptor::InterceptedService::new(
+        let still_leading = service.clone();
+        let answering = crate::wire::leading::AnswerWhileLeading::new(
             MasterServer::new(grpc.clone())
                 .max_decoding_message_size(256 << 20)
                 .max_encoding_message_size(256 << 20),
+            Arc::new(move || still_leading.leading()),
+        );
+        let svc = tonic::service::interceptor::InterceptedService::new(
+            answering,
             move |mut req: tonic::Request<()>| {
                 if !leader.leading() {
                     return Err(tonic::Status::unavailable(NOT_LEADING));

@@ -178,11 +178,6 @@ impl pb::master_server::Master for GrpcMaster {
             Ok(config) => self.0.put_start(&caller, &items, &config, r.token).await,
             Err(e) => self.0.refuse_put_start(items.len(), &e),
         };
-        if !self.0.leading() {
-            // It waited (for offloads) across the lease's lapse: the grants are a deposed
-            // term's.
-            return Err(Status::unavailable(crate::server::NOT_LEADING));
-        }
         let results = results
             .into_iter()
             .map(|r| {

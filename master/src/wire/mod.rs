@@ -7,6 +7,7 @@ pub mod admitted;
 pub mod framed;
 pub mod grpc;
 pub mod in_process;
+pub mod leading;
 
 use mooncake_common::{ClientId, ReplicaLocation, ReplicateConfig, SegmentName, Tier};
 use mooncake_proto::{framed::replicas::ReplicaRef, master as pb};
