@@ -463,12 +463,21 @@ async fn keep_leading(
                 clock.as_ref(),
             )
             .await?;
-            books.seat.confirm(etcd).await?;
+            // Each within a period: a write etcd does not answer (a stalled disk holds
+            // commits while keepalives are still answered) must not hold the next keepalive
+            // back until the lease lapses. It is tried again, on a new connection, below.
+            within(period, "confirming the seat", books.seat.confirm(etcd)).await?;
             if last_reserve.elapsed() >= Duration::from_secs(1) {
-                books.reserve(etcd, master).await?;
+                within(period, "reserving put ids", books.reserve(etcd, master)).await?;
                 last_reserve = Instant::now();
             }
-            books.publish_segments(etcd, master, clock.now()).await
+            let now = clock.now();
+            within(
+                period,
+                "publishing segments",
+                books.publish_segments(etcd, master, now),
+            )
+            .await
         };
         if let Err(e) = tended.await {
             if ends_term(&e) || !leadership.holds(clock.now()) {
@@ -499,6 +508,17 @@ async fn keep_leading(
             );
         }
     }
+}
+
+/// `write` (`what`), or an error once `period` passed without etcd's answer.
+async fn within(
+    period: Duration,
+    what: &str,
+    write: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    tokio::time::timeout(period, write)
+        .await
+        .map_err(|_| anyhow::anyhow!("etcd did not answer {what} within {period:?}"))?
 }
 
 /// How soon a keepalive or a write etcd did not answer is tried again.
