@@ -255,7 +255,19 @@ async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, V
             Err(_) => enc.put_start_result(code, &message, 0, std::iter::empty()),
         }
     }
-    (rpc_wire::STATUS_OK, enc.finish_put_start())
+    let out = enc.finish_put_start();
+    if out.len() > rpc_wire::MAX_BODY {
+        // The answer cannot go out, so nobody would write or end these puts: given up now,
+        // not left as puts in flight (each key refused as "already exists") until the discard
+        // timeout.
+        let granted: Vec<(&str, u64)> = items
+            .iter()
+            .zip(&results)
+            .filter_map(|(&(k, _), r)| Some((k, r.as_ref().ok()?.put_id)))
+            .collect();
+        svc.put_revoke(caller, &granted);
+    }
+    (rpc_wire::STATUS_OK, out)
 }
 
 /// `BatchGetReplicas`: keys borrowed from the frame, the answer encoded straight from the
