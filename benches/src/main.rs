@@ -78,7 +78,9 @@ struct Args {
     /// Trace mode: bytes per KV block.
     #[arg(long, default_value = "64KiB")]
     block_size: ByteSize,
-    /// Embedded mode: the master's eviction high watermark (fraction of memory in use).
+    /// The master's eviction high watermark (fraction of memory in use): set for the embedded
+    /// master, and the capacity LRU and MIN are simulated at in trace mode (with `--master`,
+    /// give the remote master's, which defaults to 0.90).
     #[arg(long, default_value_t = 0.95)]
     eviction_watermark: f64,
     /// Trace mode: only simulate exact LRU and Belady's MIN at the capacity `--segment-size`
@@ -312,13 +314,15 @@ async fn replay_trace(
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "trace {}: {} requests, {} blocks ({} unique) of {}, {} blocks fit",
+            "trace {}: {} requests, {} blocks ({} unique) of {}, {} blocks fit (LRU and MIN \
+             simulated at an eviction watermark of {})",
             path.display(),
             r.requests,
             r.blocks,
             r.unique_blocks,
             ByteSize(r.block_size),
-            r.capacity_blocks
+            r.capacity_blocks,
+            args.eviction_watermark
         );
         println!(
             "{:>10} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>9} {:>7}",
@@ -344,11 +348,15 @@ async fn replay_trace(
             r.put_p50_us,
             r.put_p99_us,
             r.verified,
-            r.wrong_bytes + r.failed_gets + r.failed_puts
+            r.wrong_bytes + r.failed_gets + r.failed_puts + r.lookup_errors
         );
     }
-    if r.wrong_bytes > 0 {
-        bail!("{} blocks read back wrong", r.wrong_bytes);
+    if r.wrong_bytes > 0 || r.lookup_errors > 0 {
+        bail!(
+            "{} blocks read back wrong, {} block lookups failed",
+            r.wrong_bytes,
+            r.lookup_errors
+        );
     }
     Ok(())
 }

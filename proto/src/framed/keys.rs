@@ -219,7 +219,7 @@ mod tests {
             let start = pb::BatchPutStartRequest {
                 items: items.iter().map(|(key, size)| pb::PutStartItem { key: key.clone(), size: *size }).collect(),
                 config: Some(config.clone()),
-                token: replica_num as u64 * 0x9e37_79b9_7f4a_7c15,
+                token: (replica_num as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
             };
             let mut seen = None;
             let mut others = Vec::new();
@@ -233,7 +233,7 @@ mod tests {
             prop_assert_eq!(got, refs);
             prop_assert_eq!(seen, Some(config));
             // The token, a varint field of its own, read as the master reads it.
-            prop_assert_eq!(decode_u64(&start, 3).unwrap(), replica_num as u64 * 0x9e37_79b9_7f4a_7c15);
+            prop_assert_eq!(decode_u64(&start, 3).unwrap(), (replica_num as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         }
 
         #[test]
