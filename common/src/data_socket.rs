@@ -46,10 +46,16 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
 }
 
 /// Whether an idle connection is still usable: its peer has not closed it and sent nothing
-/// nobody asked for (which would leave the stream out of step). Never waits.
+/// nobody asked for (which would leave the stream out of step). Never waits. Asks the socket
+/// itself: tokio's `try_read` answers "would block" without a system call while the runtime has
+/// not yet seen the connection readable, and a close the I/O driver has not processed yet
+/// passed as open.
 pub fn idle_and_open(stream: &TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    match SockRef::from(stream).peek(&mut byte) {
+        Ok(_) => false,
+        Err(e) => e.kind() == io::ErrorKind::WouldBlock,
+    }
 }
 
 /// Whether the peer is this host: a loopback address, or the socket's own address.
@@ -63,6 +69,21 @@ pub fn same_host(stream: &TcpStream) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A close is seen at once, even before the runtime's I/O driver ran (a current-thread
+    /// runtime busy elsewhere).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_closed_idle_connection_is_seen_before_the_driver_runs() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (client, (server, _)) = (client.unwrap(), accepted.unwrap());
+        assert!(idle_and_open(&client));
+        drop(server);
+        // No await between the close and the check: the driver has not run.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!idle_and_open(&client), "the peer closed it");
+    }
 
     #[tokio::test]
     async fn both_ends_get_the_send_buffer_and_no_delay() {
