@@ -82,6 +82,79 @@ async fn exports_the_segment_returns_the_exit_code_and_stops_the_owner() {
     master.shutdown().await;
 }
 
+/// A set-but-empty MOONCAKE_PREFERRED_SEGMENT is unset (as the client reads it): the owner's
+/// segment is exported. And a `setpriv` without `--pdeathsig` (util-linux before 2.33,
+/// busybox) does not keep the owner from starting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_preferred_segment_and_an_old_setpriv_are_handled() {
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
+    let shims = mooncake_tests::TempDir::new("old-setpriv");
+    let shim = shims.path().join("setpriv");
+    std::fs::write(
+        &shim,
+        "#!/bin/sh\necho \"setpriv: unrecognized option '--pdeathsig'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&shim, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        shims.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let addr = master.rpc_addr.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        wrapper(&addr, &["sh", "-c", "echo SEG=$MOONCAKE_PREFERRED_SEGMENT"])
+            .env("MOONCAKE_PREFERRED_SEGMENT", "")
+            .env("PATH", path)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.trim().starts_with("SEG=127.0.0.1:"), "{stdout:?}");
+    master.shutdown().await;
+}
+
+/// On a terminal the command owns it: one that reads from it is not stopped (SIGTTIN) with the
+/// wrapper spinning beside it. Run under `script`, which gives it a pseudo-terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_on_a_terminal_may_read_from_it() {
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/mooncake_owner");
+    let line = format!(
+        "MOONCAKE_OWNERD={} {} --master {} --host 127.0.0.1 --port 0 --segment-size 8MiB \
+         --no-mlock -- bash -c 'read -t 2 x; exit 7' 2>/dev/null",
+        bin_path("mooncake_ownerd").display(),
+        script.display(),
+        master.rpc_addr
+    );
+    let t = Instant::now();
+    let mut cmd = Command::new("script");
+    cmd.args(["-qec", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
+    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let status = status.expect("the wrapper did not end: its command was stopped");
+    assert_eq!(status.code(), Some(7), "the command's own exit code");
+    assert!(t.elapsed() < Duration::from_secs(25));
+    master.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_stops_the_command_and_the_owner() {
     let master = mooncake_master::RunningMaster::start(master_config())
