@@ -318,3 +318,37 @@ async fn the_first_call_to_an_owner_restarted_on_its_address_succeeds() {
     client.get("second", &mut buf).await.unwrap();
     assert!(buf == w, "wrong bytes");
 }
+
+/// An owner stopped (SIGTERM) while it still starts (here: waiting for a master that does not
+/// answer) exits in order, saying so, instead of dying of the signal's default action.
+#[test]
+fn an_owner_stopped_while_starting_exits_in_order() {
+    let port = mooncake_tests::free_port().to_string();
+    let master = format!("127.0.0.1:{port}");
+    let mut owner = mooncake_tests::ChildGuard::spawn(
+        "mooncake_ownerd",
+        &[
+            "--master",
+            &master,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--segment-size",
+            "4MiB",
+            "--no-mlock",
+            "--mount-timeout",
+            "60s",
+        ],
+    );
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    owner.signal(libc::SIGTERM);
+    let status = owner
+        .wait_exit(std::time::Duration::from_secs(15))
+        .expect("the owner did not exit");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "{status:?}: an exit, not a death by signal"
+    );
+}

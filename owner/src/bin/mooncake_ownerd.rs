@@ -143,21 +143,55 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let owner = match RunningOwner::start(config).await {
-        Ok(o) => o,
-        Err(e) => {
+    // Installed before the start (which may take a while: the pool, the SSD tier's recovery,
+    // the mount): a signal meanwhile is an orderly stop, not the default death that leaves a
+    // mounted segment to the master's TTL.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    let mut starting = tokio::spawn(RunningOwner::start(config));
+    let started = tokio::select! {
+        r = &mut starting => Some(r),
+        _ = term.recv() => None,
+        _ = int.recv() => None,
+    };
+    let started = match started {
+        Some(r) => r,
+        // Stopped while starting: a start about to finish (its segment mounted, say) is let
+        // finish and shut down in order; one still waiting (for a master) is given up.
+        None => match tokio::time::timeout(START_GRACE, &mut starting).await {
+            Ok(Ok(Ok(owner))) => {
+                tracing::info!("stopped while starting: shutting down");
+                owner.shutdown().await;
+                return ExitCode::SUCCESS;
+            }
+            _ => {
+                starting.abort();
+                eprintln!("mooncake_ownerd: stopped before it was ready");
+                return ExitCode::from(1);
+            }
+        },
+    };
+    let owner = match started {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => {
             eprintln!("mooncake_ownerd: {e}");
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            eprintln!("mooncake_ownerd: the start failed: {e}");
             return ExitCode::from(1);
         }
     };
     println!("mooncake_ownerd ready segment={}", owner.segment);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("install SIGTERM handler");
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+        _ = int.recv() => {}
     }
     tracing::info!("shutting down");
     owner.shutdown().await;
     ExitCode::SUCCESS
 }
+
+/// How long a start under way when a stop signal came may still take to finish.
+const START_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
