@@ -17,7 +17,7 @@ use std::{
 
 use futures::future::{join_all, BoxFuture};
 use mooncake_common::{
-    auth::{prove, Credential, Seal},
+    auth::{prove, AuthError, Credential, Seal},
     data_socket,
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
@@ -271,10 +271,20 @@ impl TcpTransport {
             until.saturating_duration_since(Instant::now()),
         )
         .await
-        .map_err(|e| TransferError::Remote {
-            target: target.clone(),
-            code: e.code(),
-            message: e.to_string(),
+        .map_err(|e| match e {
+            // The handshake did not finish (a silent or restarting owner, the deadline): a
+            // connection that failed, not the owner's refusal.
+            AuthError::Io(source)
+                if source.kind() == io::ErrorKind::TimedOut && until == deadline =>
+            {
+                self.timed_out(target)
+            }
+            AuthError::Io(source) => err(source),
+            e => TransferError::Remote {
+                target: target.clone(),
+                code: e.code(),
+                message: e.to_string(),
+            },
         })?;
         Ok(Conn {
             stream,
@@ -978,6 +988,37 @@ mod tests {
             dedicated_runtime: false,
             credential: None,
         })
+    }
+
+    /// An owner that accepts and never answers the handshake: the transfer fails as a
+    /// connection that timed out (TRANSFER_FAIL), not as the owner's refusal with RPC_FAIL.
+    #[tokio::test]
+    async fn a_handshake_nobody_answers_is_a_timeout_not_a_refusal() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = SegmentName::parse(&listener.local_addr().unwrap().to_string()).unwrap();
+        let held = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            drop(s);
+        });
+        let t = TcpTransport::new(TcpConfig {
+            credential: Some(Credential::new("cluster", b"secret").unwrap()),
+            ..transport().config
+        });
+        let key = ObjectKey::new("k").unwrap();
+        let parts: [&[u8]; 1] = [b"value"];
+        let items = [WriteItem {
+            key: &key,
+            offset: 0,
+            stamp: mooncake_common::Stamp::default(),
+            seal: Default::default(),
+            parts: &parts,
+        }];
+        let res = t.write_batch(&target, &items).await;
+        let e = res[0].as_ref().unwrap_err();
+        assert!(matches!(e, TransferError::Timeout { .. }), "{e}");
+        assert_eq!(e.code(), mooncake_common::Code::TransferFail);
+        held.abort();
     }
 
     #[test]
