@@ -12,10 +12,16 @@ use crate::config::SetupArgs;
 pub struct Session {
     /// Drives the client's calls. A current-thread runtime by default: the calling Python thread
     /// polls the sockets itself, with no hand-off to an I/O thread on every wait (the lowest
-    /// latency for the one-caller-per-process shape of inference workers; concurrent callers
-    /// take turns). `MOONCAKE_IO_THREADS=N` (N > 0) gives it N worker threads instead.
+    /// latency for the one-caller-per-process shape of inference workers). `MOONCAKE_IO_THREADS=N`
+    /// (N > 0) gives it N worker threads instead.
     pub rt: IoRuntime,
     pub client: Client,
+    /// With a current-thread runtime, one caller at a time drives it (see `io`): the lane.
+    lane: Option<parking_lot::Mutex<()>>,
+    /// The runtime and client of the callers who find the lane taken, made at the first such
+    /// call, from this config and preferred segment.
+    shared: std::sync::OnceLock<Option<(IoRuntime, Client)>>,
+    shared_from: (ClientConfig, Option<SegmentName>),
     pub hostname: String,
     /// The master and this host, for segments mounted later (`mount_memory`).
     master: String,
@@ -110,7 +116,11 @@ impl Session {
         let client = rt.block_on(Client::connect(config.clone()))?;
         let (host, port) = split_host(&args.local_hostname)?;
         if args.global_segment_size == 0 {
+            let preferred = config.preferred()?;
             return Ok(Session {
+                lane: lane_of(&rt),
+                shared: Default::default(),
+                shared_from: (config, preferred),
                 rt: IoRuntime(Some(rt)),
                 client,
                 hostname: args.local_hostname.clone(),
@@ -139,8 +149,15 @@ impl Session {
         // Puts and reads prefer this process's own segment unless configured otherwise.
         let preferred = config.preferred()?.or_else(|| Some(owner.segment.clone()));
         let transport = Client::default_transport(&config)?;
-        let client = rt.block_on(Client::connect_with(config, preferred, transport))?;
+        let client = rt.block_on(Client::connect_with(
+            config.clone(),
+            preferred.clone(),
+            transport,
+        ))?;
         Ok(Session {
+            lane: lane_of(&rt),
+            shared: Default::default(),
+            shared_from: (config, preferred),
             hostname: owner.segment.to_string(),
             rt: IoRuntime(Some(rt)),
             client,
@@ -205,11 +222,85 @@ impl Session {
         Err(invalid("global_segment_size > 0 needs the embedded-owner feature; pass 0 for a requester-only client"))
     }
 
+    /// The runtime and client a call runs on: the session's own, or, when another thread drives
+    /// its current-thread runtime now, the shared ones. A caller waiting for the lane would wait
+    /// out the other's whole call (and with it its own deadlines), since nothing drives the
+    /// sockets of a current-thread runtime but its caller, and a large transfer blocks that one
+    /// in its transfer threads.
+    pub fn io(&self) -> Io<'_> {
+        let own = |lane| Io {
+            rt: &self.rt,
+            client: &self.client,
+            _lane: lane,
+        };
+        let Some(lane) = &self.lane else {
+            return own(None);
+        };
+        if let Some(g) = lane.try_lock() {
+            return own(Some(g));
+        }
+        match self.shared.get_or_init(|| self.start_shared()) {
+            Some((rt, client)) => Io {
+                rt,
+                client,
+                _lane: None,
+            },
+            None => own(Some(lane.lock())),
+        }
+    }
+
+    /// The shared runtime and client (see `io`); none if they cannot start (then callers take
+    /// turns on the lane).
+    fn start_shared(&self) -> Option<(IoRuntime, Client)> {
+        let (config, preferred) = &self.shared_from;
+        let config = ClientConfig {
+            // Its callers may be many at once.
+            dedicated_runtime: false,
+            ..config.clone()
+        };
+        let started = runtime(2, "mooncake-io-shared").and_then(|rt| {
+            let transport = Client::default_transport(&config)?;
+            let client = rt.block_on(Client::connect_with(config, preferred.clone(), transport))?;
+            Ok((IoRuntime(Some(rt)), client))
+        });
+        match started {
+            Ok(x) => Some(x),
+            Err(e) => {
+                tracing::warn!(error = %e.message, "cannot start the runtime for concurrent calls; they take turns");
+                None
+            }
+        }
+    }
+
+    /// What this session's calls moved so far, on both its runtimes.
+    pub fn transfer_stats(&self) -> mooncake_common::transport::TransferStats {
+        let mut t = self.client.transfer_stats();
+        if let Some(Some((_, c))) = self.shared.get() {
+            let u = c.transfer_stats();
+            t.local_bytes += u.local_bytes;
+            t.tcp_bytes += u.tcp_bytes;
+            t.memory_keys += u.memory_keys;
+            t.memory_bytes += u.memory_bytes;
+            t.disk_keys += u.disk_keys;
+            t.disk_bytes += u.disk_bytes;
+            t.get_keys += u.get_keys;
+            t.put_keys += u.put_keys;
+            t.put_bytes += u.put_bytes;
+        }
+        t
+    }
+
     /// Stops the embedded owners (unmounting their segments) and the I/O threads, waiting for
     /// them.
     pub fn close(mut self) {
         #[cfg(feature = "embedded-owner")]
         stop_owners(self.take_owners());
+        if let Some(Some((mut rt, client))) = self.shared.take() {
+            drop(client);
+            if let Some(rt) = rt.0.take() {
+                rt.shutdown_timeout(Duration::from_secs(2));
+            }
+        }
         if let Some(rt) = self.rt.0.take() {
             rt.shutdown_timeout(Duration::from_secs(2));
         }
@@ -251,6 +342,20 @@ fn stop_owners(owners: Vec<(Runtime, mooncake_owner::RunningOwner)>) {
         rt.block_on(owner.shutdown());
         rt.shutdown_timeout(Duration::from_secs(2));
     }
+}
+
+/// The runtime and client of one call (see `Session::io`), holding the lane while it uses it.
+pub struct Io<'a> {
+    pub rt: &'a Runtime,
+    pub client: &'a Client,
+    _lane: Option<parking_lot::MutexGuard<'a, ()>>,
+}
+
+/// A lane for a current-thread runtime (see `Session::io`); none for worker threads, which
+/// serve any number of callers at once.
+fn lane_of(rt: &Runtime) -> Option<parking_lot::Mutex<()>> {
+    (rt.handle().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+        .then(Default::default)
 }
 
 /// The session's I/O runtime: `close` waits for its threads; dropped anywhere else (see

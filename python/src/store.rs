@@ -179,7 +179,7 @@ impl NativeStore {
     fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         if let Some(s) = self.session.read().as_ref() {
-            let t = s.client.transfer_stats();
+            let t = s.transfer_stats();
             for (k, v) in [
                 ("local_bytes", t.local_bytes),
                 ("tcp_bytes", t.tcp_bytes),
@@ -209,7 +209,12 @@ impl NativeStore {
     /// 0 healthy, 1 not set up, 2 master unreachable.
     fn health_check(&self, py: Python<'_>) -> i32 {
         self.with_session(py, 1, |s| {
-            if s.rt.block_on(s.client.list_segments()).is_ok() {
+            if {
+                let io = s.io();
+                io.rt.block_on(io.client.list_segments())
+            }
+            .is_ok()
+            {
                 0
             } else {
                 2
@@ -432,7 +437,11 @@ impl NativeStore {
     /// The object's bytes, or b"" on a miss or an error.
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let got = self.with_session(py, None, |s| {
-            s.rt.block_on(s.client.batch_get_owned(&[key])).pop()
+            {
+                let io = s.io();
+                io.rt.block_on(io.client.batch_get_owned(&[key]))
+            }
+            .pop()
         });
         match got {
             Some(Ok(v)) => PyBytes::new(py, &v),
@@ -448,7 +457,8 @@ impl NativeStore {
     fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let got = self.with_session(py, Vec::new(), |s| {
-            s.rt.block_on(s.client.batch_get_owned(&refs))
+            let io = s.io();
+            io.rt.block_on(io.client.batch_get_owned(&refs))
         });
         if got.is_empty() {
             return keys.iter().map(|_| PyBytes::new(py, b"")).collect();
@@ -469,7 +479,11 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
         let cls = cls.unbind();
         let got = self.with_session(py, Vec::new(), |s| {
-            s.rt.block_on(s.client.batch_get_alloc(&refs, FreshByteArray::maker(&cls)))
+            let io = s.io();
+            io.rt.block_on(
+                io.client
+                    .batch_get_alloc(&refs, FreshByteArray::maker(&cls)),
+            )
         });
         buffer_results(got, &refs)
     }
@@ -484,7 +498,11 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
         let cls = cls.unbind();
         let got = self.with_session(py, Vec::new(), |s| {
-            s.rt.block_on(s.client.batch_get_alloc(&refs, FreshByteArray::maker(&cls)))
+            let io = s.io();
+            io.rt.block_on(
+                io.client
+                    .batch_get_alloc(&refs, FreshByteArray::maker(&cls)),
+            )
         });
         coded_buffer_results(got, &refs)
     }
@@ -615,7 +633,8 @@ impl NativeStore {
     /// The object's size in bytes, or a negative code (-704 on a miss).
     fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            match s.rt.block_on(s.client.batch_get_replica_desc(&[key])) {
+            let io = s.io();
+            match io.rt.block_on(io.client.batch_get_replica_desc(&[key])) {
                 Ok(mut r) => match r.pop().expect("one result") {
                     Ok(d) => d.size as i64,
                     Err(e) => e.code().as_i32() as i64,
@@ -635,7 +654,13 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let n = keys.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            remove_codes(s.rt.block_on(s.client.batch_remove(&refs, force)), n)
+            remove_codes(
+                {
+                    let io = s.io();
+                    io.rt.block_on(io.client.batch_remove(&refs, force))
+                },
+                n,
+            )
         })
     }
 
@@ -643,7 +668,8 @@ impl NativeStore {
     #[pyo3(signature = (force=false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            match s.rt.block_on(s.client.remove_all(force)) {
+            let io = s.io();
+            match io.rt.block_on(io.client.remove_all(force)) {
                 Ok(n) => n as i64,
                 Err(e) => e.code().as_i32() as i64,
             }
@@ -657,9 +683,10 @@ impl NativeStore {
     #[pyo3(signature = (regex_pattern, force=false))]
     fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            match s
+            let io = s.io();
+            match io
                 .rt
-                .block_on(s.client.remove_by_regex(regex_pattern, force))
+                .block_on(io.client.remove_by_regex(regex_pattern, force))
             {
                 Ok(n) => n as i64,
                 Err(e) => {
@@ -680,7 +707,10 @@ impl NativeStore {
     ) -> ((u64, u64), i32) {
         let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
         self.with_session(py, ((0, 0), INVALID), |s| {
-            task_created(key, s.rt.block_on(s.client.create_copy_task(key, &targets)))
+            task_created(key, {
+                let io = s.io();
+                io.rt.block_on(io.client.create_copy_task(key, &targets))
+            })
         })
     }
 
@@ -693,8 +723,11 @@ impl NativeStore {
         target: &str,
     ) -> ((u64, u64), i32) {
         self.with_session(py, ((0, 0), INVALID), |s| {
-            let created =
-                s.rt.block_on(s.client.create_move_task(key, source, target));
+            let created = {
+                let io = s.io();
+                io.rt
+                    .block_on(io.client.create_move_task(key, source, target))
+            };
             task_created(key, created)
         })
     }
@@ -708,7 +741,8 @@ impl NativeStore {
         task_id: u64,
     ) -> (i32, Option<(u8, u8, u64, u64, Vec<String>, String)>) {
         self.with_session(py, (INVALID, None), |s| {
-            match s.rt.block_on(s.client.query_task(task_id)) {
+            let io = s.io();
+            match io.rt.block_on(io.client.query_task(task_id)) {
                 Ok(t) => (
                     0,
                     Some((
@@ -738,7 +772,11 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let segment = Some(segment_name).filter(|s| !s.is_empty());
         self.with_session(py, Vec::new(), |s| {
-            match s.rt.block_on(s.client.batch_replica_clear(&refs, segment)) {
+            let io = s.io();
+            match io
+                .rt
+                .block_on(io.client.batch_replica_clear(&refs, segment))
+            {
                 Ok(codes) => keys
                     .iter()
                     .zip(codes)
@@ -787,7 +825,8 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let n = keys.len();
         self.with_session(py, vec![None; n], |s| {
-            match s.rt.block_on(s.client.batch_get_replica_desc(&refs)) {
+            let io = s.io();
+            match io.rt.block_on(io.client.batch_get_replica_desc(&refs)) {
                 Ok(r) => r
                     .into_iter()
                     .map(|d| {
@@ -906,9 +945,10 @@ impl NativeStore {
             return Ok(INVALID);
         };
         Ok(self.with_session(py, INVALID, |s| {
+            let io = s.io();
             put_code(
-                &s.rt
-                    .block_on(s.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
+                &io.rt
+                    .block_on(io.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
             )
         }))
     }
@@ -941,7 +981,10 @@ impl NativeStore {
             return Ok(INVALID);
         };
         Ok(self.with_session(py, INVALID, |s| {
-            let res = s.rt.block_on(s.client.batch_put_parts(&items, &cfg));
+            let res = {
+                let io = s.io();
+                io.rt.block_on(io.client.batch_put_parts(&items, &cfg))
+            };
             res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
         }))
     }
@@ -991,9 +1034,10 @@ impl NativeStore {
             .map(|(&i, p)| (&*keys[i], &p[..]))
             .collect();
         let codes = self.with_session(py, None, |s| {
-            s.rt.block_on(async {
-                let host = s.client.batch_put_parts(&items, &cfg);
-                let device = on_device.put(&s.client, keys, &cfg);
+            let io = s.io();
+            io.rt.block_on(async {
+                let host = io.client.batch_put_parts(&items, &cfg);
+                let device = on_device.put(io.client, keys, &cfg);
                 let (host, device) = tokio::join!(host, device);
                 Some((host.iter().map(put_code).collect::<Vec<_>>(), device))
             })
@@ -1047,9 +1091,10 @@ impl NativeStore {
         }
         let key_refs: Vec<&str> = idx.iter().map(|&i| &*keys[i]).collect();
         let got = self.with_session(py, None, |s| {
-            s.rt.block_on(async {
-                let host = s.client.batch_get_parts(&key_refs, &mut bufs);
-                let device = on_device.get(&s.client, keys);
+            let io = s.io();
+            io.rt.block_on(async {
+                let host = io.client.batch_get_parts(&key_refs, &mut bufs);
+                let device = on_device.get(io.client, keys);
                 let (res, device) = tokio::join!(host, device);
                 let host = res
                     .iter()
@@ -1238,7 +1283,13 @@ impl NativeStore {
     fn exists_of(&self, py: Python<'_>, refs: &[&str]) -> Vec<i32> {
         let n = refs.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            exists_codes(s.rt.block_on(s.client.batch_exists(refs)), n)
+            exists_codes(
+                {
+                    let io = s.io();
+                    io.rt.block_on(io.client.batch_exists(refs))
+                },
+                n,
+            )
         })
     }
 }

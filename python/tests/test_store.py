@@ -365,3 +365,43 @@ def test_no_deadlock_between_a_transfer_an_unregister_and_a_registry_check():
         finally:
             os.kill(owner_pid, signal.SIGCONT)
         assert p.returncode == 0 and "done" in out, err
+
+
+def test_a_call_is_not_held_up_by_another_threads_transfer_to_a_stopped_owner(monkeypatch):
+    """Calls from several threads on the default store (the calling thread drives the I/O): one
+    thread's large transfer to an owner that stopped answering does not hold up another thread's
+    call (here a lookup the master answers) until that transfer's deadline. Before, every call
+    ran on one runtime, which the transfer held in its transfer threads."""
+    import signal
+    import threading
+
+    from conftest import new_store, running_cluster
+
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    with running_cluster(owners=1, size="256MiB") as c:
+        s = new_store(c)
+        try:
+            n, size = 4, 16 << 20
+            buf = np.full(n * size, 7, dtype=np.uint8)
+            assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+            ptrs = [buf.ctypes.data + i * size for i in range(n)]
+            assert s.batch_put_from([f"big/{i}" for i in range(n)], ptrs, [size] * n) == [0] * n
+            assert s.put("present", b"x") == 0
+            owner = c.owners[0].p.pid
+            os.kill(owner, signal.SIGSTOP)
+            try:
+                stuck = {}
+                t = threading.Thread(target=lambda: stuck.setdefault(
+                    "codes", s.batch_put_from([f"late/{i}" for i in range(n)], ptrs, [size] * n)))
+                t.start()
+                time.sleep(0.5)
+                start = time.monotonic()
+                assert s.is_exist("present") == 1
+                took = time.monotonic() - start
+            finally:
+                os.kill(owner, signal.SIGCONT)
+            t.join(timeout=60)
+            assert "codes" in stuck
+            assert took < 2.5, f"the lookup waited {took:.1f} s for the other thread's transfer"
+        finally:
+            s.close()
