@@ -699,18 +699,41 @@ impl NativeEngine {
     }
 }
 
+/// An engine dropped stops on a thread of its own: its etcd entry withdrawn, peers no longer
+/// served, its runtimes shut down. Where it is dropped (a Python thread holding the GIL, or a
+/// runtime's thread, where the garbage collector may run) none of that may block: the GIL would
+/// stall every Python thread, and a runtime cannot be entered from another's thread. The drop
+/// waits for it, with the GIL released, only outside any runtime.
 impl Drop for NativeEngine {
     fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.rt.block_on(r.engine.withdraw());
-            r.engine.stop();
-            let lane = r.sync_lane.into_inner();
-            drop(lane.requester);
-            lane.rt.shutdown_timeout(Duration::from_secs(1));
-            drop(r.shared);
-            // Background batches end within their deadline; the engine goes after them.
-            drop(r.engine);
-            r.rt.shutdown_timeout(Duration::from_secs(1));
+        let Some(r) = self.running.take() else {
+            return;
+        };
+        let stopping = std::thread::Builder::new()
+            .name("mooncake-engine-stop".into())
+            .spawn(move || stop(r));
+        match stopping {
+            Ok(stopping) if tokio::runtime::Handle::try_current().is_err() => {
+                Python::attach(|py| py.detach(|| stopping.join())).unwrap_or_else(|_| {
+                    tracing::warn!("stopping a dropped transfer engine panicked")
+                });
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a thread to stop a dropped transfer engine")
+            }
         }
     }
+}
+
+fn stop(r: Running) {
+    r.rt.block_on(r.engine.withdraw());
+    r.engine.stop();
+    let lane = r.sync_lane.into_inner();
+    drop(lane.requester);
+    lane.rt.shutdown_timeout(Duration::from_secs(1));
+    drop(r.shared);
+    // Background batches end within their deadline; the engine goes after them.
+    drop(r.engine);
+    r.rt.shutdown_timeout(Duration::from_secs(1));
 }

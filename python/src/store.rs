@@ -34,8 +34,11 @@ pub struct NativeStore {
     /// I/O threads for the next setup() when MOONCAKE_IO_THREADS is not set (0: the calling
     /// thread drives the calls; the async store asks for some).
     io_threads: std::sync::atomic::AtomicUsize,
-    /// Devices whose memory `register_buffer` recognises (the GPUs found at setup).
+    /// Devices whose memory `register_buffer` recognises (the GPUs found at the first setup).
     pub(crate) devices: RwLock<Vec<Arc<dyn DeviceMemory>>>,
+    /// Whether the GPUs were looked for: once per store, not again at each setup after a close
+    /// (each look holds every GPU's context and a staging pool for the store's life).
+    gpus_found: std::sync::atomic::AtomicBool,
 }
 
 /// `replicate`, for an upsert when `upsert`.
@@ -129,6 +132,7 @@ impl NativeStore {
             registry: Registry::default(),
             io_threads: Default::default(),
             devices: RwLock::new(Vec::new()),
+            gpus_found: Default::default(),
         }
     }
 
@@ -151,8 +155,13 @@ impl NativeStore {
         match py.detach(|| Session::start(&parsed, threads)) {
             Ok(s) => {
                 *self.session.write() = Some(Arc::new(s));
-                let gpus = py.detach(crate::gpu::detect);
-                self.devices.write().extend(gpus);
+                if !self
+                    .gpus_found
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    let gpus = py.detach(crate::gpu::detect);
+                    self.devices.write().extend(gpus);
+                }
                 Ok(0)
             }
             Err(e) => {
