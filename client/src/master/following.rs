@@ -123,7 +123,7 @@ macro_rules! on_leader {
                 let found = if bounded {
                     match tokio::time::timeout_at(give_up, $self.leader()).await {
                         Ok(found) => found,
-                        Err(_) => return Err(ApiError::rpc("no leader answered within the deadline")),
+                        Err(_) => return Err(ApiError::new(Code::RpcTimeout, "no leader answered within the deadline")),
                     }
                 } else {
                     $self.leader().await
@@ -141,7 +141,7 @@ macro_rules! on_leader {
                 // A state-changing call that failed in flight goes again only to a new leader.
                 if $retry != Retry::Always && tried.as_ref().is_some_and(|t| *t == leader) {
                     if Instant::now() + pause >= give_up {
-                        return Err(ApiError::rpc("the master failed mid-call and no new leader took over within the deadline"));
+                        return Err(ApiError::new(Code::RpcTimeout, "the master failed mid-call and no new leader took over within the deadline"));
                     }
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(LONGEST_PAUSE);
@@ -153,7 +153,7 @@ macro_rules! on_leader {
                     _ = $self.moved_from(&leader) => Err(ApiError::rpc(format!(
                         "master {} stopped leading during the call", leader.address
                     ))),
-                    _ = tokio::time::sleep_until(give_up), if bounded => Err(ApiError::rpc(format!(
+                    _ = tokio::time::sleep_until(give_up), if bounded => Err(ApiError::new(Code::RpcTimeout, format!(
                         "master {} did not answer a retried call within the deadline", leader.address
                     ))),
                 };
