@@ -491,6 +491,19 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
 
+    /// A framed client of `addr`, without credential or tenant, under 2 s deadlines.
+    fn master(addr: &str) -> FramedMaster {
+        FramedMaster::new(
+            addr,
+            Duration::from_secs(2),
+            Duration::from_secs(2),
+            Duration::ZERO,
+            None,
+            Tenant::default(),
+            None,
+        )
+    }
+
     /// A master that answers one call per connection (an empty segment list), then closes it,
     /// as a master that restarted leaves its clients' idle connections.
     async fn one_call_per_connection() -> String {
@@ -548,15 +561,7 @@ mod tests {
                 s.write_all(&out).await.unwrap();
             }
         });
-        let m = FramedMaster::new(
-            &addr,
-            Duration::from_secs(2),
-            Duration::from_secs(2),
-            Duration::ZERO,
-            None,
-            Tenant::default(),
-            None,
-        );
+        let m = master(&addr);
         let keys = ["a", "b"];
         let now = std::time::Instant::now();
         for (send_by, want) in [
@@ -575,16 +580,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pooled_connection_the_master_closed_is_not_used() {
-        let addr = one_call_per_connection().await;
-        let m = FramedMaster::new(
-            &addr,
-            Duration::from_secs(2),
-            Duration::from_secs(2),
-            Duration::ZERO,
-            None,
-            Tenant::default(),
-            None,
-        );
+        let m = master(&one_call_per_connection().await);
         for i in 0..3 {
             // The connection the last call left in the pool is closed by now.
             assert!(m.list_segments().await.unwrap().is_empty(), "call {i}");
