@@ -154,6 +154,20 @@ pub struct TransferStats {
     pub put_bytes: u64,
 }
 
+impl std::ops::AddAssign for TransferStats {
+    fn add_assign(&mut self, o: TransferStats) {
+        self.local_bytes += o.local_bytes;
+        self.tcp_bytes += o.tcp_bytes;
+        self.memory_keys += o.memory_keys;
+        self.memory_bytes += o.memory_bytes;
+        self.disk_keys += o.disk_keys;
+        self.disk_bytes += o.disk_bytes;
+        self.get_keys += o.get_keys;
+        self.put_keys += o.put_keys;
+        self.put_bytes += o.put_bytes;
+    }
+}
+
 /// Moves bytes between the caller's memory and a range of an owner's segment. An object may be
 /// scattered over several caller buffers (e.g. K and V): `parts` are its bytes in order.
 pub trait DataTransport: Send + Sync + 'static {

@@ -276,16 +276,7 @@ impl Session {
     pub fn transfer_stats(&self) -> mooncake_common::transport::TransferStats {
         let mut t = self.client.transfer_stats();
         if let Some(Some((_, c))) = self.shared.get() {
-            let u = c.transfer_stats();
-            t.local_bytes += u.local_bytes;
-            t.tcp_bytes += u.tcp_bytes;
-            t.memory_keys += u.memory_keys;
-            t.memory_bytes += u.memory_bytes;
-            t.disk_keys += u.disk_keys;
-            t.disk_bytes += u.disk_bytes;
-            t.get_keys += u.get_keys;
-            t.put_keys += u.put_keys;
-            t.put_bytes += u.put_bytes;
+            t += c.transfer_stats();
         }
         t
     }
