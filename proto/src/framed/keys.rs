@@ -7,7 +7,8 @@
 use super::{
     fields::keyed,
     pb::{
-        get_varint, put_u64, put_varint, skip, tag, u64_len, varint_len, walk, Value, LEN, VARINT,
+        field_number, get_varint, put_u64, put_varint, skip, tag, u64_len, varint_len, walk, Value,
+        LEN, VARINT,
     },
 };
 
@@ -36,7 +37,12 @@ pub fn decode_strings(body: &[u8], field: u32) -> Result<Vec<&str>, String> {
     let mut at = 0usize;
     while at < body.len() {
         let key = get_varint(body, &mut at)?;
-        let (num, wire) = ((key >> 3) as u32, (key & 7) as u8);
+        let (num, wire) = (field_number(key)?, key & 7);
+        if num == field && wire != LEN {
+            return Err(format!(
+                "field {field} has wire type {wire}, expected {LEN}"
+            ));
+        }
         match wire {
             0 => {
                 get_varint(body, &mut at)?;
@@ -74,7 +80,7 @@ pub fn u64_field_len(field: u32, v: u64) -> usize {
 /// it, or 0 when absent. Malformed input is an error, never a panic.
 pub fn decode_u64(body: &[u8], field: u32) -> Result<u64, String> {
     let mut v = 0;
-    walk(body, |f, value| {
+    walk(body, &[(field, VARINT)], |f, value| {
         if let (true, Value::Int(x)) = (f == field, value) {
             v = x;
         }
@@ -139,10 +145,10 @@ pub fn decode_keyed<'a>(
     mut other: impl FnMut(u32, &'a [u8]) -> Result<(), String>,
 ) -> Result<Vec<(&'a str, u64)>, String> {
     let mut out = Vec::new();
-    walk(body, |f, v| match v {
+    walk(body, &[(field, LEN)], |f, v| match v {
         Value::Bytes(b) if f == field => {
             let (mut key, mut n) = ("", 0);
-            walk(b, |f, v| {
+            walk(b, &[(keyed::KEY, LEN), (keyed::NUMBER, VARINT)], |f, v| {
                 match (f, v) {
                     (keyed::KEY, Value::Bytes(s)) => {
                         key = std::str::from_utf8(s).map_err(|_| "key is not UTF-8".to_string())?
@@ -260,5 +266,28 @@ mod tests {
             decode_keyed(&[0x0a, 4, 0x0a, 5], 1, |_, _| Ok(())).is_err(),
             "item overruns"
         );
+        // What prost refuses: a known field with another wire type, field number 0, and a
+        // varint whose tenth byte carries more than the 64th bit.
+        assert!(decode_strings(&[0x08, 1], 1).is_err(), "keys as a varint");
+        assert!(decode_strings(&[0x02, 0], 1).is_err(), "field 0");
+        let mut eleven_bits_over = vec![0x08];
+        eleven_bits_over.extend([0xff; 9]);
+        eleven_bits_over.push(0x02);
+        assert!(
+            decode_u64(&eleven_bits_over, 1).is_err(),
+            "varint over 64 bits"
+        );
+        assert!(decode_u64(&[0x0a, 0], 1).is_err(), "a uint64 as bytes");
+        assert!(
+            decode_keyed(&[0x0a, 2, 0x08, 1], 1, |_, _| Ok(())).is_err(),
+            "a key as a varint"
+        );
+        let mut max = vec![0x08];
+        max.extend([0xff; 9]);
+        max.push(0x01);
+        assert_eq!(decode_u64(&max, 1).unwrap(), u64::MAX);
+        for bad in [&[0x08, 1][..], &[0x02, 0], &eleven_bits_over] {
+            assert!(pb::BatchExistsRequest::decode(bad).is_err(), "prost agrees");
+        }
     }
 }

@@ -5,6 +5,8 @@
 pub(super) const VARINT: u64 = 0;
 /// Wire type of a length-delimited field (bytes, strings, messages).
 pub(super) const LEN: u64 = 2;
+/// Largest field number protobuf allows.
+const MAX_FIELD: u32 = (1 << 29) - 1;
 
 /// The tag of field `field` with wire type `wire`.
 pub(super) fn tag(field: u32, wire: u64) -> u64 {
@@ -34,18 +36,25 @@ pub(super) enum Value<'a> {
     Other,
 }
 
-/// Calls `f` with every field of the message `body` in order.
+/// Calls `f` with every field of the message `body` in order. `known` names the fields the
+/// caller reads, each with its wire type: one of them arriving with another wire type is an
+/// error, as prost makes it, not a field silently left unread.
 pub(super) fn walk<'a>(
     body: &'a [u8],
+    known: &[(u32, u64)],
     mut f: impl FnMut(u32, Value<'a>) -> Result<(), String>,
 ) -> Result<(), String> {
     let mut at = 0usize;
     while at < body.len() {
         let key = get_varint(body, &mut at)?;
-        let (field, wire) = (
-            u32::try_from(key >> 3).map_err(|_| "field number overflows".to_string())?,
-            key & 7,
-        );
+        let (field, wire) = (field_number(key)?, key & 7);
+        if let Some(&(_, want)) = known.iter().find(|(n, _)| *n == field) {
+            if want != wire {
+                return Err(format!(
+                    "field {field} has wire type {wire}, expected {want}"
+                ));
+            }
+        }
         let value = match wire {
             0 => Value::Int(get_varint(body, &mut at)?),
             1 => {
@@ -69,6 +78,15 @@ pub(super) fn walk<'a>(
         f(field, value)?;
     }
     Ok(())
+}
+
+/// The field number of a field's key; 0 and numbers beyond protobuf's range are errors.
+#[inline]
+pub(super) fn field_number(key: u64) -> Result<u32, String> {
+    u32::try_from(key >> 3)
+        .ok()
+        .filter(|f| (1..=MAX_FIELD).contains(f))
+        .ok_or_else(|| format!("field number {} is not valid", key >> 3))
 }
 
 #[inline]
@@ -96,6 +114,10 @@ pub(super) fn get_varint(body: &[u8], at: &mut usize) -> Result<u64, String> {
     for shift in (0..64).step_by(7) {
         let b = *body.get(*at).ok_or("message truncated")?;
         *at += 1;
+        if shift == 63 && b > 1 {
+            // The tenth byte holds the 64th bit alone.
+            return Err("varint overflows 64 bits".into());
+        }
         v |= u64::from(b & 0x7f) << shift;
         if b & 0x80 == 0 {
             return Ok(v);

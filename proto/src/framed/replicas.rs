@@ -11,7 +11,7 @@ use super::{
         get_replicas_response as response, get_replicas_result as result, put_start_response,
         put_start_result as started, replica_location as loc,
     },
-    pb::{put_u64, put_varint, tag, u64_len, varint_len, walk, Value, LEN},
+    pb::{put_u64, put_varint, tag, u64_len, varint_len, walk, Value, LEN, VARINT},
 };
 
 /// One replica's location, its segment borrowed.
@@ -180,7 +180,12 @@ impl Encoder {
 /// Reads a response; unknown fields are skipped, malformed input is an error (never a panic).
 pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
     let mut d = Decoded::default();
-    walk(body, |field, value| {
+    let known = [
+        (response::RESULTS, LEN),
+        (response::LEASE_TTL_MS, VARINT),
+        (response::EPOCH, VARINT),
+    ];
+    walk(body, &known, |field, value| {
         match (field, value) {
             (response::RESULTS, Value::Bytes(b)) => {
                 let start = d.replicas.len();
@@ -189,7 +194,12 @@ pub fn decode(body: &[u8]) -> Result<Decoded<'_>, String> {
                     size: 0,
                     replicas: start..start,
                 };
-                walk(b, |f, v| {
+                let known = [
+                    (result::CODE, VARINT),
+                    (result::SIZE, VARINT),
+                    (result::REPLICAS, LEN),
+                ];
+                walk(b, &known, |f, v| {
                     match (f, v) {
                         (result::CODE, Value::Int(c)) => found.code = c as i32,
                         (result::SIZE, Value::Int(s)) => found.size = s,
@@ -224,33 +234,43 @@ pub struct Started<'a> {
 #[allow(clippy::type_complexity)]
 pub fn decode_put_start(body: &[u8]) -> Result<(Vec<Started<'_>>, Vec<ReplicaRef<'_>>), String> {
     let (mut starts, mut replicas) = (Vec::new(), Vec::new());
-    walk(body, |field, value| {
-        if let (put_start_response::RESULTS, Value::Bytes(b)) = (field, value) {
-            let start = replicas.len();
-            let mut st = Started {
-                code: 0,
-                message: "",
-                put_id: 0,
-                replicas: start..start,
-            };
-            walk(b, |f, v| {
-                match (f, v) {
-                    (started::CODE, Value::Int(c)) => st.code = c as i32,
-                    (started::MESSAGE, Value::Bytes(m)) => {
-                        st.message = std::str::from_utf8(m)
-                            .map_err(|_| "message is not UTF-8".to_string())?
+    walk(
+        body,
+        &[(put_start_response::RESULTS, LEN)],
+        |field, value| {
+            if let (put_start_response::RESULTS, Value::Bytes(b)) = (field, value) {
+                let start = replicas.len();
+                let mut st = Started {
+                    code: 0,
+                    message: "",
+                    put_id: 0,
+                    replicas: start..start,
+                };
+                let known = [
+                    (started::CODE, VARINT),
+                    (started::MESSAGE, LEN),
+                    (started::PUT_ID, VARINT),
+                    (started::REPLICAS, LEN),
+                ];
+                walk(b, &known, |f, v| {
+                    match (f, v) {
+                        (started::CODE, Value::Int(c)) => st.code = c as i32,
+                        (started::MESSAGE, Value::Bytes(m)) => {
+                            st.message = std::str::from_utf8(m)
+                                .map_err(|_| "message is not UTF-8".to_string())?
+                        }
+                        (started::PUT_ID, Value::Int(id)) => st.put_id = id,
+                        (started::REPLICAS, Value::Bytes(r)) => replicas.push(replica(r)?),
+                        _ => {}
                     }
-                    (started::PUT_ID, Value::Int(id)) => st.put_id = id,
-                    (started::REPLICAS, Value::Bytes(r)) => replicas.push(replica(r)?),
-                    _ => {}
-                }
-                Ok(())
-            })?;
-            st.replicas = start..replicas.len();
-            starts.push(st);
-        }
-        Ok(())
-    })?;
+                    Ok(())
+                })?;
+                st.replicas = start..replicas.len();
+                starts.push(st);
+            }
+            Ok(())
+        },
+    )?;
     Ok((starts, replicas))
 }
 
@@ -263,7 +283,15 @@ fn replica(body: &[u8]) -> Result<ReplicaRef<'_>, String> {
         put_id: 0,
         seal: &[],
     };
-    walk(body, |f, v| {
+    let known = [
+        (loc::SEGMENT, LEN),
+        (loc::OFFSET, VARINT),
+        (loc::SIZE, VARINT),
+        (loc::TIER, VARINT),
+        (loc::PUT_ID, VARINT),
+        (loc::SEAL, LEN),
+    ];
+    walk(body, &known, |f, v| {
         match (f, v) {
             (loc::SEGMENT, Value::Bytes(s)) => {
                 r.segment =
@@ -414,5 +442,33 @@ mod tests {
             decode(&[0x0a, 4, 0x1a, 2, 0x0a, 0xff]).is_err(),
             "truncated segment"
         );
+        // A known field with another wire type, as prost refuses it.
+        assert!(decode(&[0x0a, 2, 0x1a, 0]).is_ok(), "an empty replica");
+        assert!(decode(&[0x0a, 2, 0x18, 1]).is_err(), "replicas as a varint");
+        assert!(decode(&[0x0a, 2, 0x08, 1]).is_ok(), "code as a varint");
+        assert!(decode(&[0x0a, 2, 0x0a, 0]).is_err(), "code as bytes");
+        assert!(
+            decode(&[0x0a, 4, 0x1a, 2, 0x08, 1]).is_err(),
+            "segment as a varint"
+        );
+        assert!(
+            decode(&[0x10, 0x01]).is_ok() && decode(&[0x12, 0]).is_err(),
+            "lease TTL"
+        );
+        assert!(decode_put_start(&[0x08, 1]).is_err(), "results as a varint");
+        assert!(
+            decode_put_start(&[0x0a, 2, 0x12, 0]).is_ok(),
+            "empty message"
+        );
+        assert!(
+            decode_put_start(&[0x0a, 2, 0x10, 1]).is_err(),
+            "message as a varint"
+        );
+        for bad in [&[0x0a, 2, 0x18, 1][..], &[0x0a, 4, 0x1a, 2, 0x08, 1]] {
+            assert!(
+                pb::BatchGetReplicasResponse::decode(bad).is_err(),
+                "prost agrees"
+            );
+        }
     }
 }
