@@ -1,7 +1,7 @@
 //! Runs an owner: creates the pool, binds and serves the data plane, mounts at the master, signals
 //! readiness, heartbeats, and on shutdown unmounts and stops serving.
 
-use std::{net::SocketAddr, path::Path, sync::Arc};
+use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
 
 use mooncake_common::{auth::ServerAuth, ClientId, SegmentName};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
@@ -47,12 +47,33 @@ pub struct RunningOwner {
     pool: Arc<MemoryPool>,
     catalog: Arc<Catalog>,
     ssd: Option<Arc<SsdStore>>,
-    /// The work queue's worker (SSD tier, copies) and its own stop signal: it stops before the
-    /// unmount, so its last reports reach a master that still knows this owner.
+    /// The work queue's worker (SSD tier, copies) and the heartbeats, with their own stop
+    /// signal: they stop before the unmount, so the worker's last reports reach a master that
+    /// still knows this owner, and no remount lands after the unmount.
     worker: (watch::Sender<bool>, JoinHandle<()>),
+    heartbeats: JoinHandle<()>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
+
+/// How long a shutdown waits for the work under way (SSD-tier work, copies from other owners)
+/// to end and be reported; what is still running then is left to the master's task timeout.
+const WORK_DRAIN: Duration = Duration::from_secs(2);
+/// How long a shutdown waits for a heartbeat (or a remount) under way.
+const HEARTBEAT_DRAIN: Duration = Duration::from_secs(1);
+/// How long the unmount (the leader's lookup included) and the SSD tier's sync may take; an
+/// owner not unmounted is dropped by the master after its client TTL.
+const UNMOUNT_WITHIN: Duration = Duration::from_secs(4);
+/// How long the serving tasks get to see the stop.
+const SERVING_DRAIN: Duration = Duration::from_millis(500);
+/// The most a shutdown takes: the stages' bounds. `scripts/mooncake_owner` waits 10 s before
+/// SIGKILL, and `mooncake_ownerd` bounds a stop signal's whole handling by `STOP_WITHIN`.
+pub const SHUTDOWN_WITHIN: Duration = Duration::from_millis(
+    (WORK_DRAIN.as_millis()
+        + HEARTBEAT_DRAIN.as_millis()
+        + UNMOUNT_WITHIN.as_millis()
+        + SERVING_DRAIN.as_millis()) as u64,
+);
 
 impl RunningOwner {
     pub async fn start(config: OwnerConfig) -> Result<RunningOwner, OwnerError> {
@@ -168,11 +189,11 @@ impl RunningOwner {
             copy_timeout: config.frame_timeout,
         });
         let (tx, rx) = watch::channel(false);
-        let worker = (tx, tokio::spawn(w.run(rx)));
-        tasks.push(tokio::spawn(
+        let heartbeats = tokio::spawn(
             link.clone()
-                .heartbeat_loop(config.heartbeat_interval, stopped),
-        ));
+                .heartbeat_loop(config.heartbeat_interval, rx.clone()),
+        );
+        let worker = (tx, tokio::spawn(w.run(rx)));
         if let Some(path) = &config.ready_file {
             write_ready_file(path, &segment).map_err(|source| OwnerError::ReadyFile {
                 path: path.display().to_string(),
@@ -191,6 +212,7 @@ impl RunningOwner {
             catalog,
             ssd,
             worker,
+            heartbeats,
             stop,
             tasks,
         })
@@ -208,23 +230,50 @@ impl RunningOwner {
         self.ssd.as_ref()
     }
 
-    /// Unmounts (best effort, within the RPC deadline) and stops serving.
+    /// Stops in order, within `SHUTDOWN_WITHIN` whatever the master and the disk do: the work
+    /// under way ends and is reported (or is left to the master's task timeout), heartbeats
+    /// stop, the segment is unmounted while the SSD tier syncs, then serving stops. Until the
+    /// unmount the master may still send reads here, so serving goes on until then.
     pub async fn shutdown(self) {
-        let (stop, task) = self.worker;
-        let _ = stop.send(true);
-        let _ = task.await;
-        if let Err(e) = self.link.unmount().await {
-            tracing::warn!(error = %e, "unmount at shutdown failed; the master will expire this owner");
+        let (stop_work, mut worker) = self.worker;
+        let _ = stop_work.send(true);
+        if tokio::time::timeout(WORK_DRAIN, &mut worker).await.is_err() {
+            worker.abort();
+            tracing::warn!(
+                "work under way did not end within {WORK_DRAIN:?}; the master times it out"
+            );
         }
-        let _ = self.stop.send(true);
-        for t in self.tasks {
-            let _ = t.await;
+        let mut heartbeats = self.heartbeats;
+        if tokio::time::timeout(HEARTBEAT_DRAIN, &mut heartbeats)
+            .await
+            .is_err()
+        {
+            heartbeats.abort();
         }
-        if let Some(ssd) = &self.ssd {
-            if let Err(e) = ssd.sync().await {
-                tracing::warn!(error = %e, "syncing the ssd tier at shutdown failed");
+        let unmount = async {
+            match tokio::time::timeout(UNMOUNT_WITHIN, self.link.unmount()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e,
+                    "unmount at shutdown failed; the master will expire this owner"),
+                Err(_) => tracing::warn!(
+                    "no unmount within {UNMOUNT_WITHIN:?}; the master will expire this owner"
+                ),
             }
-        }
+        };
+        let sync = async {
+            let Some(ssd) = &self.ssd else { return };
+            match tokio::time::timeout(UNMOUNT_WITHIN, ssd.sync()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "syncing the ssd tier at shutdown failed"),
+                Err(_) => {
+                    tracing::warn!("the ssd tier's sync did not end within {UNMOUNT_WITHIN:?}")
+                }
+            }
+        };
+        tokio::join!(unmount, sync);
+        let _ = self.stop.send(true);
+        let serving = futures::future::join_all(self.tasks);
+        let _ = tokio::time::timeout(SERVING_DRAIN, serving).await;
     }
 }
 

@@ -19,4 +19,4 @@ pub mod seals;
 pub mod ssd;
 
 pub use config::OwnerConfig;
-pub use daemon::{OwnerError, RunningOwner};
+pub use daemon::{OwnerError, RunningOwner, SHUTDOWN_WITHIN};

@@ -319,6 +319,51 @@ async fn the_first_call_to_an_owner_restarted_on_its_address_succeeds() {
     assert!(buf == w, "wrong bytes");
 }
 
+/// An owner stopped (SIGTERM) while it copies from an owner that does not answer (a replica
+/// task; the read would wait out the 30 s frame timeout) leaves the copy to the master's task
+/// timeout and exits in order within its bound, unmounted, before `scripts/mooncake_owner`
+/// would SIGKILL it (10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_stopped_mid_copy_unmounts_and_exits_within_its_bound() {
+    let (_master, rpc, _http) = spawn_master(&[]);
+    let (source, seg_a) = spawn_owner(&rpc, "16MiB", &[]);
+    let (mut copier, seg_b) = spawn_owner(&rpc, "16MiB", &[]);
+    let client = client_preferring(&rpc, &seg_a).await;
+    let v = payload("copied", 1 << 20);
+    client
+        .put("copied", &v, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    source.stop();
+    let id = client.create_copy_task("copied", &[&seg_b]).await.unwrap();
+    let assigned = eventually(Duration::from_secs(5), async || {
+        let t = client.query_task(id).await.unwrap();
+        t.status == mooncake_common::ReplicaTaskStatus::Processing
+    })
+    .await;
+    assert!(assigned, "the copy was not handed to the owner");
+    // The copier has the task; let its read reach the stopped source.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    copier.signal(libc::SIGTERM);
+    let status = copier
+        .wait_exit(Duration::from_secs(40))
+        .expect("the owner did not exit");
+    let took = t.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        took < mooncake_owner::SHUTDOWN_WITHIN + Duration::from_secs(1),
+        "took {took:?}"
+    );
+    // Unmounted, not left to the master's client TTL.
+    let segments = client.list_segments().await.unwrap();
+    assert!(
+        segments.iter().all(|s| s.name.as_str() != seg_b),
+        "{segments:?}"
+    );
+    source.signal(libc::SIGCONT);
+}
+
 /// An owner stopped (SIGTERM) while it still starts (here: waiting for a master that does not
 /// answer) exits in order, saying so, instead of dying of the signal's default action.
 #[test]

@@ -162,7 +162,12 @@ async fn main() -> ExitCode {
         None => match tokio::time::timeout(START_GRACE, &mut starting).await {
             Ok(Ok(Ok(owner))) => {
                 tracing::info!("stopped while starting: shutting down");
-                owner.shutdown().await;
+                let left = STOP_WITHIN.saturating_sub(START_GRACE);
+                if tokio::time::timeout(left, owner.shutdown()).await.is_err() {
+                    tracing::warn!(
+                        "the shutdown was cut short at {STOP_WITHIN:?} after the signal"
+                    );
+                }
                 return ExitCode::SUCCESS;
             }
             _ => {
@@ -189,9 +194,19 @@ async fn main() -> ExitCode {
         _ = int.recv() => {}
     }
     tracing::info!("shutting down");
-    owner.shutdown().await;
+    // The shutdown is bounded by itself; a second signal ends it at once.
+    tokio::select! {
+        _ = owner.shutdown() => {}
+        _ = term.recv() => tracing::warn!("second stop signal: exiting without finishing the shutdown"),
+        _ = int.recv() => tracing::warn!("second stop signal: exiting without finishing the shutdown"),
+    }
     ExitCode::SUCCESS
 }
 
 /// How long a start under way when a stop signal came may still take to finish.
-const START_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+const START_GRACE: Duration = Duration::from_secs(5);
+
+/// The most a stop signal's handling takes, start grace included: under the 10 s that
+/// `scripts/mooncake_owner` waits before SIGKILL.
+const STOP_WITHIN: Duration = Duration::from_secs(9);
+const _: () = assert!(mooncake_owner::SHUTDOWN_WITHIN.as_millis() < STOP_WITHIN.as_millis());
