@@ -316,6 +316,14 @@ impl Client {
             .collect())
     }
 
+    /// Hands back the read leases this client still holds and stops sending releases, waiting
+    /// up to `within` for the master to take them; call it before the runtime stops (dropping
+    /// the client alone leaves that to a runtime that may no longer run). Leases of calls made
+    /// after this end at their TTL.
+    pub async fn close(&self, within: std::time::Duration) {
+        self.leases.finish(within).await;
+    }
+
     /// Mounted segments with their capacity and allocated bytes.
     pub async fn list_segments(&self) -> Result<Vec<SegmentUsage>, ClientError> {
         Ok(self.master.list_segments().await?)

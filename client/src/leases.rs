@@ -138,14 +138,31 @@ pub(crate) struct Leases {
     newest: AtomicU64,
     wake: Notify,
     closed: AtomicBool,
+    /// The task that sends releases (see `finish`).
+    sender: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Leases {
     /// Starts the task that sends releases to `master`; it ends after `close`.
     pub fn start(master: Arc<dyn MasterApi>) -> Arc<Leases> {
         let leases = Arc::new(Leases::default());
-        tokio::spawn(leases.clone().run(master));
+        *leases.sender.lock() = Some(tokio::spawn(leases.clone().run(master)));
         leases
+    }
+
+    /// Closes, and waits up to `within` for the sender to hand back what is held: a runtime
+    /// about to stop would otherwise drop the last releases, leaving those objects leased
+    /// (unremovable, unevictable) until their TTL.
+    pub async fn finish(&self, within: std::time::Duration) {
+        self.close();
+        let sender = self.sender.lock().take();
+        if let Some(sender) = sender {
+            if tokio::time::timeout(within, sender).await.is_err() {
+                tracing::debug!(
+                    "read holds not handed back within {within:?}; they end at their TTL"
+                );
+            }
+        }
     }
 
     /// A get is about to read `keys` under the lease `granted`: their holds go back when the

@@ -1,7 +1,7 @@
 //! One `setup()`'s worth of state: the I/O runtime, the client, and the embedded owner when the
 //! process contributes memory itself (`global_segment_size > 0`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mooncake_client::{Client, ClientConfig, ClientError};
 use mooncake_common::{Code, SegmentName};
@@ -20,7 +20,9 @@ pub struct Session {
     lane: Option<parking_lot::Mutex<()>>,
     /// The runtime and client of the callers who find the lane taken, made at the first such
     /// call, from this config and preferred segment.
-    shared: std::sync::OnceLock<Option<(IoRuntime, Client)>>,
+    shared: std::sync::OnceLock<(IoRuntime, Client)>,
+    /// When starting them last failed; held while one caller starts them.
+    shared_failed: parking_lot::Mutex<Option<Instant>>,
     shared_from: (ClientConfig, Option<SegmentName>),
     pub hostname: String,
     /// The master and this host, for segments mounted later (`mount_memory`).
@@ -32,6 +34,13 @@ pub struct Session {
     #[cfg(feature = "embedded-owner")]
     mounted: parking_lot::Mutex<Vec<(Runtime, mooncake_owner::RunningOwner)>>,
 }
+
+/// How long a failed start of the shared runtime and client is not tried again (see
+/// `Session::shared`).
+const SHARED_RETRY: Duration = Duration::from_secs(2);
+
+/// How long `close` waits for each client's read leases to go back.
+const LEASES_BACK_WITHIN: Duration = Duration::from_secs(1);
 
 fn runtime(threads: usize, name: &str) -> Result<Runtime, SetupError> {
     let mut b = if threads == 0 {
@@ -120,6 +129,7 @@ impl Session {
             return Ok(Session {
                 lane: lane_of(&rt),
                 shared: Default::default(),
+                shared_failed: Default::default(),
                 shared_from: (config, preferred),
                 rt: IoRuntime(Some(rt)),
                 client,
@@ -157,6 +167,7 @@ impl Session {
         Ok(Session {
             lane: lane_of(&rt),
             shared: Default::default(),
+            shared_failed: Default::default(),
             shared_from: (config, preferred),
             hostname: owner.segment.to_string(),
             rt: IoRuntime(Some(rt)),
@@ -239,13 +250,39 @@ impl Session {
         if let Some(g) = lane.try_lock() {
             return own(Some(g));
         }
-        match self.shared.get_or_init(|| self.start_shared()) {
+        match self.shared() {
             Some((rt, client)) => Io {
                 rt,
                 client,
                 _lane: None,
             },
             None => own(Some(lane.lock())),
+        }
+    }
+
+    /// The shared runtime and client, started by the first caller that needs them. After a
+    /// failed start (a master briefly unreachable, say) callers take turns on the lane until
+    /// `SHARED_RETRY` has passed, then the next one tries again.
+    fn shared(&self) -> Option<&(IoRuntime, Client)> {
+        if let Some(s) = self.shared.get() {
+            return Some(s);
+        }
+        let mut failed = self.shared_failed.lock();
+        if let Some(s) = self.shared.get() {
+            return Some(s);
+        }
+        if failed.is_some_and(|at| at.elapsed() < SHARED_RETRY) {
+            return None;
+        }
+        match self.start_shared() {
+            Some(s) => {
+                *failed = None;
+                Some(self.shared.get_or_init(|| s))
+            }
+            None => {
+                *failed = Some(Instant::now());
+                None
+            }
         }
     }
 
@@ -275,7 +312,7 @@ impl Session {
     /// What this session's calls moved so far, on both its runtimes.
     pub fn transfer_stats(&self) -> mooncake_common::transport::TransferStats {
         let mut t = self.client.transfer_stats();
-        if let Some(Some((_, c))) = self.shared.get() {
+        if let Some((_, c)) = self.shared.get() {
             t += c.transfer_stats();
         }
         t
@@ -286,15 +323,25 @@ impl Session {
     pub fn close(mut self) {
         #[cfg(feature = "embedded-owner")]
         stop_owners(self.take_owners());
-        if let Some(Some((mut rt, client))) = self.shared.take() {
-            drop(client);
+        // Each client hands back its read leases while its runtime still runs.
+        if let Some((mut rt, client)) = self.shared.take() {
             if let Some(rt) = rt.0.take() {
+                rt.block_on(client.close(LEASES_BACK_WITHIN));
+                drop(client);
                 rt.shutdown_timeout(Duration::from_secs(2));
             }
         }
         if let Some(rt) = self.rt.0.take() {
+            rt.block_on(self.client.close(LEASES_BACK_WITHIN));
             rt.shutdown_timeout(Duration::from_secs(2));
         }
+    }
+
+    /// How long calls in flight may still take: each ends by its deadlines (a lookup, the
+    /// transfer, the put's end).
+    pub fn calls_end_within(&self) -> Duration {
+        let config = &self.shared_from.0;
+        config.rpc_timeout * 2 + config.transfer_timeout + Duration::from_secs(1)
     }
 
     #[cfg(feature = "embedded-owner")]

@@ -109,17 +109,28 @@ impl NativeStore {
         (self.registry.try_pin()).unwrap_or_else(|| py.detach(|| self.registry.pin()))
     }
 
+    /// Ends the session once the calls in flight (which hold it) are over, waiting for them
+    /// with the GIL released, as long as their deadlines allow; past that, the session ends
+    /// with the last of them.
     fn close_session(&self, py: Python<'_>) {
-        let taken = self.session.write().take();
-        if let Some(session) = taken {
+        let Some(mut session) = self.session.write().take() else {
+            return;
+        };
+        let until = std::time::Instant::now() + session.calls_end_within();
+        py.detach(|| loop {
             match Arc::try_unwrap(session) {
-                Ok(s) => py.detach(|| s.close()),
-                // Calls still in flight hold the session; it ends with the last of them.
-                Err(_) => tracing::warn!(
-                    "close() while calls are in flight; the session ends when they finish"
-                ),
+                Ok(s) => return s.close(),
+                Err(s) if std::time::Instant::now() < until => {
+                    session = s;
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(_) => {
+                    return tracing::warn!(
+                        "close(): calls still in flight past their deadlines; the session ends when they finish"
+                    )
+                }
             }
-        }
+        })
     }
 }
 
