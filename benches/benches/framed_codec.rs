@@ -62,7 +62,11 @@ fn put_start(c: &mut Criterion) {
         b.iter(|| {
             let mut buf = Vec::with_capacity(keys::keyed_len(1, &items));
             keys::encode_keyed(1, black_box(&items), &mut buf);
-            black_box(keys::decode_keyed(&buf, 1, |_, _| Ok(())).unwrap().len())
+            black_box(
+                keys::decode_keyed(&buf, 1, &[], |_, _| Ok(()))
+                    .unwrap()
+                    .len(),
+            )
         })
     });
     let encode = || {

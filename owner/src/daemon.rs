@@ -235,6 +235,7 @@ impl RunningOwner {
     /// stop, the segment is unmounted while the SSD tier syncs, then serving stops. Until the
     /// unmount the master may still send reads here, so serving goes on until then.
     pub async fn shutdown(self) {
+        self.link.stop_mounting();
         let (stop_work, mut worker) = self.worker;
         let _ = stop_work.send(true);
         if tokio::time::timeout(WORK_DRAIN, &mut worker).await.is_err() {

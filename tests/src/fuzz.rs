@@ -385,15 +385,20 @@ fn framed_run(b: &[u8]) {
         None => b,
     };
     // Server side: the hot calls' borrowed decoders, and every message the cold calls decode.
-    let _ = keys::decode_keyed(body, fields::put_start_request::ITEMS, |field, bytes| {
-        if field == fields::put_start_request::CONFIG {
-            pb::ReplicateConfig::default()
-                .merge(bytes)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    });
-    let _ = keys::decode_keyed(body, fields::PUT_REFS, |_, _| Ok(()));
+    let _ = keys::decode_keyed(
+        body,
+        fields::put_start_request::ITEMS,
+        &[fields::put_start_request::CONFIG],
+        |field, bytes| {
+            if field == fields::put_start_request::CONFIG {
+                pb::ReplicateConfig::default()
+                    .merge(bytes)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        },
+    );
+    let _ = keys::decode_keyed(body, fields::PUT_REFS, &[], |_, _| Ok(()));
     let _ = keys::decode_strings(body, fields::KEYS);
     let _ = keys::decode_strings(body, fields::RELEASE);
     let _ = pb::MountSegmentRequest::decode(body);

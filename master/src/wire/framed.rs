@@ -209,7 +209,7 @@ fn by_refs(
     body: &[u8],
     answer: impl FnOnce(&[(&str, u64)]) -> Vec<Result<(), crate::error::MasterError>>,
 ) -> (i32, Vec<u8>) {
-    match keys::decode_keyed(body, fields::PUT_REFS, |_, _| Ok(())) {
+    match keys::decode_keyed(body, fields::PUT_REFS, &[], |_, _| Ok(())) {
         Ok(refs) => {
             // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
             let codes = answer(&refs).iter().map(code).collect();
@@ -226,15 +226,20 @@ fn by_refs(
 /// repeated occurrences of a message field, the answer encoded straight from the grants.
 async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<u8>) {
     let mut config: Option<pb::ReplicateConfig> = None;
-    let items = keys::decode_keyed(body, fields::put_start_request::ITEMS, |field, bytes| {
-        if field == fields::put_start_request::CONFIG {
-            config
-                .get_or_insert_with(Default::default)
-                .merge(bytes)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    });
+    let items = keys::decode_keyed(
+        body,
+        fields::put_start_request::ITEMS,
+        &[fields::put_start_request::CONFIG],
+        |field, bytes| {
+            if field == fields::put_start_request::CONFIG {
+                config
+                    .get_or_insert_with(Default::default)
+                    .merge(bytes)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        },
+    );
     let items = match items {
         Ok(items) => items,
         Err(e) => return bad_request(e),

@@ -128,8 +128,25 @@ fn config(args: Args) -> Result<OwnerConfig, String> {
     Ok(c)
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("mooncake_ownerd: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = rt.block_on(run());
+    // Not waiting for blocking work still under way (a sync the shutdown gave up on, a write of
+    // a task it left to the master): `STOP_WITHIN` holds.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    code
+}
+
+async fn run() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -162,12 +179,7 @@ async fn main() -> ExitCode {
         None => match tokio::time::timeout(START_GRACE, &mut starting).await {
             Ok(Ok(Ok(owner))) => {
                 tracing::info!("stopped while starting: shutting down");
-                let left = STOP_WITHIN.saturating_sub(START_GRACE);
-                if tokio::time::timeout(left, owner.shutdown()).await.is_err() {
-                    tracing::warn!(
-                        "the shutdown was cut short at {STOP_WITHIN:?} after the signal"
-                    );
-                }
+                owner.shutdown().await;
                 return ExitCode::SUCCESS;
             }
             _ => {
@@ -204,9 +216,11 @@ async fn main() -> ExitCode {
 }
 
 /// How long a start under way when a stop signal came may still take to finish.
-const START_GRACE: Duration = Duration::from_secs(5);
+const START_GRACE: Duration = Duration::from_secs(1);
 
-/// The most a stop signal's handling takes, start grace included: under the 10 s that
-/// `scripts/mooncake_owner` waits before SIGKILL.
+/// The most a stop signal's handling takes, a start's grace and the shutdown: under the 10 s
+/// that `scripts/mooncake_owner` waits before SIGKILL.
 const STOP_WITHIN: Duration = Duration::from_secs(9);
-const _: () = assert!(mooncake_owner::SHUTDOWN_WITHIN.as_millis() < STOP_WITHIN.as_millis());
+const _: () = assert!(
+    START_GRACE.as_millis() + mooncake_owner::SHUTDOWN_WITHIN.as_millis() < STOP_WITHIN.as_millis()
+);

@@ -345,9 +345,15 @@ impl MasterLink {
         Ok(other)
     }
 
-    pub async fn unmount(&self) -> Result<(), LinkError> {
+    /// No mount starts from now on (see `unmount`): a shutdown says so before it waits for
+    /// the work under way, so that no remount lands after its unmount.
+    pub fn stop_mounting(&self) {
         self.unmounting
             .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub async fn unmount(&self) -> Result<(), LinkError> {
+        self.stop_mounting();
         let req = pb::UnmountSegmentRequest {
             client_id: self.owner.to_string(),
             segment: self.segment.to_string(),

@@ -12,7 +12,10 @@ use mooncake_common::{
     Code, ObjectKey, Stamp,
 };
 use mooncake_proto::master as pb;
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::{
+    sync::{mpsc, watch, Semaphore},
+    task::JoinSet,
+};
 
 use super::{
     peer_read::{self, PeerRead},
@@ -62,7 +65,10 @@ impl Worker {
     /// previous report is on its way), so the master frees memory as offloads land.
     pub async fn run(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let (tx, rx) = mpsc::unbounded_channel::<Done>();
-        let reporter = tokio::spawn(self.clone().report_loop(rx));
+        // The reporter and the tasks under way: an abort of this run (a shutdown that stops
+        // waiting for them) takes them down with it instead of leaving them running detached.
+        let mut running = JoinSet::new();
+        running.spawn(self.clone().report_loop(rx));
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut backoff = Duration::from_millis(100);
         'run: loop {
@@ -92,13 +98,14 @@ impl Worker {
                 }
                 Ok(resp) => {
                     backoff = Duration::from_millis(100);
+                    while running.try_join_next().is_some() {}
                     for t in resp.tasks {
                         let permit = tokio::select! {
                             p = permits.clone().acquire_owned() => p.expect("never closed"),
                             _ = stop.changed() => break 'run,
                         };
                         let (w, tx) = (self.clone(), tx.clone());
-                        tokio::spawn(async move {
+                        running.spawn(async move {
                             let (code, message) = w.execute(&t).await;
                             drop(permit);
                             let _ = tx.send((t, code, message));
@@ -117,7 +124,7 @@ impl Worker {
         }
         // Tasks under way finish (their I/O is bounded) and are reported; then the reporter ends.
         drop(tx);
-        let _ = reporter.await;
+        while running.join_next().await.is_some() {}
     }
 
     /// Records reads found missing or corrupt: the master stops pointing at them (the object is

@@ -137,15 +137,20 @@ fn keyed_item_len(k: &str, n: u64) -> usize {
 
 /// Every item of field `field` (repeated `{ string key = 1; uint64 number = 2; }`) in the message
 /// `body`, in order, the keys as slices of `body`. Every other length-delimited field goes to
-/// `other` (field number, bytes); the rest is skipped. Malformed input is an error, never a
-/// panic.
+/// `other` (field number, bytes); the rest is skipped. The fields `other` reads (`others`) must
+/// be length-delimited, as `field` must. Malformed input is an error, never a panic.
 pub fn decode_keyed<'a>(
     body: &'a [u8],
     field: u32,
+    others: &[u32],
     mut other: impl FnMut(u32, &'a [u8]) -> Result<(), String>,
 ) -> Result<Vec<(&'a str, u64)>, String> {
     let mut out = Vec::new();
-    walk(body, &[(field, LEN)], |f, v| match v {
+    let known: Vec<(u32, u64)> = std::iter::once(field)
+        .chain(others.iter().copied())
+        .map(|f| (f, LEN))
+        .collect();
+    walk(body, &known, |f, v| match v {
         Value::Bytes(b) if f == field => {
             let (mut key, mut n) = ("", 0);
             walk(b, &[(keyed::KEY, LEN), (keyed::NUMBER, VARINT)], |f, v| {
@@ -230,7 +235,7 @@ mod tests {
             let mut seen = None;
             let mut others = Vec::new();
             let start = start.encode_to_vec();
-            let got = decode_keyed(&start, 1, |f, b| {
+            let got = decode_keyed(&start, 1, &[2], |f, b| {
                 others.push(f);
                 seen = Some(pb::ReplicateConfig::decode(b).map_err(|e| e.to_string())?);
                 Ok(())
@@ -245,7 +250,7 @@ mod tests {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_strings(&bytes, 1);
-            let _ = decode_keyed(&bytes, 1, |_, _| Ok(()));
+            let _ = decode_keyed(&bytes, 1, &[], |_, _| Ok(()));
         }
     }
 
@@ -259,11 +264,11 @@ mod tests {
         assert!(decode_strings(&[0x0b], 1).is_err(), "wire type 3");
         assert!(decode_strings(&[0x80; 11], 1).is_err(), "endless varint");
         assert!(
-            decode_keyed(&[0x0a, 3, 0x0a, 1, 0xff], 1, |_, _| Ok(())).is_err(),
+            decode_keyed(&[0x0a, 3, 0x0a, 1, 0xff], 1, &[], |_, _| Ok(())).is_err(),
             "key not UTF-8"
         );
         assert!(
-            decode_keyed(&[0x0a, 4, 0x0a, 5], 1, |_, _| Ok(())).is_err(),
+            decode_keyed(&[0x0a, 4, 0x0a, 5], 1, &[], |_, _| Ok(())).is_err(),
             "item overruns"
         );
         // What prost refuses: a known field with another wire type, field number 0, and a
@@ -279,8 +284,16 @@ mod tests {
         );
         assert!(decode_u64(&[0x0a, 0], 1).is_err(), "a uint64 as bytes");
         assert!(
-            decode_keyed(&[0x0a, 2, 0x08, 1], 1, |_, _| Ok(())).is_err(),
+            decode_keyed(&[0x0a, 2, 0x08, 1], 1, &[], |_, _| Ok(())).is_err(),
             "a key as a varint"
+        );
+        assert!(
+            decode_keyed(&[0x10, 1], 1, &[2], |_, _| Ok(())).is_err(),
+            "a config as a varint"
+        );
+        assert!(
+            pb::BatchPutStartRequest::decode(&[0x10, 1][..]).is_err(),
+            "prost agrees"
         );
         let mut max = vec![0x08];
         max.extend([0xff; 9]);
