@@ -530,7 +530,9 @@ class MooncakeDistributedStore(NativeStore):
         return ptr
 
     def close(self):
-        """Ends the session (waiting for calls in flight) and frees `alloc_from_mem_pool` memory."""
+        """Ends the session and frees `alloc_from_mem_pool` memory. Calls in flight are waited
+        for (within their deadlines): with async calls in flight, call it off the event loop
+        (`await loop.run_in_executor(None, store.close)`), which their cancellation needs."""
         blocks = self.__dict__.pop("_pool_blocks", [])
         for block in blocks:
             self.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(block)))

@@ -1,9 +1,13 @@
 //! asyncio awaitables over the store's own I/O runtime. An `async_*` call makes a future on the
 //! caller's running event loop, spawns its work as a task of the runtime (no thread per call:
 //! many calls in flight share the runtime's few threads and overlap their transfers), and the
-//! task hands the result to the loop with `call_soon_threadsafe`. A call the caller cancelled
-//! meanwhile is finished and its result dropped. A call that panics resolves with a
-//! RuntimeError instead of leaving its awaitable pending forever.
+//! task hands the result to the loop with `call_soon_threadsafe`. A call the caller cancels
+//! (`task.cancel()`, `asyncio.wait_for`'s timeout) stops at its next wait, and nothing is
+//! reported: a put not ended yet is revoked (nothing is stored under its keys), a get stops
+//! writing into the caller's memory (what it wrote stays). A transfer step already running on
+//! threads of its own (a batch of tens of MiB to one owner) or a same-host copy ends first, so a
+//! buffer is safe to reuse only once the call would have ended. A call that panics resolves with
+//! a RuntimeError instead of leaving its awaitable pending forever.
 
 use std::{
     future::Future,
@@ -31,7 +35,7 @@ where
     let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
     let future = event_loop.call_method0("create_future")?;
     let (loop_ref, future_ref) = (event_loop.unbind(), future.clone().unbind());
-    rt.spawn(async move {
+    let task = rt.spawn(async move {
         let out = CatchPanic(Box::pin(work)).await;
         Python::attach(|py| {
             let result = match out {
@@ -64,6 +68,22 @@ where
             }
         });
     });
+    // The caller moves on from a cancelled call and may reuse its buffers: the work stops.
+    let abort = task.abort_handle();
+    let on_done = PyCFunction::new_closure(
+        py,
+        None,
+        None,
+        move |args: &Bound<'_, pyo3::types::PyTuple>,
+              _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>|
+              -> PyResult<()> {
+            if args.get_item(0)?.call_method0("cancelled")?.is_truthy()? {
+                abort.abort();
+            }
+            Ok(())
+        },
+    )?;
+    future.call_method1("add_done_callback", (on_done,))?;
     Ok(future.unbind())
 }
 

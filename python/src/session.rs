@@ -337,11 +337,11 @@ impl Session {
         }
     }
 
-    /// How long calls in flight may still take: each ends by its deadlines (a lookup, the
-    /// transfer, the put's end).
+    /// How long calls in flight may still take: each ends by its deadlines (a put's start,
+    /// its transfer, its end or revocation).
     pub fn calls_end_within(&self) -> Duration {
         let config = &self.shared_from.0;
-        config.rpc_timeout * 2 + config.transfer_timeout + Duration::from_secs(1)
+        config.rpc_timeout * 3 + config.transfer_timeout + Duration::from_secs(1)
     }
 
     #[cfg(feature = "embedded-owner")]

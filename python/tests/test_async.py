@@ -200,3 +200,36 @@ def test_a_store_freed_with_a_call_in_flight_keeps_its_pool_memory_mapped_until_
     assert checker.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
     assert checker.remove("freed/k", True) == 0
     checker.close()
+
+
+def test_a_cancelled_async_put_stops_and_stores_nothing(monkeypatch):
+    """A caller that cancels an async put (here asyncio.wait_for's timeout, its owner stopped
+    mid-write) may reuse its buffer at once: the put stops and is revoked instead of going on
+    when the owner comes back and storing whatever the buffer holds then."""
+    import signal
+
+    from conftest import running_cluster
+
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    with running_cluster(owners=1, size="256MiB") as c:
+        s = MooncakeDistributedStoreAsync()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", c.master) == 0
+        try:
+            owner = c.owners[0].p.pid
+            value = os.urandom(32 << 20)
+
+            async def main():
+                os.kill(owner, signal.SIGSTOP)
+                try:
+                    with pytest.raises(asyncio.TimeoutError):
+                        await asyncio.wait_for(s.async_put("cancelled/k", value), 0.5)
+                finally:
+                    os.kill(owner, signal.SIGCONT)
+                await asyncio.sleep(1.5)
+
+            asyncio.run(main())
+            assert s.is_exist("cancelled/k") == 0
+            assert s.put("cancelled/k", b"new") == 0
+            assert s.get("cancelled/k") == b"new"
+        finally:
+            s.close()
