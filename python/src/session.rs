@@ -238,7 +238,7 @@ impl Session {
     /// out the other's whole call (and with it its own deadlines), since nothing drives the
     /// sockets of a current-thread runtime but its caller, and a large transfer blocks that one
     /// in its transfer threads.
-    pub fn io(&self) -> Io<'_> {
+    fn io(&self) -> Io<'_> {
         let own = |lane| Io {
             rt: &self.rt,
             client: &self.client,
@@ -258,6 +258,12 @@ impl Session {
             },
             None => own(Some(lane.lock())),
         }
+    }
+
+    /// Runs `call` with the client of the runtime `io` picks, to its end, on this thread.
+    pub fn block_on<T>(&self, call: impl AsyncFnOnce(&Client) -> T) -> T {
+        let io = self.io();
+        io.rt.block_on(call(io.client))
     }
 
     /// The shared runtime and client, started by the first caller that needs them. After a
@@ -383,7 +389,7 @@ fn stop_owners(owners: Vec<(Runtime, mooncake_owner::RunningOwner)>) {
 }
 
 /// The runtime and client of one call (see `Session::io`), holding the lane while it uses it.
-pub struct Io<'a> {
+struct Io<'a> {
     pub rt: &'a Runtime,
     pub client: &'a Client,
     _lane: Option<parking_lot::MutexGuard<'a, ()>>,

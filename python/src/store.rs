@@ -229,12 +229,7 @@ impl NativeStore {
     /// 0 healthy, 1 not set up, 2 master unreachable.
     fn health_check(&self, py: Python<'_>) -> i32 {
         self.with_session(py, 1, |s| {
-            if {
-                let io = s.io();
-                io.rt.block_on(io.client.list_segments())
-            }
-            .is_ok()
-            {
+            if s.block_on(async |c| c.list_segments().await).is_ok() {
                 0
             } else {
                 2
@@ -457,11 +452,7 @@ impl NativeStore {
     /// The object's bytes, or b"" on a miss or an error.
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let got = self.with_session(py, None, |s| {
-            {
-                let io = s.io();
-                io.rt.block_on(io.client.batch_get_owned(&[key]))
-            }
-            .pop()
+            s.block_on(async |c| c.batch_get_owned(&[key]).await).pop()
         });
         match got {
             Some(Ok(v)) => PyBytes::new(py, &v),
@@ -477,8 +468,7 @@ impl NativeStore {
     fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let got = self.with_session(py, Vec::new(), |s| {
-            let io = s.io();
-            io.rt.block_on(io.client.batch_get_owned(&refs))
+            s.block_on(async |c| c.batch_get_owned(&refs).await)
         });
         if got.is_empty() {
             return keys.iter().map(|_| PyBytes::new(py, b"")).collect();
@@ -499,11 +489,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
         let cls = cls.unbind();
         let got = self.with_session(py, Vec::new(), |s| {
-            let io = s.io();
-            io.rt.block_on(
-                io.client
-                    .batch_get_alloc(&refs, FreshByteArray::maker(&cls)),
-            )
+            s.block_on(async |c| c.batch_get_alloc(&refs, FreshByteArray::maker(&cls)).await)
         });
         buffer_results(got, &refs)
     }
@@ -518,11 +504,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
         let cls = cls.unbind();
         let got = self.with_session(py, Vec::new(), |s| {
-            let io = s.io();
-            io.rt.block_on(
-                io.client
-                    .batch_get_alloc(&refs, FreshByteArray::maker(&cls)),
-            )
+            s.block_on(async |c| c.batch_get_alloc(&refs, FreshByteArray::maker(&cls)).await)
         });
         coded_buffer_results(got, &refs)
     }
@@ -653,8 +635,7 @@ impl NativeStore {
     /// The object's size in bytes, or a negative code (-704 on a miss).
     fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            let io = s.io();
-            match io.rt.block_on(io.client.batch_get_replica_desc(&[key])) {
+            match s.block_on(async |c| c.batch_get_replica_desc(&[key]).await) {
                 Ok(mut r) => match r.pop().expect("one result") {
                     Ok(d) => d.size as i64,
                     Err(e) => e.code().as_i32() as i64,
@@ -674,13 +655,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let n = keys.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            remove_codes(
-                {
-                    let io = s.io();
-                    io.rt.block_on(io.client.batch_remove(&refs, force))
-                },
-                n,
-            )
+            remove_codes(s.block_on(async |c| c.batch_remove(&refs, force).await), n)
         })
     }
 
@@ -688,8 +663,7 @@ impl NativeStore {
     #[pyo3(signature = (force=false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            let io = s.io();
-            match io.rt.block_on(io.client.remove_all(force)) {
+            match s.block_on(async |c| c.remove_all(force).await) {
                 Ok(n) => n as i64,
                 Err(e) => e.code().as_i32() as i64,
             }
@@ -703,11 +677,7 @@ impl NativeStore {
     #[pyo3(signature = (regex_pattern, force=false))]
     fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
         self.with_session(py, INVALID as i64, |s| {
-            let io = s.io();
-            match io
-                .rt
-                .block_on(io.client.remove_by_regex(regex_pattern, force))
-            {
+            match s.block_on(async |c| c.remove_by_regex(regex_pattern, force).await) {
                 Ok(n) => n as i64,
                 Err(e) => {
                     tracing::error!(pattern = regex_pattern, "remove_by_regex: {e}");
@@ -727,10 +697,10 @@ impl NativeStore {
     ) -> ((u64, u64), i32) {
         let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
         self.with_session(py, ((0, 0), INVALID), |s| {
-            task_created(key, {
-                let io = s.io();
-                io.rt.block_on(io.client.create_copy_task(key, &targets))
-            })
+            task_created(
+                key,
+                s.block_on(async |c| c.create_copy_task(key, &targets).await),
+            )
         })
     }
 
@@ -743,11 +713,7 @@ impl NativeStore {
         target: &str,
     ) -> ((u64, u64), i32) {
         self.with_session(py, ((0, 0), INVALID), |s| {
-            let created = {
-                let io = s.io();
-                io.rt
-                    .block_on(io.client.create_move_task(key, source, target))
-            };
+            let created = s.block_on(async |c| c.create_move_task(key, source, target).await);
             task_created(key, created)
         })
     }
@@ -761,8 +727,7 @@ impl NativeStore {
         task_id: u64,
     ) -> (i32, Option<(u8, u8, u64, u64, Vec<String>, String)>) {
         self.with_session(py, (INVALID, None), |s| {
-            let io = s.io();
-            match io.rt.block_on(io.client.query_task(task_id)) {
+            match s.block_on(async |c| c.query_task(task_id).await) {
                 Ok(t) => (
                     0,
                     Some((
@@ -792,11 +757,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let segment = Some(segment_name).filter(|s| !s.is_empty());
         self.with_session(py, Vec::new(), |s| {
-            let io = s.io();
-            match io
-                .rt
-                .block_on(io.client.batch_replica_clear(&refs, segment))
-            {
+            match s.block_on(async |c| c.batch_replica_clear(&refs, segment).await) {
                 Ok(codes) => keys
                     .iter()
                     .zip(codes)
@@ -845,8 +806,7 @@ impl NativeStore {
         let refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
         let n = keys.len();
         self.with_session(py, vec![None; n], |s| {
-            let io = s.io();
-            match io.rt.block_on(io.client.batch_get_replica_desc(&refs)) {
+            match s.block_on(async |c| c.batch_get_replica_desc(&refs).await) {
                 Ok(r) => r
                     .into_iter()
                     .map(|d| {
@@ -965,11 +925,7 @@ impl NativeStore {
             return Ok(INVALID);
         };
         Ok(self.with_session(py, INVALID, |s| {
-            let io = s.io();
-            put_code(
-                &io.rt
-                    .block_on(io.client.batch_put_parts(&[(key, &slices)], &cfg))[0],
-            )
+            put_code(&s.block_on(async |c| c.batch_put_parts(&[(key, &slices)], &cfg).await)[0])
         }))
     }
 
@@ -1001,10 +957,7 @@ impl NativeStore {
             return Ok(INVALID);
         };
         Ok(self.with_session(py, INVALID, |s| {
-            let res = {
-                let io = s.io();
-                io.rt.block_on(io.client.batch_put_parts(&items, &cfg))
-            };
+            let res = s.block_on(async |c| c.batch_put_parts(&items, &cfg).await);
             res.iter().map(put_code).find(|c| *c != 0).unwrap_or(0)
         }))
     }
@@ -1054,10 +1007,9 @@ impl NativeStore {
             .map(|(&i, p)| (&*keys[i], &p[..]))
             .collect();
         let codes = self.with_session(py, None, |s| {
-            let io = s.io();
-            io.rt.block_on(async {
-                let host = io.client.batch_put_parts(&items, &cfg);
-                let device = on_device.put(io.client, keys, &cfg);
+            s.block_on(async |c| {
+                let host = c.batch_put_parts(&items, &cfg);
+                let device = on_device.put(c, keys, &cfg);
                 let (host, device) = tokio::join!(host, device);
                 Some((host.iter().map(put_code).collect::<Vec<_>>(), device))
             })
@@ -1111,10 +1063,9 @@ impl NativeStore {
         }
         let key_refs: Vec<&str> = idx.iter().map(|&i| &*keys[i]).collect();
         let got = self.with_session(py, None, |s| {
-            let io = s.io();
-            io.rt.block_on(async {
-                let host = io.client.batch_get_parts(&key_refs, &mut bufs);
-                let device = on_device.get(io.client, keys);
+            s.block_on(async |c| {
+                let host = c.batch_get_parts(&key_refs, &mut bufs);
+                let device = on_device.get(c, keys);
                 let (res, device) = tokio::join!(host, device);
                 let host = res
                     .iter()
@@ -1303,13 +1254,7 @@ impl NativeStore {
     fn exists_of(&self, py: Python<'_>, refs: &[&str]) -> Vec<i32> {
         let n = refs.len();
         self.with_session(py, vec![INVALID; n], |s| {
-            exists_codes(
-                {
-                    let io = s.io();
-                    io.rt.block_on(io.client.batch_exists(refs))
-                },
-                n,
-            )
+            exists_codes(s.block_on(async |c| c.batch_exists(refs).await), n)
         })
     }
 }
