@@ -699,30 +699,18 @@ impl NativeEngine {
     }
 }
 
-/// An engine dropped stops on a thread of its own: its etcd entry withdrawn, peers no longer
-/// served, its runtimes shut down. Where it is dropped (a Python thread holding the GIL, or a
-/// runtime's thread, where the garbage collector may run) none of that may block: the GIL would
-/// stall every Python thread, and a runtime cannot be entered from another's thread. The drop
-/// waits for it, with the GIL released, only outside any runtime.
+/// An engine dropped stops on a thread of its own (see `stopping`): its etcd entry withdrawn,
+/// peers no longer served, its runtimes shut down.
 impl Drop for NativeEngine {
     fn drop(&mut self) {
         let Some(r) = self.running.take() else {
             return;
         };
-        let stopping = std::thread::Builder::new()
-            .name("mooncake-engine-stop".into())
-            .spawn(move || stop(r));
-        match stopping {
-            Ok(stopping) if tokio::runtime::Handle::try_current().is_err() => {
-                Python::attach(|py| py.detach(|| stopping.join())).unwrap_or_else(|_| {
-                    tracing::warn!("stopping a dropped transfer engine panicked")
-                });
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot start a thread to stop a dropped transfer engine")
-            }
-        }
+        crate::stopping::stop_off_thread(
+            "mooncake-engine-stop",
+            "a dropped transfer engine",
+            move || stop(r),
+        );
     }
 }
 

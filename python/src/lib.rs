@@ -13,6 +13,7 @@ mod gpu;
 mod registry;
 mod replica;
 mod session;
+mod stopping;
 mod store;
 mod store_async;
 

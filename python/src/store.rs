@@ -855,18 +855,9 @@ impl Drop for NativeStore {
         let Ok(session) = Arc::try_unwrap(session) else {
             return;
         };
-        let closing = std::thread::Builder::new()
-            .name("mooncake-close".into())
-            .spawn(move || session.close());
-        match closing {
-            Ok(closing) if tokio::runtime::Handle::try_current().is_err() => {
-                Python::attach(|py| py.detach(|| closing.join()))
-                    .unwrap_or_else(|_| tracing::warn!("closing a dropped store panicked"));
-            }
-            Ok(_) => {}
-            // The session went with the closure: its own drop stops what it can.
-            Err(e) => tracing::warn!(error = %e, "cannot start a thread to close a dropped store"),
-        }
+        crate::stopping::stop_off_thread("mooncake-close", "a dropped store", move || {
+            session.close()
+        });
     }
 }
 
