@@ -24,6 +24,28 @@ def bin_path(name):
     pytest.fail(f"{name} not found in {candidates}: run `cargo build --bins` or set MOONCAKE_BIN_DIR")
 
 
+def stop_process(pid, within=5.0):
+    """SIGSTOPs `pid` and waits until every one of its threads is stopped. kill(2) returns once
+    the stop is pending: the thread that takes it stops the others, so until it runs another
+    thread can still answer a call."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        states = []
+        for t in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a thread that exited
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    pytest.fail(f"process {pid} did not stop within {within} s")
+
+
 class Proc:
     """A child process whose stdout lines can be awaited; killed on stop()."""
 

@@ -208,7 +208,7 @@ def test_a_cancelled_async_put_stops_and_stores_nothing(monkeypatch):
     when the owner comes back and storing whatever the buffer holds then."""
     import signal
 
-    from conftest import running_cluster
+    from conftest import running_cluster, stop_process
 
     monkeypatch.setenv("MOONCAKE_SHM", "0")
     with running_cluster(owners=1, size="256MiB") as c:
@@ -219,7 +219,7 @@ def test_a_cancelled_async_put_stops_and_stores_nothing(monkeypatch):
             value = os.urandom(32 << 20)
 
             async def main():
-                os.kill(owner, signal.SIGSTOP)
+                stop_process(owner)
                 try:
                     with pytest.raises(asyncio.TimeoutError):
                         await asyncio.wait_for(s.async_put("cancelled/k", value), 0.5)

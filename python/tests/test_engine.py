@@ -7,6 +7,7 @@ import os
 import pytest
 
 from mooncake_rs.engine import TransferEngine, TransferOpcode
+from conftest import stop_process
 from test_ha import etcd  # noqa: F401  (the real-etcd fixture)
 
 
@@ -251,7 +252,7 @@ def test_a_sync_call_is_not_held_up_by_another_threads_call_to_a_silent_peer(mon
         assert a.register_memory(src_p, n) == 0 and b.register_memory(dst_p, n) == 0
         # Met once: the next small call to it waits on a blocking socket.
         assert a.transfer_sync_write(peer, src_p, m, n) == 0
-        os.kill(target.pid, signal.SIGSTOP)
+        stop_process(target.pid)
         stuck = {}
         t = threading.Thread(
             target=lambda: stuck.setdefault("rc", a.transfer_sync_write(peer, src_p, m, n)))

@@ -259,7 +259,7 @@ def test_a_store_dropped_without_close_lets_other_threads_run_while_it_closes():
     import signal
     import threading
 
-    from conftest import start_master
+    from conftest import start_master, stop_process
 
     m, rpc = start_master()
     try:
@@ -274,7 +274,7 @@ def test_a_store_dropped_without_close_lets_other_threads_run_while_it_closes():
 
         ticker = threading.Thread(target=tick)
         ticker.start()
-        os.kill(m.p.pid, signal.SIGSTOP)
+        stop_process(m.p.pid)
         try:
             start = time.monotonic()
             del s
@@ -317,7 +317,7 @@ def test_no_deadlock_between_a_transfer_an_unregister_and_a_registry_check():
     child process so that a deadlock fails the test instead of hanging it."""
     import signal
 
-    from conftest import running_cluster
+    from conftest import running_cluster, stop_process
 
     with running_cluster(owners=1, size="64MiB") as c:
         child = textwrap.dedent(f"""
@@ -354,7 +354,7 @@ def test_no_deadlock_between_a_transfer_an_unregister_and_a_registry_check():
                              text=True)
         try:
             assert p.stdout.readline().strip() == "ready", p.stderr.read()
-            os.kill(owner_pid, signal.SIGSTOP)
+            stop_process(owner_pid)
             time.sleep(1.5)
             os.kill(owner_pid, signal.SIGCONT)
             out, err = p.communicate(timeout=30)
@@ -375,7 +375,7 @@ def test_a_call_is_not_held_up_by_another_threads_transfer_to_a_stopped_owner(mo
     import signal
     import threading
 
-    from conftest import new_store, running_cluster
+    from conftest import new_store, running_cluster, stop_process
 
     monkeypatch.setenv("MOONCAKE_SHM", "0")
     with running_cluster(owners=1, size="256MiB") as c:
@@ -388,7 +388,7 @@ def test_a_call_is_not_held_up_by_another_threads_transfer_to_a_stopped_owner(mo
             assert s.batch_put_from([f"big/{i}" for i in range(n)], ptrs, [size] * n) == [0] * n
             assert s.put("present", b"x") == 0
             owner = c.owners[0].p.pid
-            os.kill(owner, signal.SIGSTOP)
+            stop_process(owner)
             try:
                 stuck = {}
                 t = threading.Thread(target=lambda: stuck.setdefault(

@@ -271,7 +271,7 @@ async fn a_leader_keeps_its_term_through_an_etcd_stall_shorter_than_its_lease() 
 
     // 4 s: longer than a keepalive period (3 s), shorter than the lease (9 s).
     let member = &etcd.members[0].guard;
-    member.signal(libc::SIGSTOP);
+    member.stop();
     let during: Vec<String> = (0..10).map(|i| format!("during/{i}")).collect();
     put_all(&client, &during).await;
     tokio::time::sleep(Duration::from_secs(4)).await;

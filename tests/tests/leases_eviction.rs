@@ -273,7 +273,7 @@ async fn a_get_dropped_mid_read_hands_its_hold_back() {
         .put("k", &payload("k", MIB as usize), &cfg)
         .await
         .unwrap();
-    owner.signal(libc::SIGSTOP);
+    owner.stop();
     let mut buf = vec![0u8; MIB as usize];
     let read = tokio::time::timeout(Duration::from_millis(500), client.get("k", &mut buf)).await;
     owner.signal(libc::SIGCONT);
@@ -298,7 +298,7 @@ async fn a_put_dropped_mid_write_is_revoked() {
     let (master, owner, client) = with_stoppable_owner(master_config(), "8MiB").await;
     let cfg = ReplicateConfig::default();
     let first = vec![1u8; MIB as usize];
-    owner.signal(libc::SIGSTOP);
+    owner.stop();
     let put = tokio::time::timeout(Duration::from_millis(500), client.put("k", &first, &cfg)).await;
     owner.signal(libc::SIGCONT);
     assert!(

@@ -229,7 +229,7 @@ async fn a_removal_during_the_rebuild_waits_for_the_report() {
     put_payloads(&client, &keys, SIZE, &ReplicateConfig::default()).await;
 
     // The owner cannot report until it is let go on.
-    owner.signal(libc::SIGSTOP);
+    owner.stop();
     master.signal(libc::SIGKILL);
     master.wait_exit(Duration::from_secs(5));
     // A grace long enough for the owner to be let go on and report on a loaded machine, short

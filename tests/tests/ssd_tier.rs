@@ -307,7 +307,7 @@ async fn puts_take_memory_freed_at_once_when_offloads_are_stuck() {
         }
     }
     // A's SSD is as good as stuck: the owner cannot take or report an offload.
-    tiered.signal(libc::SIGSTOP);
+    tiered.stop();
     let big = "big/0";
     let v = payload(big, 2 * SIZE);
     let put = c.put(big, &v, &ReplicateConfig::default()).await;
