@@ -271,6 +271,9 @@ impl LocalServer {
         let mut w = FrameWriter::new(op);
         w.u32(n as u32);
         let now = Seals::now();
+        // One deadline for the frame: items waiting one after another on ranges in the way
+        // answer within one frame timeout, not one each.
+        let until = tokio::time::Instant::now() + self.frame_timeout;
         for _ in 0..n {
             let item = r.item()?;
             let (offset, len) = (item.offset, item.len);
@@ -282,7 +285,12 @@ impl LocalServer {
                     self.catalog.saw_grant(item.grant);
                     let taken = self
                         .pool
-                        .lock_range_granted(offset, len, item.grant, self.frame_timeout)
+                        .lock_range_granted(
+                            offset,
+                            len,
+                            item.grant,
+                            until.saturating_duration_since(tokio::time::Instant::now()),
+                        )
                         .await;
                     match taken {
                         Err(e) => e.code(),

@@ -421,78 +421,182 @@ async fn a_same_host_reader_that_does_not_read_its_reply_loses_its_range_too() {
     a_reader_that_stops(60_000, false).await;
 }
 
+/// An in-process master and owner (frame timeout 1 s) whose one object, put through a same-host
+/// client, fills the segment; with where it lies and a raw connection to the owner's socket that
+/// said hello.
+struct OneObject {
+    master: mooncake_master::RunningMaster,
+    owner: mooncake_owner::RunningOwner,
+    client: Client,
+    at: mooncake_client::ReplicaLocation,
+    size: u64,
+}
+
+impl OneObject {
+    async fn start() -> Self {
+        let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
+            .await
+            .unwrap();
+        let addr = master.rpc_addr.to_string();
+        let size = 1 << 20;
+        let owner = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
+            frame_timeout: Duration::from_secs(1),
+            ..mooncake_tests::owner_config(&addr, size)
+        })
+        .await
+        .unwrap();
+        let client = client(&addr, true).await;
+        client
+            .put(
+                "first",
+                &payload("first", size as usize),
+                &ReplicateConfig::default(),
+            )
+            .await
+            .unwrap();
+        let desc = client
+            .batch_get_replica_desc(&["first"])
+            .await
+            .unwrap()
+            .remove(0)
+            .unwrap();
+        let at = desc.replicas[0].clone();
+        OneObject {
+            master,
+            owner,
+            client,
+            at,
+            size,
+        }
+    }
+
+    /// A raw same-host connection to the object's owner, past its hello.
+    fn connect(&self) -> std::os::unix::net::UnixStream {
+        use mooncake_common::local::{FrameWriter, LocalOp, VERSION};
+        let segment = SegmentName::parse(self.at.segment.as_str()).unwrap();
+        let mut s =
+            std::os::unix::net::UnixStream::connect(socket_path(&socket_dir(), &segment)).unwrap();
+        let mut hello = FrameWriter::new(LocalOp::Hello);
+        hello.u8(VERSION).bytes(segment.as_str().as_bytes());
+        exchange(&mut s, &hello.finish());
+        s
+    }
+
+    /// A begin of `items` accesses of the object's range: the first under `first`'s key, the
+    /// rest under `rest`'s, with the grants `grant(i)`.
+    fn begin(
+        &self,
+        op: mooncake_common::local::LocalOp,
+        items: u32,
+        first: &str,
+        rest: &str,
+        grant: impl Fn(u32) -> u64,
+    ) -> Vec<u8> {
+        use mooncake_common::local::{FrameWriter, Item};
+        let mut begin = FrameWriter::new(op);
+        begin.u32(items);
+        for i in 0..items {
+            begin.item(Item {
+                offset: self.at.offset,
+                len: self.at.size,
+                grant: grant(i),
+                flags: 0,
+                seal: Seal::default(),
+                key: if i == 0 { first } else { rest },
+            });
+        }
+        begin.finish()
+    }
+
+    async fn shutdown(self) {
+        self.owner.shutdown().await;
+        self.master.shutdown().await;
+    }
+}
+
 /// A reader that begins a read of one object, in a batch of `items` (reading the reply or not),
 /// then says nothing more; the object is removed and another put must land in its place.
 async fn a_reader_that_stops(items: u32, read_reply: bool) {
-    use mooncake_common::local::{FrameWriter, Item, LocalOp, VERSION};
+    use mooncake_common::local::LocalOp;
     use std::io::Write;
-    let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
-        .await
-        .unwrap();
-    let addr = master.rpc_addr.to_string();
-    // One object fills the segment: the second put must land where the first was.
-    let size = 1 << 20;
-    let owner = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
-        frame_timeout: Duration::from_secs(1),
-        ..mooncake_tests::owner_config(&addr, size)
-    })
-    .await
-    .unwrap();
-    let c = client(&addr, true).await;
-    let cfg = ReplicateConfig::default();
-    c.put("first", &payload("first", size as usize), &cfg)
-        .await
-        .unwrap();
-    let desc = c
-        .batch_get_replica_desc(&["first"])
-        .await
-        .unwrap()
-        .remove(0)
-        .unwrap();
-    let at = desc.replicas[0].clone();
-
-    let segment = SegmentName::parse(at.segment.as_str()).unwrap();
-    let mut silent =
-        std::os::unix::net::UnixStream::connect(socket_path(&socket_dir(), &segment)).unwrap();
-    let mut hello = FrameWriter::new(LocalOp::Hello);
-    hello.u8(VERSION).bytes(segment.as_str().as_bytes());
-    exchange(&mut silent, &hello.finish());
+    let one = OneObject::start().await;
+    let mut silent = one.connect();
     // The object, then (to make the reply big) reads of a key the range does not hold, which
     // are refused item by item.
-    let mut begin = FrameWriter::new(LocalOp::BeginRead);
-    begin.u32(items);
-    for i in 0..items {
-        begin.item(Item {
-            offset: at.offset,
-            len: at.size,
-            grant: at.put_id,
-            flags: 0,
-            seal: Seal::default(),
-            key: if i == 0 { "first" } else { "not-here" },
-        });
-    }
+    let put_id = one.at.put_id;
+    let begin = one.begin(LocalOp::BeginRead, items, "first", "not-here", |_| put_id);
     if read_reply {
-        let begun = exchange(&mut silent, &begin.finish());
+        let begun = exchange(&mut silent, &begin);
         assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the read began");
     } else {
-        silent.write_all(&begin.finish()).unwrap();
+        silent.write_all(&begin).unwrap();
     }
 
+    let c = &one.client;
+    let cfg = ReplicateConfig::default();
     c.remove("first", true).await.unwrap();
     // The owner lets go of the range one frame timeout after the reader stopped (after it
     // handled the begin, which takes a while for many items in a debug build).
-    let second = payload("second", size as usize);
+    let size = one.size as usize;
+    let second = payload("second", size);
     let given_up = Instant::now() + Duration::from_secs(30);
     while let Err(e) = c.put("second", &second, &cfg).await {
         assert!(Instant::now() < given_up, "the range stayed held: {e}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let mut buf = vec![0u8; size as usize];
-    assert_eq!(c.get("second", &mut buf).await.unwrap(), size as usize);
+    let mut buf = vec![0u8; size];
+    assert_eq!(c.get("second", &mut buf).await.unwrap(), size);
     assert!(buf == second);
     drop(silent);
-    owner.shutdown().await;
-    master.shutdown().await;
+    one.shutdown().await;
+}
+
+/// A same-host begin of many writes, each waiting on a range a reader holds, is answered within
+/// one frame timeout (1 s): the frame has one deadline, not one per item (8 s here). The reader
+/// keeps its connection alive meanwhile, so its range stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_begin_write_has_one_deadline_for_all_its_items() {
+    use mooncake_common::local::LocalOp;
+    let one = OneObject::start().await;
+    let mut reader = one.connect();
+    let put_id = one.at.put_id;
+    let begun = exchange(
+        &mut reader,
+        &one.begin(LocalOp::BeginRead, 1, "first", "", |_| put_id),
+    );
+    assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the read began");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let alive = {
+        let stop = stop.clone();
+        let empty = one.begin(LocalOp::BeginRead, 0, "", "", |_| 0);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                exchange(&mut reader, &empty);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            reader
+        })
+    };
+
+    let mut writer = one.connect();
+    let items = 8;
+    let begin = one.begin(LocalOp::BeginWrite, items, "w", "w", |i| {
+        put_id + 1 + u64::from(i)
+    });
+    let started = Instant::now();
+    let answer = tokio::task::spawn_blocking(move || exchange(&mut writer, &begin))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(alive.join().unwrap());
+    assert_eq!(answer.len(), 4 + 4 * items as usize);
+    assert!(
+        answer[4..].chunks(4).all(|c| c != [0, 0, 0, 0]),
+        "no write began under the reader: {answer:?}"
+    );
+    assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    one.shutdown().await;
 }
 
 /// How many mappings of an owner's pool of `size` bytes this process holds.
