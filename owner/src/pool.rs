@@ -15,7 +15,7 @@
 use std::{
     fs::File,
     io,
-    os::fd::{AsFd, BorrowedFd, FromRawFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd},
     ptr::NonNull,
     sync::Arc,
 };
@@ -98,16 +98,25 @@ impl MemoryPool {
             )
         })?;
         let name = c"mooncake-segment";
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
         // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new fd or -1.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size)?;
-        // SAFETY: the memfd is private to this process until deliberately shared, and its size is
-        // fixed above; nothing truncates it while mapped.
+        // Sealed at its size before any client gets it: a same-host client that truncated the
+        // file would cut the pages out of every mapping, this one included (SIGBUS on the next
+        // access), and clients refuse to map a pool that is not sealed.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: a valid descriptor this function owns; valid seal flags.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the memfd's size is fixed above and sealed: nothing can truncate it while
+        // mapped.
         let mut map = unsafe { MmapOptions::new().len(len).populate().map_mut(&file)? };
         let base = NonNull::new(map.as_mut_ptr()).expect("mmap never returns null");
         // MAP_POPULATE maps shared pages read-only; fault them in writable now (Linux 5.14+) so
@@ -550,6 +559,20 @@ impl Drop for Waiting<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pool's memory file cannot change size: a same-host client holding it cannot cut the
+    /// pages out from under the owner's mapping and every other client's.
+    #[test]
+    fn the_pools_memory_file_is_sealed_at_its_size() {
+        let pool = MemoryPool::create(1 << 20, false).unwrap();
+        let file = File::from(pool.memfd().try_clone_to_owned().unwrap());
+        for len in [0, 4096, 2 << 20] {
+            let e = file.set_len(len).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "set_len({len}): {e}");
+        }
+        let mut w = pool.write_range(0, 4).unwrap();
+        w.copy_from_slice(b"live");
+    }
 
     #[test]
     fn ranges_are_checked_and_conflicts_refused() {

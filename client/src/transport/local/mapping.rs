@@ -76,6 +76,17 @@ impl SharedPool {
                 return Ok(old.clone());
             }
         }
+        // SAFETY: a valid descriptor owned by `file`; F_GET_SEALS fails on anything but a
+        // memory file.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            // Another client could truncate it: every copy through the mapping could then die
+            // with SIGBUS.
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the owner's pool is not a memory file sealed against shrinking; refusing to map it",
+            ));
+        }
         let actual = meta.len();
         if actual < len {
             return Err(io::Error::new(
@@ -212,7 +223,8 @@ mod tests {
         // SAFETY: memfd_create with a NUL-terminated name; the descriptor it returns is owned
         // by nothing else.
         let fd = unsafe {
-            let fd = libc::memfd_create(c"pool".as_ptr(), libc::MFD_CLOEXEC);
+            let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+            let fd = libc::memfd_create(c"pool".as_ptr(), flags);
             assert!(fd >= 0, "memfd_create: {}", io::Error::last_os_error());
             OwnedFd::from_raw_fd(fd)
         };
@@ -220,15 +232,36 @@ mod tests {
         fd
     }
 
+    /// `memfd`, sealed at its size as an owner's pool is.
+    fn sealed(len: u64) -> OwnedFd {
+        let fd = memfd(len);
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: a valid descriptor; valid seal flags.
+        assert_eq!(
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) },
+            0
+        );
+        fd
+    }
+
+    /// A pool another client could truncate (not sealed) is refused: a copy through its
+    /// mapping could die with SIGBUS.
+    #[test]
+    fn a_pool_that_can_shrink_is_not_mapped() {
+        let e = SharedPool::map(memfd(1 << 20), 1 << 20).err().unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(SharedPool::map(sealed(1 << 20), 1 << 20).is_ok());
+    }
+
     #[test]
     fn a_pool_is_mapped_again_only_when_it_is_another_memory_file() {
-        let first = memfd(1 << 20);
+        let first = sealed(1 << 20);
         let pool = SharedPool::map(first.try_clone().unwrap(), 1 << 20).unwrap();
         // The same file (another descriptor of it, as a new hello sends): the same mapping.
         let again = SharedPool::map_or_reuse(first.try_clone().unwrap(), 1 << 20, Some(&pool));
         assert!(again.unwrap().shares_mapping_with(&pool));
         // A restarted owner's pool is another file: mapped anew.
-        let other = SharedPool::map_or_reuse(memfd(1 << 20), 1 << 20, Some(&pool)).unwrap();
+        let other = SharedPool::map_or_reuse(sealed(1 << 20), 1 << 20, Some(&pool)).unwrap();
         assert!(!other.shares_mapping_with(&pool));
         // The same file announced at another length: mapped anew, at that length.
         let shorter = SharedPool::map_or_reuse(first, 1 << 19, Some(&pool)).unwrap();
