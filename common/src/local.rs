@@ -37,6 +37,39 @@ pub const VERSION: u8 = 3;
 /// Largest control frame; a batch of thousands of keys fits many times over.
 pub const MAX_FRAME: usize = 64 << 20;
 pub const MAX_ITEMS: usize = 1 << 20;
+/// Bytes an item takes in a begin frame besides its key: offset, length, grant, flags, seal,
+/// key length.
+const ITEM_FIXED: usize = 3 * 8 + 2 + SEAL_LEN + 2;
+
+/// A batch of items with keys of these lengths, split in order into runs that each fit one
+/// begin frame with room to spare (half the owner's limits on bytes and on items): a batch of
+/// any size goes through as several exchanges instead of one the owner refuses.
+pub fn exchanges(key_lens: impl IntoIterator<Item = usize>) -> Vec<std::ops::Range<usize>> {
+    runs_within(key_lens, MAX_FRAME / 2, MAX_ITEMS / 2)
+}
+
+fn runs_within(
+    key_lens: impl IntoIterator<Item = usize>,
+    max_bytes: usize,
+    max_items: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    let mut end = 0;
+    for (i, key_len) in key_lens.into_iter().enumerate() {
+        let size = ITEM_FIXED + key_len;
+        if i > start && (bytes + size > max_bytes || i - start == max_items) {
+            runs.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+        end = i + 1;
+    }
+    if end > start {
+        runs.push(start..end);
+    }
+    runs
+}
 
 /// Where the owner of `segment` listens for local clients.
 pub fn socket_path(dir: &Path, segment: &SegmentName) -> PathBuf {
@@ -248,6 +281,44 @@ pub fn frame_header(h: [u8; 5]) -> Result<(usize, LocalOp), LocalFrameError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_split_into_runs_that_fit_a_frame() {
+        assert!(exchanges([]).is_empty());
+        assert_eq!(exchanges([10; 1000]), vec![0..1000]);
+        // By bytes: three items of (52 + 48) bytes fit 300, a fourth does not.
+        assert_eq!(runs_within([48; 7], 300, 100), vec![0..3, 3..6, 6..7]);
+        // By items.
+        assert_eq!(runs_within([1; 5], 1 << 20, 2), vec![0..2, 2..4, 4..5]);
+        // An item larger than the budget goes alone.
+        assert_eq!(runs_within([1, 500, 1], 300, 100), vec![0..1, 1..2, 2..3]);
+        // Keys of the longest kind: each run's begin frame is within the owner's limit.
+        let lens = vec![MAX_KEY_LEN; 40_000];
+        let runs = exchanges(lens.iter().copied());
+        assert!(runs.len() > 1);
+        assert_eq!(runs.first().unwrap().start, 0);
+        assert_eq!(runs.last().unwrap().end, lens.len());
+        for pair in runs.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start);
+        }
+        let key = "k".repeat(MAX_KEY_LEN);
+        let mut w = FrameWriter::new(LocalOp::BeginWrite);
+        w.u32(runs[0].len() as u32);
+        for _ in runs[0].clone() {
+            w.item(Item {
+                offset: 0,
+                len: 1,
+                grant: 1,
+                flags: 0,
+                seal: Seal::default(),
+                key: key.as_str(),
+            });
+        }
+        let frame = w.finish();
+        assert!(frame.len() - 5 <= MAX_FRAME / 2, "{}", frame.len());
+        let (len, _) = frame_header(frame[..5].try_into().unwrap()).unwrap();
+        assert_eq!(len, frame.len() - 5);
+    }
 
     #[test]
     fn frames_round_trip_and_truncation_is_an_error() {

@@ -128,6 +128,55 @@ async fn a_local_owner_is_reached_through_shared_memory_unless_turned_off() {
     assert!(!path.exists(), "socket left behind");
 }
 
+/// A batch whose begin frame would pass the owner's frame limit (17,000 keys of 4,000 bytes:
+/// 68 MB against 64 MiB) goes over the same-host path as several exchanges; before, the owner
+/// refused the frame and closed the connection, and every item failed, every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_batch_bigger_than_a_frame_goes_as_several_exchanges() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (_owner, _) = spawn_owner(&rpc, "64MiB", &[]);
+    let cfg = ClientConfig {
+        transfer_timeout: Duration::from_secs(20),
+        rpc_timeout: Duration::from_secs(20),
+        shared_memory: true,
+        ..ClientConfig::new(&rpc)
+    };
+    let transport = Client::default_transport(&cfg).unwrap();
+    let c = Client::connect_with(cfg, None, transport).await.unwrap();
+    let n = 17_000;
+    let keys: Vec<String> = (0..n).map(|i| format!("{i:0>4000}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| payload(&k[3990..], 64)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    let put = c.batch_put(&items, &ReplicateConfig::default()).await;
+    assert_eq!(
+        put.iter().filter(|r| r.is_ok()).count(),
+        n,
+        "{:?}",
+        put.iter().find(|r| r.is_err())
+    );
+    let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 64]).collect();
+    let key_refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let got = c.batch_get(&key_refs, &mut slices).await;
+    assert!(
+        got.iter().all(|r| matches!(r, Ok(64))),
+        "{:?}",
+        got.iter().find(|r| !matches!(r, Ok(64)))
+    );
+    assert!(bufs == values, "bytes differ");
+    let stats = c.transfer_stats();
+    assert_eq!(
+        stats.local_bytes,
+        2 * 64 * n as u64,
+        "all through shared memory"
+    );
+    assert_eq!(stats.tcp_bytes, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_or_killed_local_owner_is_an_error_within_the_deadline() {
     let (_m, rpc, _) = spawn_master(&[]);

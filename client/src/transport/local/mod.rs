@@ -308,8 +308,26 @@ impl LocalOwner {
             .unwrap_or_else(|e| items.iter().map(|_| Err(e.duplicate())).collect())
     }
 
-    /// `write_batch`, or the error that left it without a connection (nothing was sent).
+    /// `write_batch`, or the error that left it without a connection (nothing was sent). A
+    /// batch too big for one frame goes as several exchanges, one after another.
     pub async fn try_write_batch(
+        &self,
+        items: &[WriteItem<'_>],
+    ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
+        let runs = local::exchanges(items.iter().map(|i| i.key.as_str().len()));
+        let mut results = Vec::with_capacity(items.len());
+        for (n, run) in runs.into_iter().enumerate() {
+            match self.write_exchange(&items[run.clone()]).await {
+                Ok(r) => results.extend(r),
+                Err(e) if n == 0 => return Err(e),
+                Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
+            }
+        }
+        Ok(results)
+    }
+
+    /// One begin, copy, end exchange of a batch that fits a frame.
+    async fn write_exchange(
         &self,
         items: &[WriteItem<'_>],
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
@@ -386,8 +404,26 @@ impl LocalOwner {
             .unwrap_or_else(|e| (0..n).map(|_| Err(e.duplicate())).collect())
     }
 
-    /// `read_batch`, or the error that left it without a connection (nothing was asked).
+    /// `read_batch`, or the error that left it without a connection (nothing was asked). A
+    /// batch too big for one frame goes as several exchanges, one after another.
     pub async fn try_read_batch(
+        &self,
+        items: &mut [ReadItem<'_, '_>],
+    ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
+        let runs = local::exchanges(items.iter().map(|i| i.key.as_str().len()));
+        let mut results = Vec::with_capacity(items.len());
+        for (n, run) in runs.into_iter().enumerate() {
+            match self.read_exchange(&mut items[run.clone()]).await {
+                Ok(r) => results.extend(r),
+                Err(e) if n == 0 => return Err(e),
+                Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
+            }
+        }
+        Ok(results)
+    }
+
+    /// One begin, copy, end exchange of a batch that fits a frame.
+    async fn read_exchange(
         &self,
         items: &mut [ReadItem<'_, '_>],
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
