@@ -2,7 +2,10 @@
 //! transport batch per owner), then one put end for what was written and one revoke for what
 //! was not.
 
-use std::sync::{atomic::Ordering, Arc};
+use std::{
+    sync::{atomic::Ordering, Arc},
+    time::Duration,
+};
 
 use futures::future::join_all;
 use mooncake_common::{
@@ -123,7 +126,7 @@ impl Client {
         let unsettled = starting.granted(valid, &grants);
 
         let write_errors = self.write_replicas(items, valid, &grants, config).await;
-        self.end_or_revoke(valid, &grants, write_errors, results)
+        self.end_or_revoke(valid, &grants, write_errors, config.upsert, results)
             .await;
         unsettled.settled();
         share_fate_of_repeats(valid, &grants, results);
@@ -170,20 +173,31 @@ impl Client {
         write_errors
     }
 
-    /// Ends the puts whose replicas were all written and revokes the others (a revoke that fails
-    /// leaves them to the master's release timeout); fills in every put's result.
+    /// Ends the puts whose replicas were all written and revokes the others; fills in every
+    /// put's result. An upsert refused as "exists" found another put of its key in flight
+    /// (a stored value it would have replaced): it stored nothing, so it fails.
     async fn end_or_revoke(
         &self,
         valid: &[(usize, ObjectKey)],
         grants: &Grants,
         mut write_errors: Vec<Option<ClientError>>,
+        upsert: bool,
         results: &mut [Option<PutResult>],
     ) {
         let (mut end, mut revoke) = (Vec::new(), Vec::new());
         for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
             match grant {
-                Err(e) if e.code == Code::ObjectAlreadyExists => {
+                Err(e) if e.code == Code::ObjectAlreadyExists && !upsert => {
                     results[*i] = Some(Ok(PutOutcome::AlreadyExists))
+                }
+                Err(e) if e.code == Code::ObjectAlreadyExists => {
+                    results[*i] = Some(Err(ClientError::master(
+                        e.code,
+                        format!(
+                            "{}: the upsert stored nothing, as another put of the key is in flight; retry once it ends",
+                            e.message
+                        ),
+                    )))
                 }
                 Err(e) => results[*i] = Some(Err(ClientError::master(e.code, e.message.clone()))),
                 Ok(g) => match write_errors[slot].take() {
@@ -196,9 +210,7 @@ impl Client {
             }
         }
         if !revoke.is_empty() {
-            if let Err(e) = self.master.put_revoke(&revoke).await {
-                tracing::warn!(error = %e, "revoking failed puts failed; the master reclaims them after its release timeout");
-            }
+            self.revoke(&revoke).await;
         }
         if end.is_empty() {
             return;
@@ -217,13 +229,73 @@ impl Client {
                 // The puts may not have ended: revoked, so that a retry is not told the key
                 // exists (another writer's put in flight) for an object that never comes. One
                 // that did end stays (the master refuses to revoke it).
-                if let Err(re) = self.master.put_revoke(&puts).await {
-                    tracing::warn!(error = %re, "revoking puts whose end failed failed; the master reclaims them after its release timeout");
-                }
+                self.revoke(&puts).await;
                 let e = ClientError::from(e);
                 for i in idx {
                     results[i] = Some(Err(e.for_each_key()));
                 }
+            }
+        }
+    }
+}
+
+impl Client {
+    /// Revokes `puts`; a revoke that goes unanswered (the connection broke, the master
+    /// restarted) is tried again in the background (`give_up`), so the keys do not read as puts
+    /// in flight until the master's discard timeout.
+    async fn revoke(&self, puts: &[(&str, u64)]) {
+        match self.master.put_revoke(puts).await {
+            Ok(_) => {}
+            Err(e) if unanswered(&e) => {
+                tracing::debug!(error = %e, puts = puts.len(), "a revoke went unanswered; trying again in the background");
+                let owned = puts
+                    .iter()
+                    .filter_map(|&(k, id)| Some((ObjectKey::new(k).ok()?, id)))
+                    .collect();
+                spawn_give_up(self.master.clone(), Pending::Granted(owned));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the master refused to revoke failed puts; it reclaims them after its release timeout")
+            }
+        }
+    }
+}
+
+/// How long puts are given up in the background: past the master's discard timeout (30 s by
+/// default) it gives them up by itself.
+const GIVE_UP_WITHIN: Duration = Duration::from_secs(30);
+
+/// Gives `pending` up on a task of its own (`give_up`), if there is a runtime to run it.
+fn spawn_give_up(master: Arc<dyn MasterApi>, pending: Pending) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!("puts given up outside a runtime; the master reclaims their space after its release timeout");
+        return;
+    };
+    runtime.spawn(give_up(master, pending));
+}
+
+/// Abandons a start or revokes granted puts at the master, again (backing off up to 2 s) while
+/// the call goes unanswered, within `GIVE_UP_WITHIN`.
+async fn give_up(master: Arc<dyn MasterApi>, pending: Pending) {
+    let until = tokio::time::Instant::now() + GIVE_UP_WITHIN;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let answer = match &pending {
+            Pending::Start(token) => master.abandon_put_start(*token).await.map(|_| ()),
+            Pending::Granted(puts) => {
+                let refs: Vec<(&str, u64)> = puts.iter().map(|(k, id)| (k.as_str(), *id)).collect();
+                master.put_revoke(&refs).await.map(|_| ())
+            }
+        };
+        match answer {
+            Ok(()) => return,
+            Err(e) if unanswered(&e) && tokio::time::Instant::now() + pause < until => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot give up puts that were not ended; their keys read as puts in flight until the master's discard timeout");
+                return;
             }
         }
     }
@@ -285,27 +357,7 @@ impl Drop for Unsettled {
         if matches!(&pending, Pending::Granted(puts) if puts.is_empty()) {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!("a put was dropped outside a runtime; the master reclaims its space after its release timeout");
-            return;
-        };
-        let master = self.master.clone();
-        runtime.spawn(async move {
-            match pending {
-                Pending::Start(token) => {
-                    if let Err(e) = master.abandon_put_start(token).await {
-                        tracing::warn!(error = %e, "cannot give up a put start whose answer never came; its keys read as puts in flight until the master's discard timeout");
-                    }
-                }
-                Pending::Granted(puts) => {
-                    let refs: Vec<(&str, u64)> =
-                        puts.iter().map(|(k, id)| (k.as_str(), *id)).collect();
-                    if let Err(e) = master.put_revoke(&refs).await {
-                        tracing::warn!(error = %e, puts = refs.len(), "cannot revoke the puts of a dropped put; the master reclaims them after its release timeout");
-                    }
-                }
-            }
-        });
+        spawn_give_up(self.master.clone(), pending);
     }
 }
 

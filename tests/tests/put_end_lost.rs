@@ -16,18 +16,21 @@ use mooncake_common::{
 };
 use mooncake_tests::{payload, transport, Cluster};
 
-/// The in-process master, except for one lost call: the first `put_end` on its way (never
-/// forwarded), or the first `put_start`'s answer on its way back (the start is made).
+/// The in-process master, except for lost calls: the first `put_end` on its way (never
+/// forwarded), the first `put_start`'s answer on its way back (the start is made), or the
+/// first `put_end` and the first `put_revoke` on their way.
 struct LosesFirst {
     inner: Arc<dyn MasterApi>,
     what: Lost,
     lost: AtomicBool,
+    lost_revoke: AtomicBool,
 }
 
 #[derive(PartialEq)]
 enum Lost {
     End,
     StartAnswer,
+    EndAndRevoke,
 }
 
 impl MasterApi for LosesFirst {
@@ -50,12 +53,15 @@ impl MasterApi for LosesFirst {
         self.inner.abandon_put_start(token)
     }
     fn put_end<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        if self.what == Lost::End && !self.lost.swap(true, Ordering::SeqCst) {
+        if self.what != Lost::StartAnswer && !self.lost.swap(true, Ordering::SeqCst) {
             return Box::pin(async { Err(ApiError::new(Code::RpcFail, "lost on its way")) });
         }
         self.inner.put_end(puts)
     }
     fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
+        if self.what == Lost::EndAndRevoke && !self.lost_revoke.swap(true, Ordering::SeqCst) {
+            return Box::pin(async { Err(ApiError::new(Code::RpcFail, "lost on its way")) });
+        }
         self.inner.put_revoke(puts)
     }
     fn get_replicas<'a>(&'a self, keys: &'a [&'a str], release: Releases<'a>) -> Call<'a, Lookup> {
@@ -97,6 +103,7 @@ async fn losing(c: &Cluster, what: Lost) -> Client {
         inner: Arc::new(c.master.in_process()),
         what,
         lost: AtomicBool::new(false),
+        lost_revoke: AtomicBool::new(false),
     });
     Client::with_master(master, None, transport(&c.client_config()))
         .await
@@ -141,6 +148,73 @@ async fn a_put_whose_start_answer_was_lost_is_abandoned_and_can_be_put_again() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     assert_eq!(outcome, PutOutcome::Stored, "a retry stores the object");
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
+    assert!(buf == value);
+    c.shutdown().await;
+}
+
+/// The end is lost and so is the revoke that follows it: the revoke is tried again in the
+/// background, so a retry soon stores the object. Before, the key read as a put in flight
+/// (`Ok(AlreadyExists)`, nothing stored) until the master's discard timeout (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_whose_end_and_revoke_were_lost_is_revoked_again_and_can_be_put_again() {
+    let c = Cluster::start(&[16 << 20]).await;
+    let client = losing(&c, Lost::EndAndRevoke).await;
+    let value = payload("k", 100_000);
+    let cfg = ReplicateConfig::default();
+    let first = client.put("k", &value, &cfg).await;
+    assert!(first.is_err(), "{first:?}");
+    let mut outcome = PutOutcome::AlreadyExists;
+    for _ in 0..50 {
+        outcome = client.put("k", &value, &cfg).await.unwrap();
+        if outcome == PutOutcome::Stored {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        outcome,
+        PutOutcome::Stored,
+        "a retry stores the object within 5 s"
+    );
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
+    assert!(buf == value);
+    c.shutdown().await;
+}
+
+/// An upsert that finds another put of its key in flight stores nothing, so it fails (with
+/// "exists"); before, it reported success (`Ok(AlreadyExists)`, as a plain put does) while the
+/// other put's value, or none if that put failed, was what a get found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upsert_that_finds_a_put_in_flight_fails() {
+    let c = Cluster::start(&[16 << 20]).await;
+    let master: Arc<dyn MasterApi> = Arc::new(c.master.in_process());
+    let client = Client::with_master(master.clone(), None, transport(&c.client_config()))
+        .await
+        .unwrap();
+    let value = payload("k", 100_000);
+    let cfg = ReplicateConfig::default();
+    let in_flight = master.put_start(&[("k", 100_000)], &cfg, 7).await.unwrap();
+    assert!(in_flight.results[0].is_ok());
+    let upsert = ReplicateConfig {
+        upsert: true,
+        ..ReplicateConfig::default()
+    };
+    let e = client.put("k", &value, &upsert).await.unwrap_err();
+    assert_eq!(e.code(), Code::ObjectAlreadyExists, "{e}");
+    assert_eq!(
+        client.put("k", &value, &cfg).await.unwrap(),
+        PutOutcome::AlreadyExists,
+        "a plain put of a key being written is write-once as before"
+    );
+    // Once the other put is given up, the upsert stores its value.
+    master.abandon_put_start(7).await.unwrap();
+    assert_eq!(
+        client.put("k", &value, &upsert).await.unwrap(),
+        PutOutcome::Stored
+    );
     let mut buf = vec![0u8; value.len()];
     assert_eq!(client.get("k", &mut buf).await.unwrap(), value.len());
     assert!(buf == value);
