@@ -87,7 +87,20 @@ async fn refuse(mut stream: TcpStream, timeout: Duration) -> io::Result<()> {
         };
         stream.write_all(&answer.encode()).await?;
         stream.write_all(why).await?;
-        stream.flush().await
+        stream.flush().await?;
+        // Closed gently: the peer's other requests (a batch) are read and dropped after a FIN,
+        // up to 1 MiB, so closing with them unread does not reset the connection before the
+        // peer has read the answer.
+        stream.shutdown().await?;
+        let mut sink = vec![0u8; 64 << 10];
+        let mut left = 1usize << 20;
+        while left > 0 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => left = left.saturating_sub(n),
+            }
+        }
+        Ok(())
     })
     .await
 }

@@ -93,21 +93,31 @@ fn credential(file: &str) -> Credential {
     Credential::cluster_from_file(Path::new(file)).unwrap()
 }
 
-/// Reads `len` bytes of `key` at offset 0 of `segment` through `t`: the refusal's code, if any.
+/// Reads 64 bytes of `key` at offset 0 of `segment` through `t`: the refusal's code, if any.
 async fn read_code(t: &TcpTransport, segment: &str, key: &str) -> Option<Code> {
+    read_codes(t, segment, &[key]).await.remove(0)
+}
+
+/// `read_code` for each of `keys`, in one batch (each at its own offset).
+async fn read_codes(t: &TcpTransport, segment: &str, keys: &[&str]) -> Vec<Option<Code>> {
     let seg = SegmentName::parse(segment).unwrap();
-    let key = ObjectKey::new(key).unwrap();
-    let mut buf = [0u8; 64];
-    let mut parts = [&mut buf[..]];
-    let mut items = [ReadItem {
-        key: &key,
-        offset: 0,
-        put_id: 1,
-        seal: Default::default(),
-        parts: &mut parts,
-    }];
+    let keys: Vec<ObjectKey> = keys.iter().map(|k| ObjectKey::new(k).unwrap()).collect();
+    let mut bufs = vec![[0u8; 64]; keys.len()];
+    let mut parts: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+    let mut items: Vec<ReadItem> = keys
+        .iter()
+        .zip(parts.iter_mut())
+        .enumerate()
+        .map(|(i, (key, parts))| ReadItem {
+            key,
+            offset: 64 * i as u64,
+            put_id: 1,
+            seal: Default::default(),
+            parts,
+        })
+        .collect();
     let r = t.read_batch(&seg, &mut items).await;
-    r.into_iter().next().unwrap().err().map(|e| e.code())
+    r.into_iter().map(|r| r.err().map(|e| e.code())).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,6 +163,12 @@ async fn every_port_refuses_a_peer_without_the_token() {
     assert_eq!(
         read_code(&tcp(None), &g.segments[0], "k").await,
         Some(Code::Unauthenticated)
+    );
+    // A batch too: the owner refuses the first request and closes; every item reports the
+    // refusal (before: the others a broken connection, TransferFail).
+    assert_eq!(
+        read_codes(&tcp(None), &g.segments[0], &["a", "b", "c"]).await,
+        vec![Some(Code::Unauthenticated); 3]
     );
 
     // The same-host socket answers the hello with the code and hands out no memory.

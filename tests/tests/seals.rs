@@ -412,3 +412,35 @@ async fn a_lapsed_seal_is_refused_on_a_connection_that_never_goes_quiet() {
     .unwrap();
     assert_eq!(status, Code::PermissionDenied);
 }
+
+/// A batch of many writes the owner refuses (no seal), each refusal with its message: the
+/// answers outgrow the socket buffers many times over, and every item still comes back refused
+/// (PermissionDenied) instead of both sides waiting on each other until the deadline. Before,
+/// the client budgeted 24 bytes per write's answer, sent its whole window before reading, and
+/// every item failed with a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_refused_writes_is_answered_not_timed_out() {
+    let s = start(&[]);
+    let n = 50_000;
+    let keys: Vec<ObjectKey> = (0..n)
+        .map(|i| ObjectKey::new(&format!("{i:0>400}")).unwrap())
+        .collect();
+    let value = [7u8; 64];
+    let parts = [&value[..]];
+    let items: Vec<WriteItem> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| WriteItem {
+            key,
+            offset: (i as u64 * 64) % (16 << 20),
+            stamp: Stamp::new(1, &ReplicateConfig::default()),
+            seal: Seal::default(),
+            parts: &parts,
+        })
+        .collect();
+    let results = s.tcp.write_batch(&s.segment, &items).await;
+    assert_eq!(results.len(), n);
+    for r in results {
+        denied(r);
+    }
+}

@@ -21,7 +21,7 @@ use mooncake_common::{
     data_socket,
     transport::{parts_len, DataTransport, ReadItem, TransferError, WriteItem},
     wire::{self, Op, RequestHeader, ResponseHeader},
-    ObjectKey, SegmentName,
+    Code, ObjectKey, SegmentName,
 };
 use parking_lot::Mutex;
 use tokio::{
@@ -446,19 +446,17 @@ impl TcpTransport {
         op: Op,
     ) -> (Vec<Result<(), TransferError>>, Option<Checkout>) {
         let n = items.len();
+        let mut out = Vec::with_capacity(n);
         let (res, reusable) = self
             .exchange_keep(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
                     target: target.clone(),
                     source,
                 };
-                let mut out = Vec::with_capacity(n);
-                let sizes = items.iter().map(|it| {
-                    (
-                        request_bytes(it.key) + it.len(),
-                        wire::RESPONSE_HEADER_LEN as u64,
-                    )
-                });
+                // An answer may be a refusal with its message.
+                let sizes = items
+                    .iter()
+                    .map(|it| (request_bytes(it.key) + it.len(), answer_bytes(0)));
                 for window in windows(sizes) {
                     let items = &items[window];
                     let first = conn
@@ -474,10 +472,10 @@ impl TcpTransport {
                         }
                     }
                 }
-                Ok(out)
+                Ok(())
             })
             .await;
-        (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
+        (answered(out, n, res), reusable)
     }
 
     /// Sends every read request of `items` back to back, then receives the payloads in order
@@ -491,6 +489,7 @@ impl TcpTransport {
         op: Op,
     ) -> (Vec<Result<(), TransferError>>, Option<Checkout>) {
         let n = items.len();
+        let mut out: Vec<Result<(), TransferError>> = Vec::with_capacity(n);
         let (res, reusable) = self
             .exchange_keep(target, checkout, async |conn: &mut Conn| {
                 let io_err = |source| TransferError::Io {
@@ -498,13 +497,10 @@ impl TcpTransport {
                     source,
                 };
                 let all_lens: Vec<u64> = items.iter().map(|it| it.len()).collect();
-                let sizes = items.iter().zip(&all_lens).map(|(it, len)| {
-                    (
-                        request_bytes(it.key),
-                        wire::RESPONSE_HEADER_LEN as u64 + len,
-                    )
-                });
-                let mut out: Vec<Result<(), TransferError>> = Vec::with_capacity(n);
+                let sizes = items
+                    .iter()
+                    .zip(&all_lens)
+                    .map(|(it, len)| (request_bytes(it.key), answer_bytes(*len)));
                 for window in windows(sizes) {
                     let lens = &all_lens[window.clone()];
                     let items = &mut items[window];
@@ -546,11 +542,43 @@ impl TcpTransport {
                         }
                     }
                 }
-                Ok(out)
+                Ok(())
             })
             .await;
-        (res.unwrap_or_else(|e| fail_all(n, &e)), reusable)
+        (answered(out, n, res), reusable)
     }
+}
+
+/// A pipelined batch's results: those of the items the owner answered, then, for the rest, the
+/// error that ended the exchange (a connection that broke, the deadline), so items already
+/// written or read are not reported failed. An owner that refused the caller's credential
+/// closes the connection after its refusal: the rest fail with that refusal, not a broken pipe.
+fn answered(
+    mut out: Vec<Result<(), TransferError>>,
+    n: usize,
+    ended: Result<(), TransferError>,
+) -> Vec<Result<(), TransferError>> {
+    if let Err(e) = ended {
+        let e = match out.last() {
+            Some(Err(refusal @ TransferError::Remote { code, .. }))
+                if *code == Code::Unauthenticated =>
+            {
+                refusal.duplicate()
+            }
+            _ => e,
+        };
+        out.truncate(n);
+        while out.len() < n {
+            out.push(Err(e.duplicate()));
+        }
+    }
+    out
+}
+
+/// The most bytes the answer to a request for `len` bytes may take: the value, or a refusal
+/// with its message, whichever is longer.
+fn answer_bytes(len: u64) -> u64 {
+    wire::RESPONSE_HEADER_LEN as u64 + len.max(wire::MAX_ERROR_MESSAGE)
 }
 
 /// Bytes a window of a pipelined batch may send, or be answered with, before the caller reads:
@@ -977,6 +1005,43 @@ mod tests {
             let answered: u64 = mixed[r.clone()].iter().map(|x| x.1).sum();
             assert!(sent <= WINDOW_BYTES || answered <= WINDOW_BYTES, "{r:?}");
         }
+    }
+
+    #[test]
+    fn an_exchange_cut_short_keeps_the_answers_it_got() {
+        let seg = SegmentName::parse("127.0.0.1:1").unwrap();
+        let broke = || TransferError::Io {
+            target: seg.clone(),
+            source: io::Error::from(io::ErrorKind::BrokenPipe),
+        };
+        let refused = |code| TransferError::Remote {
+            target: seg.clone(),
+            code,
+            message: "no".into(),
+        };
+        let codes = |r: Vec<Result<(), TransferError>>| {
+            r.into_iter()
+                .map(|r| r.err().map(|e| e.code()))
+                .collect::<Vec<_>>()
+        };
+        // Answered items keep their results; the rest get the error that ended the exchange.
+        let out = vec![Ok(()), Err(refused(Code::PermissionDenied))];
+        assert_eq!(
+            codes(answered(out, 4, Err(broke()))),
+            [
+                None,
+                Some(Code::PermissionDenied),
+                Some(Code::TransferFail),
+                Some(Code::TransferFail)
+            ]
+        );
+        // After a refusal of the credential (the owner closes), the rest get that refusal.
+        let out = vec![Err(refused(Code::Unauthenticated))];
+        assert_eq!(
+            codes(answered(out, 3, Err(broke()))),
+            [Some(Code::Unauthenticated); 3]
+        );
+        assert_eq!(codes(answered(vec![Ok(())], 1, Ok(()))), [None]);
     }
 
     fn transport() -> TcpTransport {
