@@ -21,6 +21,7 @@ use crate::{client::Client, error::ClientError, group::Groups};
 pub enum PutOutcome {
     Stored,
     /// The key was already there (or being written by another put): objects are write-once.
+    /// Never an upsert's outcome: one that finds a put of its key in flight fails.
     AlreadyExists,
 }
 
@@ -185,18 +186,27 @@ impl Client {
         results: &mut [Option<PutResult>],
     ) {
         let (mut end, mut revoke) = (Vec::new(), Vec::new());
+        // Keys this batch was granted: an upsert's repeat is refused for its own first one.
+        let granted: std::collections::HashSet<&str> = valid
+            .iter()
+            .zip(&grants.results)
+            .filter(|(_, g)| g.is_ok())
+            .map(|((_, k), _)| k.as_str())
+            .collect();
         for (slot, ((i, key), grant)) in valid.iter().zip(&grants.results).enumerate() {
             match grant {
                 Err(e) if e.code == Code::ObjectAlreadyExists && !upsert => {
                     results[*i] = Some(Ok(PutOutcome::AlreadyExists))
                 }
                 Err(e) if e.code == Code::ObjectAlreadyExists => {
+                    let why = if granted.contains(key.as_str()) {
+                        "the key is repeated in this batch: its first value was upserted, not this one"
+                    } else {
+                        "the upsert stored nothing, as another put of the key is in flight; retry once it ends"
+                    };
                     results[*i] = Some(Err(ClientError::master(
                         e.code,
-                        format!(
-                            "{}: the upsert stored nothing, as another put of the key is in flight; retry once it ends",
-                            e.message
-                        ),
+                        format!("{}: {why}", e.message),
                     )))
                 }
                 Err(e) => results[*i] = Some(Err(ClientError::master(e.code, e.message.clone()))),
@@ -240,26 +250,41 @@ impl Client {
 }
 
 impl Client {
-    /// Revokes `puts`; a revoke that goes unanswered (the connection broke, the master
-    /// restarted) is tried again in the background (`give_up`), so the keys do not read as puts
-    /// in flight until the master's discard timeout.
+    /// Revokes `puts`. A revoke that goes unanswered (the connection broke, the master
+    /// restarted) is tried again at once while that takes little time (`REVOKE_INLINE`), so a
+    /// caller retrying on the error does not find its own put still in flight; then in the
+    /// background (`give_up`), so the keys do not read as puts in flight until the master's
+    /// discard timeout.
     async fn revoke(&self, puts: &[(&str, u64)]) {
-        match self.master.put_revoke(puts).await {
-            Ok(_) => {}
-            Err(e) if unanswered(&e) => {
-                tracing::debug!(error = %e, puts = puts.len(), "a revoke went unanswered; trying again in the background");
-                let owned = puts
-                    .iter()
-                    .filter_map(|&(k, id)| Some((ObjectKey::new(k).ok()?, id)))
-                    .collect();
-                spawn_give_up(self.master.clone(), Pending::Granted(owned));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "the master refused to revoke failed puts; it reclaims them after its release timeout")
+        let until = tokio::time::Instant::now() + REVOKE_INLINE;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.master.put_revoke(puts).await {
+                Ok(_) => return,
+                Err(e) if unanswered(&e) && tokio::time::Instant::now() + pause < until => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(e) if unanswered(&e) => {
+                    tracing::debug!(error = %e, puts = puts.len(), "a revoke went unanswered; trying again in the background");
+                    let owned = puts
+                        .iter()
+                        .filter_map(|&(k, id)| Some((ObjectKey::new(k).ok()?, id)))
+                        .collect();
+                    spawn_give_up(self.master.clone(), Pending::Granted(owned));
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the master refused to revoke failed puts; it reclaims them after its release timeout");
+                    return;
+                }
             }
         }
     }
 }
+
+/// How long an unanswered revoke is tried again before its put's result is returned.
+const REVOKE_INLINE: Duration = Duration::from_secs(1);
 
 /// How long puts are given up in the background: past the master's discard timeout (30 s by
 /// default) it gives them up by itself.
@@ -345,7 +370,7 @@ impl Unsettled {
         self
     }
 
-    /// Every put was ended or revoked (or left to the master after a failed call).
+    /// Every put was ended or revoked (or is being given up in the background).
     fn settled(mut self) {
         self.pending = Pending::Granted(Vec::new());
     }

@@ -48,7 +48,9 @@ pub struct ReplicateConfig {
     pub hard_pin: bool,
     /// Replace an object the key already names (Mooncake's upsert) instead of answering
     /// OBJECT_ALREADY_EXISTS. Until the new value's put ends the key reads as not ready; the old
-    /// value's memory is reused when no reader holds it and it is large enough.
+    /// value's memory is reused when no reader holds it and it is large enough. A put of the
+    /// key still in flight is not replaced: the upsert is refused with OBJECT_ALREADY_EXISTS,
+    /// which the client reports as a failure (it stored nothing).
     pub upsert: bool,
 }
 

@@ -65,8 +65,9 @@ pub async fn serve(
 }
 
 /// Answers the first request of a peer that did not authenticate with `Code::Unauthenticated`
-/// and the reason, then closes. A small request is read whole first, so that closing does not
-/// reset the connection before the peer has read the answer.
+/// and the reason, then closes. A small request is read whole first, and after the answer the
+/// rest (up to 1 MiB) is drained behind a FIN, so that closing does not reset the connection
+/// before the peer has read the answer; a peer that sent more than that may still see a reset.
 async fn refuse(mut stream: TcpStream, timeout: Duration) -> io::Result<()> {
     use tokio::io::AsyncWriteExt;
     within(timeout, "send its first request", async {

@@ -33,17 +33,23 @@ def stop_process(pid, within=5.0):
 
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + within
+    states = []
     while time.monotonic() < deadline:
+        try:
+            tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:
+            pytest.fail(f"process {pid} exited instead of stopping")
         states = []
-        for t in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        for t in tasks:
             try:
                 states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
             except (FileNotFoundError, ProcessLookupError):
                 pass  # a thread that exited
-        if states and all(s in ("T", "t") for s in states):
+        # Stopped, or a thread exited and not yet reaped (it runs no more).
+        if states and all(s in ("T", "t", "Z", "X") for s in states):
             return
         time.sleep(0.005)
-    pytest.fail(f"process {pid} did not stop within {within} s")
+    pytest.fail(f"process {pid} did not stop within {within} s (thread states {states})")
 
 
 class Proc:

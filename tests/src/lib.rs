@@ -321,8 +321,13 @@ impl ChildGuard {
                     tasks.flatten().all(|t| {
                         std::fs::read_to_string(t.path().join("status"))
                             .map(|s| {
-                                s.lines()
-                                    .any(|l| l.starts_with("State:") && l.contains("T (stopped)"))
+                                // Stopped, or a thread exited and not yet reaped.
+                                s.lines().any(|l| {
+                                    l.starts_with("State:")
+                                        && ["T (stopped)", "Z (zombie)", "X (dead)"]
+                                            .iter()
+                                            .any(|state| l.contains(state))
+                                })
                             })
                             .unwrap_or(true)
                     })

@@ -438,7 +438,17 @@ async fn a_flood_of_refused_writes_is_answered_not_timed_out() {
             parts: &parts,
         })
         .collect();
-    let results = s.tcp.write_batch(&s.segment, &items).await;
+    // A deadline that a slow debug build under load keeps well within; the two sides waiting
+    // on each other would run it out all the same.
+    let tcp = TcpTransport::new(TcpConfig {
+        connect_timeout: Duration::from_secs(3),
+        transfer_timeout: Duration::from_secs(60),
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        dedicated_runtime: false,
+        credential: Some(Credential::cluster_from_file(Path::new(&s.token)).unwrap()),
+    });
+    let results = tcp.write_batch(&s.segment, &items).await;
     assert_eq!(results.len(), n);
     for r in results {
         denied(r);

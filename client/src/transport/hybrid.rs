@@ -130,6 +130,12 @@ impl HybridTransport {
                 tracing::warn!(segment = %target, error = %e, "refused the same-host socket; using TCP");
                 Route::Tcp
             }
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                // An owner that answered what this client cannot use: a pool it cannot map
+                // safely (not sealed: an older build), no pool, a malformed hello.
+                tracing::warn!(segment = %target, error = %e, "refused the same-host pool; using TCP");
+                Route::Tcp
+            }
             Ok(Err(e)) => {
                 tracing::debug!(segment = %target, error = %e, "same-host path unavailable; using TCP");
                 Route::Tcp

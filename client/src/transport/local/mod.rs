@@ -135,6 +135,19 @@ pub struct LocalOwner {
     credential: Option<Credential>,
 }
 
+/// The error of an exchange that lost its connection (a timeout, a broken or refused
+/// connection), if one of `results` reports one: the exchanges after it are not tried.
+fn broken(results: &[Result<(), TransferError>]) -> Option<TransferError> {
+    results.iter().find_map(|r| match r {
+        Err(
+            e @ (TransferError::Timeout { .. }
+            | TransferError::Io { .. }
+            | TransferError::Connect { .. }),
+        ) => Some(e.duplicate()),
+        _ => None,
+    })
+}
+
 impl LocalOwner {
     /// Connects to the owner's socket, checks it serves `segment`, and maps its pool. Blocking:
     /// call it off the async workers.
@@ -301,7 +314,8 @@ impl LocalOwner {
         Ok((permit, stream))
     }
 
-    /// Begin, copy, end: one exchange per batch in each direction. Results per item, in order.
+    /// Begin, copy, end: one exchange per batch in each direction (several, one after another,
+    /// for a batch bigger than a frame). Results per item, in order.
     pub async fn write_batch(&self, items: &[WriteItem<'_>]) -> Vec<Result<(), TransferError>> {
         self.try_write_batch(items)
             .await
@@ -309,15 +323,21 @@ impl LocalOwner {
     }
 
     /// `write_batch`, or the error that left it without a connection (nothing was sent). A
-    /// batch too big for one frame goes as several exchanges, one after another.
+    /// batch too big for one frame goes as several exchanges, one after another, all by one
+    /// deadline; after one that lost its connection, the rest fail with its error.
     pub async fn try_write_batch(
         &self,
         items: &[WriteItem<'_>],
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
+        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
         let runs = local::exchanges(items.iter().map(|i| i.key.as_str().len()));
         let mut results = Vec::with_capacity(items.len());
         for (n, run) in runs.into_iter().enumerate() {
-            match self.write_exchange(&items[run.clone()]).await {
+            let outcome = match broken(&results) {
+                Some(e) => Err(e),
+                None => self.write_exchange(&items[run.clone()], deadline).await,
+            };
+            match outcome {
                 Ok(r) => results.extend(r),
                 Err(e) if n == 0 => return Err(e),
                 Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
@@ -326,13 +346,13 @@ impl LocalOwner {
         Ok(results)
     }
 
-    /// One begin, copy, end exchange of a batch that fits a frame.
+    /// One begin, copy, end exchange of a batch that fits a frame, by `deadline`.
     async fn write_exchange(
         &self,
         items: &[WriteItem<'_>],
+        deadline: tokio::time::Instant,
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
         let all = |e: &TransferError| items.iter().map(|_| Err(e.duplicate())).collect::<Vec<_>>();
-        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
         let (_permit, mut stream) = self.checkout(deadline).await?;
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginWrite);
@@ -405,15 +425,20 @@ impl LocalOwner {
     }
 
     /// `read_batch`, or the error that left it without a connection (nothing was asked). A
-    /// batch too big for one frame goes as several exchanges, one after another.
+    /// batch too big for one frame goes as several exchanges, as `try_write_batch` says.
     pub async fn try_read_batch(
         &self,
         items: &mut [ReadItem<'_, '_>],
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
+        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
         let runs = local::exchanges(items.iter().map(|i| i.key.as_str().len()));
         let mut results = Vec::with_capacity(items.len());
         for (n, run) in runs.into_iter().enumerate() {
-            match self.read_exchange(&mut items[run.clone()]).await {
+            let outcome = match broken(&results) {
+                Some(e) => Err(e),
+                None => self.read_exchange(&mut items[run.clone()], deadline).await,
+            };
+            match outcome {
                 Ok(r) => results.extend(r),
                 Err(e) if n == 0 => return Err(e),
                 Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
@@ -422,14 +447,14 @@ impl LocalOwner {
         Ok(results)
     }
 
-    /// One begin, copy, end exchange of a batch that fits a frame.
+    /// One begin, copy, end exchange of a batch that fits a frame, by `deadline`.
     async fn read_exchange(
         &self,
         items: &mut [ReadItem<'_, '_>],
+        deadline: tokio::time::Instant,
     ) -> Result<Vec<Result<(), TransferError>>, TransferError> {
         let n = items.len();
         let all = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect::<Vec<_>>();
-        let deadline = tokio::time::Instant::now() + self.deadlines.transfer;
         let (_permit, mut stream) = self.checkout(deadline).await?;
         let exchange = async {
             let mut w = FrameWriter::new(LocalOp::BeginRead);

@@ -596,8 +596,9 @@ fn request_bytes(key: &ObjectKey) -> u64 {
 /// the requests and the answers outgrew the socket buffers, each would wait for the other until
 /// a deadline. A window's requests or its answers therefore fit in one send buffer
 /// (`WINDOW_BYTES`), so the caller's sending or the owner's answering never waits: reads of
-/// many small values are cut by their requests, writes of many values by their answers. A
-/// usual batch is one window.
+/// many small values are cut by their requests, writes of many values by their answers (each
+/// counted as a refusal with its message, `answer_bytes`: about 500 writes a window). A batch
+/// of 8-64 values is one window.
 fn windows(sizes: impl Iterator<Item = (u64, u64)>) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut sent, mut answered) = (0, 0u64, 0u64);
