@@ -224,11 +224,23 @@ async fn a_leader_stopped_with_sigterm_hands_over_at_once() {
     all_exact(&client, &keys).await;
 }
 
+/// Whether the master `client` talks to answered a call as leader: with a result, or with a
+/// code of its own (a rebuilding master answers `exists` with -1010), not with a refusal to lead
+/// or a failed call.
+async fn answers(client: &Client) -> bool {
+    matches!(
+        client.exists("probe").await,
+        Ok(_) | Err(mooncake_client::ClientError::Master { .. })
+    )
+}
+
 /// A leader whose key is deleted while its lease lives on (an operator forcing a failover, a
-/// cleanup of the prefix) steps down within a keepalive period, as the standby takes the key.
-/// Before, it went on leading for as long as its lease lived, beside the new leader.
+/// cleanup of the prefix) steps down, and the standby that takes the key answers only after the
+/// old leader stopped answering: it revokes the old lease and waits out its TTL. Probed every
+/// 20 ms, the old leader's last answer comes before the new one's first. Before, the old leader
+/// went on answering for up to a keepalive period (3 s here) beside the new leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_whose_key_is_deleted_steps_down() {
+async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
     let etcd = Etcd::start().await;
     let a = ha_master_with_ttl(&etcd, "9");
     a.guard
@@ -236,14 +248,47 @@ async fn a_leader_whose_key_is_deleted_steps_down() {
     let b = ha_master_with_ttl(&etcd, "9");
     b.guard
         .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    let direct = |addr: &str| ClientConfig {
+        rpc_timeout: Duration::from_millis(300),
+        connect_timeout: Duration::from_millis(300),
+        ..ClientConfig::new(addr)
+    };
+    let to_a = Client::connect(direct(&a.addr)).await.unwrap();
+    assert!(answers(&to_a).await);
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
         .unwrap();
     c.delete(mooncake_common::leader::leader_key("ha-test"), None)
         .await
         .unwrap();
-    b.guard
-        .wait_line("mooncake_master ready", Duration::from_secs(15));
+    let deleted = Instant::now();
+
+    let mut a_last = None;
+    let mut b_first = None;
+    let mut to_b = None;
+    while deleted.elapsed() < Duration::from_secs(25) {
+        if answers(&to_a).await {
+            a_last = Some(deleted.elapsed());
+        }
+        if b_first.is_none() {
+            if to_b.is_none() {
+                to_b = Client::connect(direct(&b.addr)).await.ok();
+            }
+            if let Some(to_b) = &to_b {
+                if answers(to_b).await {
+                    b_first = Some(deleted.elapsed());
+                }
+            }
+        } else if deleted.elapsed() > b_first.unwrap() + Duration::from_secs(1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b_first = b_first.expect("the standby never answered");
+    assert!(
+        a_last.is_none_or(|a| a < b_first),
+        "both answered: the old leader last at {a_last:?}, the new one first at {b_first:?}"
+    );
     // A campaigns again, and finds B leading.
     let stepped_down = a
         .guard

@@ -5,8 +5,9 @@
 //! lapsed: killed, paused, cut off from etcd, or stepped down).
 //!
 //! A term starts a fresh master: the owners remount and report what they hold (see
-//! `core::rebuild`), so nothing but the leader key, the put-id reservation and the names of the
-//! mounted segments (so the next leader knows whose reports to wait for) lives in etcd, and
+//! `core::rebuild`), so nothing but the leader key, the leader's lease id (see `predecessor`), the
+//! put-id reservation and the names of the mounted segments (so the next leader knows whose
+//! reports to wait for) lives in etcd, and
 //! nothing on a per-object path touches it. The leader keeps its lease alive every third of the
 //! TTL; `Leadership` refuses every call from the instant the lease may have lapsed, and the term
 //! ends (the master is shut down and the process campaigns again) when the lease may have
@@ -22,6 +23,7 @@
 
 mod fenced;
 mod leadership;
+mod predecessor;
 
 use std::{collections::BTreeSet, future::Future, sync::Arc, time::Duration};
 
@@ -301,6 +303,25 @@ async fn serve_term(
         leader_key: mooncake_common::leader::leader_key(&ha.cluster_id),
         term: won.term,
     };
+    // Two masters never answer at once: a previous leader whose lease outlived its key is
+    // retired first.
+    let lease_key = predecessor::lease_key(&ha.cluster_id);
+    let wait = predecessor::retire(etcd, &lease_key, won.lease).await?;
+    seat.put(etcd, &lease_key, &won.lease.to_string()).await?;
+    if !wait.is_zero()
+        && !wait_out(
+            etcd,
+            won.lease,
+            ha.lease_ttl,
+            &leadership,
+            clock.as_ref(),
+            wait,
+            stop.clone(),
+        )
+        .await?
+    {
+        return Ok(());
+    }
     let ceiling_key = ceiling_key(&ha.cluster_id);
     let floor = etcd
         .get(ceiling_key.as_str(), Some(GetOptions::new()))
@@ -435,7 +456,8 @@ impl Books {
 /// does not end the term: it is tried again on a new connection, to the next member, for as
 /// long as the lease may still be alive. Only a lapsed lease, or a leader key that is no longer
 /// this term's (deleted, or another term's), ends it. The key is looked at every period: a key
-/// deleted while the lease lives on lets a standby win, and two masters would answer.
+/// deleted while the lease lives on lets a standby win (which revokes this lease and waits out
+/// its TTL before answering, see `predecessor`), and this term ends as soon as it notices.
 async fn keep_leading(
     etcd: &mut Client,
     candidate: &Candidate<'_>,
@@ -506,6 +528,32 @@ async fn keep_leading(
             anyhow::bail!(
                 "the lease may have lapsed (this process was paused or etcd did not answer)"
             );
+        }
+    }
+}
+
+/// Keeps `lease` alive for `wait` before the term starts answering (see `predecessor`); false
+/// when the process is asked to stop meanwhile.
+async fn wait_out(
+    etcd: &mut Client,
+    lease: i64,
+    ttl: Duration,
+    leadership: &Leadership,
+    clock: &dyn Clock,
+    wait: Duration,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<bool> {
+    let until = Instant::now() + wait;
+    let mut keepalive = None;
+    loop {
+        renew(etcd, &mut keepalive, lease, ttl, leadership, clock).await?;
+        let now = Instant::now();
+        if now >= until {
+            return Ok(true);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep((until - now).min(ttl / 3)) => {}
+            _ = stop_asked(&mut stop) => return Ok(false),
         }
     }
 }
