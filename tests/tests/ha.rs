@@ -270,7 +270,12 @@ async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
         if answers(&to_a).await {
             a_last = Some(deleted.elapsed());
         }
-        if b_first.is_none() {
+        // A is watched for a second after B's first answer.
+        if let Some(first) = b_first {
+            if deleted.elapsed() > first + Duration::from_secs(1) {
+                break;
+            }
+        } else {
             if to_b.is_none() {
                 to_b = Client::connect(direct(&b.addr)).await.ok();
             }
@@ -279,8 +284,6 @@ async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
                     b_first = Some(deleted.elapsed());
                 }
             }
-        } else if deleted.elapsed() > b_first.unwrap() + Duration::from_secs(1) {
-            break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
