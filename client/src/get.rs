@@ -273,26 +273,29 @@ impl Client {
     /// Reads each key into a freshly allocated buffer of the object's size (one master round
     /// trip, like `batch_get`), for callers that cannot know sizes in advance.
     pub async fn batch_get_owned(&self, keys: &[&str]) -> Vec<Result<Vec<u8>, ClientError>> {
-        self.batch_get_alloc(keys, |size| Ok(vec![0u8; size])).await
+        self.batch_get_alloc(keys, |sizes| {
+            sizes.iter().map(|&size| Ok(vec![0u8; size])).collect()
+        })
+        .await
     }
 
-    /// Like `batch_get_owned`, with the buffers made by `alloc` from each found object's size
-    /// (called once per hit, in key order, before any read starts); an error from `alloc` is
-    /// that key's result, and so is a buffer shorter than the size asked (BufferTooSmall). A
-    /// longer buffer gets the value in its first `size` bytes.
+    /// Like `batch_get_owned`, with the buffers made by `alloc` from the found objects' sizes
+    /// (one call for the whole batch, with the sizes of the hits in key order, before any read
+    /// starts, so that an allocator behind a lock, Python's GIL, takes it once); an error from
+    /// `alloc` is that key's result, and so is a buffer shorter than the size asked
+    /// (BufferTooSmall) or one `alloc` did not return. A longer buffer gets the value in its
+    /// first `size` bytes.
     pub async fn batch_get_alloc<B: AsMut<[u8]> + Send>(
         &self,
         keys: &[&str],
-        mut alloc: impl FnMut(usize) -> Result<B, ClientError>,
+        alloc: impl FnOnce(&[usize]) -> Vec<Result<B, ClientError>>,
     ) -> Vec<Result<B, ClientError>> {
         let valid: Vec<Result<ObjectKey, ClientError>> =
             keys.iter().map(|k| self.object_key(k)).collect();
         let names: Vec<&str> = valid.iter().flatten().map(|k| k.as_str()).collect();
         if names.is_empty() {
-            return valid
-                .into_iter()
-                .map(|k| k.and_then(|_| alloc(0)))
-                .collect();
+            // Every key is invalid (or there is none): their errors.
+            return valid.into_iter().filter_map(Result::err).map(Err).collect();
         }
         let asked_at = Instant::now();
         self.tiers
@@ -315,8 +318,7 @@ impl Client {
         let reading = self.leases.reading(found(&names, &lookup), granted);
         let mut found = lookup.results().iter();
         let lookup = &lookup;
-        // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
-        let jobs: Vec<Result<_, ClientError>> = valid
+        let hits: Vec<Result<_, ClientError>> = valid
             .into_iter()
             .map(|k| {
                 let hit = k.as_ref().ok().and_then(|_| found.next());
@@ -325,7 +327,26 @@ impl Client {
                 let hit = hit
                     .as_ref()
                     .map_err(|code| ClientError::master(*code, format!("get {key}")))?;
-                let mut buf = alloc(hit.size as usize)?;
+                Ok((key, hit))
+            })
+            .collect();
+        // Buffers first, in key order, so `alloc` needs no synchronisation with the reads.
+        let sizes: Vec<usize> = hits
+            .iter()
+            .flatten()
+            .map(|(_, h)| h.size as usize)
+            .collect();
+        let mut bufs = alloc(&sizes).into_iter();
+        let jobs: Vec<Result<_, ClientError>> = hits
+            .into_iter()
+            .map(|h| {
+                let (key, hit) = h?;
+                let mut buf = bufs.next().unwrap_or_else(|| {
+                    Err(ClientError::Invalid(format!(
+                        "the allocator returned fewer buffers than the {} values found",
+                        sizes.len()
+                    )))
+                })?;
                 let have = buf.as_mut().len();
                 if (have as u64) < hit.size {
                     // An allocator's short buffer (a `Vec::with_capacity`, say) must not pass

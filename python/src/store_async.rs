@@ -14,7 +14,7 @@ use pyo3::{
 
 use crate::{
     aio,
-    buffer::{FreshByteArray, PyBytesView},
+    buffer::{FreshByteArray, PyBytesView, SendableViews},
     config::ReplicateConfig,
     registry::OwnedPin,
     session::Session,
@@ -244,15 +244,16 @@ impl NativeStore {
             tracing::error!("put_batch: {} keys but {} values", keys.len(), values.len());
             Vec::new()
         };
+        let views = SendableViews(views);
         let cfg = replicate(config);
         self.spawn(
             py,
             INVALID,
             move |s| async move {
-                let Some(cfg) = cfg.filter(|_| views.len() == keys.len()) else {
+                let Some(cfg) = cfg.filter(|_| views.0.len() == keys.len()) else {
                     return INVALID;
                 };
-                let parts: Vec<[&[u8]; 1]> = views.iter().map(|v| [v.as_slice()]).collect();
+                let parts: Vec<[&[u8]; 1]> = views.0.iter().map(|v| [v.as_slice()]).collect();
                 let items: Vec<(&str, &[&[u8]])> = keys
                     .iter()
                     .map(|k| k.as_str())

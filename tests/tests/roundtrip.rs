@@ -53,17 +53,26 @@ async fn values_from_one_byte_to_16_mib_round_trip() {
     assert_eq!(&big[..63], &values[2][..]);
     assert!(big[63..].iter().all(|b| *b == 0xAA));
 
-    // Buffers an allocator makes: one shorter than the value is refused, not filled in part
-    // and passed for the whole (a `Vec::with_capacity` has length 0).
+    // Buffers an allocator makes, all in one call with the hits' sizes in key order (a miss
+    // asks for none): one shorter than the value is refused, not filled in part and passed for
+    // the whole (a `Vec::with_capacity` has length 0).
+    let mut asked = Vec::new();
     let short = client
-        .batch_get_alloc(&["rt/4097", "rt/63"], |n| {
-            Ok(if n == 4097 {
-                Vec::with_capacity(n)
-            } else {
-                vec![0u8; n]
-            })
+        .batch_get_alloc(&["rt/4097", "rt/none", "rt/63"], |sizes| {
+            asked.push(sizes.to_vec());
+            sizes
+                .iter()
+                .map(|&n| {
+                    Ok(if n == 4097 {
+                        Vec::with_capacity(n)
+                    } else {
+                        vec![0u8; n]
+                    })
+                })
+                .collect()
         })
         .await;
+    assert_eq!(asked, vec![vec![4097, 63]], "one call, the hits' sizes");
     assert!(
         matches!(
             short[0],
@@ -75,14 +84,23 @@ async fn values_from_one_byte_to_16_mib_round_trip() {
         "{:?}",
         short[0].as_ref().map(Vec::len)
     );
-    assert_eq!(short[1].as_deref().unwrap(), &values[2][..]);
+    assert_eq!(short[1].as_ref().unwrap_err().code().as_i32(), -704);
+    assert_eq!(short[2].as_deref().unwrap(), &values[2][..]);
     // One rounded up (a pool's slab) gets the value in its first bytes, the rest untouched.
     let long = client
-        .batch_get_alloc(&["rt/63"], |n| Ok(vec![0xAAu8; n + 1000]))
+        .batch_get_alloc(&["rt/63"], |sizes| {
+            sizes.iter().map(|&n| Ok(vec![0xAAu8; n + 1000])).collect()
+        })
         .await;
     let long = long[0].as_ref().unwrap();
     assert_eq!(&long[..63], &values[2][..]);
     assert!(long[63..].iter().all(|b| *b == 0xAA));
+    // An allocator that returns fewer buffers than asked fails the keys left without one.
+    let fewer = client
+        .batch_get_alloc(&["rt/63", "rt/4097"], |sizes| vec![Ok(vec![0u8; sizes[0]])])
+        .await;
+    assert_eq!(fewer[0].as_deref().unwrap(), &values[2][..]);
+    assert_eq!(fewer[1].as_ref().unwrap_err().code().as_i32(), -600);
     c.shutdown().await;
 }
 
