@@ -6,8 +6,9 @@
 use std::{io, sync::Arc, time::Duration};
 
 use mooncake_common::{
-    auth::{admit_tcp, Access, Admission, AUTH_REQUIRED},
+    auth::{admit_tcp, Access, Admission, AUTH_REQUIRED, CLUSTER},
     data_socket,
+    tenant::Tenant,
     wire::{self, Op, RequestHeader, ResponseHeader},
     Code, ObjectKey, Stamp,
 };
@@ -45,7 +46,10 @@ pub async fn serve(
                         let keyring = gate.as_ref().map(|g| &g.keyring);
                         let served = match admit_tcp(&mut stream, keyring, frame_timeout).await {
                             Ok(Admission::Unauthenticated) => refuse(stream, frame_timeout).await,
-                            Ok(_) => Connection::new(stream, pool, catalog, ssd, gate, frame_timeout).run(stop).await,
+                            Ok(admitted) => match scope_of(admitted) {
+                                Ok(tenant) => Connection::new(stream, pool, catalog, ssd, gate, frame_timeout, tenant).run(stop).await,
+                                Err(e) => Err(e),
+                            },
                             Err(e) => Err(e),
                         };
                         if let Err(e) = served {
@@ -61,6 +65,19 @@ pub async fn serve(
             },
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// The tenant whose keys alone a connection may touch: its peer's, when it proved a tenant's
+/// token (the seals it carries then must be for that tenant's keys, as the master's calls are:
+/// a seal seen on the wire is not a bearer token for another tenant); None for the cluster's
+/// secret and for an owner without one.
+fn scope_of(admitted: Admission) -> io::Result<Option<Tenant>> {
+    match admitted {
+        Admission::Authenticated(id) if id != CLUSTER => Tenant::parse(&id)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e)),
+        _ => Ok(None),
     }
 }
 
@@ -135,6 +152,8 @@ struct Connection {
     ssd: Option<Arc<SsdStore>>,
     /// The master's seals every access must carry (a cluster with a secret).
     gate: Option<Arc<Gate>>,
+    /// The tenant whose keys alone this connection may touch (see `scope_of`).
+    tenant: Option<Tenant>,
     frame_timeout: Duration,
     key_buf: Vec<u8>,
 }
@@ -170,6 +189,7 @@ impl Connection {
         ssd: Option<Arc<SsdStore>>,
         gate: Option<Arc<Gate>>,
         frame_timeout: Duration,
+        tenant: Option<Tenant>,
     ) -> Self {
         if let Err(e) = data_socket::tune(&stream) {
             tracing::debug!(error = %e, "data-plane socket options not set");
@@ -183,6 +203,7 @@ impl Connection {
             catalog,
             ssd,
             gate,
+            tenant,
             frame_timeout,
             key_buf: Vec::with_capacity(256),
         }
@@ -413,12 +434,22 @@ impl Connection {
         Ok(Ok(()))
     }
 
-    /// Whether the request carries the master's seal on exactly this access (always, in a
-    /// cluster without a secret).
+    /// Whether the request carries the master's seal on exactly this access, for a key of the
+    /// connection's tenant (always, in a cluster without a secret).
     fn sealed(&self, access: Access, h: &RequestHeader, key: &ObjectKey) -> Result<(), Refusal> {
         let Some(gate) = &self.gate else {
             return Ok(());
         };
+        if let Some(tenant) = self.tenant.as_ref().filter(|t| !t.owns(key.as_str())) {
+            return Err(Refusal {
+                code: Code::PermissionDenied,
+                message: format!(
+                    "this connection proved tenant {tenant}'s token and the key is tenant {:?}'s: \
+                     a seal is good only on its own tenant's connections",
+                    mooncake_common::tenant::tenant_of(key.as_str())
+                ),
+            });
+        }
         gate.seals
             .check(
                 access,

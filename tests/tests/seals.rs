@@ -19,6 +19,7 @@ use mooncake_common::{
     auth::{Credential, Seal},
     local::socket_path,
     master_api::Releases,
+    tenant::Tenant,
     transport::{DataTransport, ReadItem, TransferError, WriteItem},
     Code, MasterApi, ObjectKey, ReplicaLocation, SegmentName, Stamp,
 };
@@ -58,14 +59,7 @@ fn start(master_args: &[&str]) -> Sealed {
         Default::default(),
         None,
     );
-    let tcp = TcpTransport::new(TcpConfig {
-        connect_timeout: Duration::from_secs(3),
-        transfer_timeout: Duration::from_secs(3),
-        connections_per_owner: 2,
-        transfer_threads: 1,
-        dedicated_runtime: false,
-        credential: Some(credential),
-    });
+    let tcp = transport(credential);
     Sealed {
         _dir: dir,
         token,
@@ -115,6 +109,20 @@ impl Sealed {
         seal: Seal,
         bytes: &[u8],
     ) -> Result<(), TransferError> {
+        self.write_on(&self.tcp, key, offset, put_id, seal, bytes)
+            .await
+    }
+
+    /// `write`, on connections of `tcp`.
+    async fn write_on(
+        &self,
+        tcp: &TcpTransport,
+        key: &str,
+        offset: u64,
+        put_id: u64,
+        seal: Seal,
+        bytes: &[u8],
+    ) -> Result<(), TransferError> {
         let key = ObjectKey::new(key).unwrap();
         let parts = [bytes];
         let item = WriteItem {
@@ -124,13 +132,25 @@ impl Sealed {
             seal,
             parts: &parts,
         };
-        self.tcp.write(&self.segment, &item).await
+        tcp.write(&self.segment, &item).await
     }
 
     /// Reads `len` bytes as `loc` says (with `seal`) into a buffer of 0xAB: the bytes, or the
     /// refusal with the buffer checked untouched.
     async fn read(
         &self,
+        key: &str,
+        loc: &ReplicaLocation,
+        len: usize,
+        seal: Seal,
+    ) -> Result<Vec<u8>, Code> {
+        self.read_on(&self.tcp, key, loc, len, seal).await
+    }
+
+    /// `read`, on connections of `tcp`.
+    async fn read_on(
+        &self,
+        tcp: &TcpTransport,
         key: &str,
         loc: &ReplicaLocation,
         len: usize,
@@ -147,7 +167,7 @@ impl Sealed {
                 seal,
                 parts: &mut parts,
             };
-            self.tcp.read(&self.segment, &mut item).await
+            tcp.read(&self.segment, &mut item).await
         };
         match r {
             Ok(()) => Ok(buf),
@@ -157,6 +177,18 @@ impl Sealed {
             }
         }
     }
+}
+
+/// A raw TCP transport proving `credential`.
+fn transport(credential: Credential) -> TcpTransport {
+    TcpTransport::new(TcpConfig {
+        connect_timeout: Duration::from_secs(3),
+        transfer_timeout: Duration::from_secs(3),
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        dedicated_runtime: false,
+        credential: Some(credential),
+    })
 }
 
 fn denied(r: Result<(), TransferError>) {
@@ -316,6 +348,61 @@ async fn forged_widened_or_misused_seals_move_no_byte() {
     }
     assert!(buf == kept);
     intact().await;
+}
+
+/// A seal is not a bearer token across tenants: a worker that proved tenant A's token (the
+/// owner admits every tenant of the cluster) and replays tenant B's seal, seen on the plaintext
+/// data plane, is refused on its own connection, as the master would refuse it B's keys. Before,
+/// the owner served it: it checked the seal, not who carried it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_seal_is_refused_on_another_tenants_connection() {
+    let s = start(&[]);
+    let cluster = Credential::cluster_from_file(Path::new(&s.token)).unwrap();
+    let tenant = |name: &str| {
+        let token = mooncake_common::auth::tenant_token(SECRET.as_bytes(), name);
+        transport(Credential::new(name, token.as_bytes()).unwrap())
+    };
+    let as_b = FramedMaster::new(
+        &s.rpc,
+        Duration::from_secs(3),
+        Duration::from_secs(3),
+        Duration::ZERO,
+        Some(cluster),
+        Tenant::parse("b").unwrap(),
+        None,
+    );
+    let key = Tenant::parse("b").unwrap().scope("obj").into_owned();
+    let value = payload("b's", 8192);
+    let grants = as_b
+        .put_start(&[(&key, 8192)], &ReplicateConfig::default(), 0)
+        .await
+        .unwrap();
+    let g = grants.results[0].as_ref().unwrap();
+    let loc = grants.run(&g.replicas)[0].clone();
+    let (id, at) = (g.put_id, loc.offset);
+    denied(
+        s.write_on(&tenant("a"), &key, at, id, loc.seal, &value)
+            .await,
+    );
+    s.write_on(&tenant("b"), &key, at, id, loc.seal, &value)
+        .await
+        .unwrap();
+    as_b.put_end(&[(&key, g.put_id)]).await.unwrap();
+    let lookup = as_b.get_replicas(&[&key], Releases::NONE).await.unwrap();
+    let found = lookup.results()[0].as_ref().unwrap();
+    let at = lookup.replicas(found)[0].clone();
+    assert_eq!(
+        s.read_on(&tenant("a"), &key, &at, 8192, at.seal).await,
+        Err(Code::PermissionDenied)
+    );
+    assert!(
+        s.read_on(&tenant("b"), &key, &at, 8192, at.seal)
+            .await
+            .unwrap()
+            == value
+    );
+    // The cluster's secret may carry any tenant's seal.
+    assert!(s.read(&key, &at, 8192, at.seal).await.unwrap() == value);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
