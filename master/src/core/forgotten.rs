@@ -28,9 +28,19 @@ pub(super) struct ForgottenSegments {
 }
 
 impl ForgottenSegments {
-    /// Segment `name` was dropped at `now` holding `held`.
+    /// Segment `name` was dropped at `now` holding `held`. Dropped again before its report was
+    /// taken in (it remounted, then went silent mid-report), it held nothing new on the master,
+    /// but its pool still holds what it held at the first drop: that is kept, not replaced.
     pub fn remember(&mut self, name: SegmentName, held: HashMap<ObjectKey, u64>, now: Millis) {
-        self.by_name.insert(name, Dropped { at: now, held });
+        match self.by_name.get_mut(&name) {
+            Some(earlier) => {
+                earlier.at = now;
+                earlier.held.extend(held);
+            }
+            None => {
+                self.by_name.insert(name, Dropped { at: now, held });
+            }
+        }
     }
 
     /// What segment `name` held when it was dropped, if it was (and forgets it).

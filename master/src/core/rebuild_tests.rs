@@ -465,6 +465,46 @@ fn an_owner_back_after_being_dropped_does_not_bring_back_removed_objects() {
     s.check_invariants().unwrap();
 }
 
+/// An owner dropped twice, the second time before its report came in (the partition came back
+/// mid-report): what it held at the first drop still comes back when it reports at last. Before,
+/// the second drop, holding nothing yet, replaced what the first had remembered, so the report's
+/// objects were refused and the owner told to forget them: committed data lost for good.
+#[test]
+fn an_owner_dropped_again_before_its_report_keeps_what_it_held() {
+    let mut s = fresh_with_ttl(Duration::from_secs(1));
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, MountReport::default(), Millis(0))
+        .unwrap();
+    let g = s
+        .put_start(&ObjectKey::new("k").unwrap(), 1000, &ReplicateConfig::default(), Millis(10))
+        .unwrap();
+    s.put_end("k", g.put_id, Millis(11)).unwrap();
+    let report = vec![item("k", g.replicas[0].offset, 1000, g.put_id, 1)];
+    let silent_until = |s: &mut MasterState, from: u64, to: u64| {
+        let mut now = from;
+        while now < to {
+            now += 200;
+            s.tick(Millis(now));
+        }
+    };
+    silent_until(&mut s, 11, 1_500);
+    assert!(lookup(&mut s, "k", 1_500).is_err(), "dropped with its owner");
+    // Back, its report opened, and silent again for the TTL: dropped a second time.
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(g.put_id, 1), Millis(1_600))
+        .unwrap();
+    silent_until(&mut s, 1_600, 3_000);
+    // Back for good: the report comes in.
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(g.put_id, 1), Millis(3_100))
+        .unwrap();
+    let outcome = s
+        .catalog_reported(owner(0), &seg(0), report, true, Millis(3_200))
+        .unwrap()
+        .unwrap();
+    assert_eq!((outcome.registered, outcome.refused), (1, 0));
+    assert_eq!(lookup(&mut s, "k", 3_300), Ok(1), "k came back with its owner");
+    assert!(s.take_freed(owner(0)).is_empty(), "the owner was told to forget k");
+    s.check_invariants().unwrap();
+}
+
 /// While the only segment that could hold a put reports its catalog (a master restart, a
 /// leader change), a put is told to retry shortly, not that the store is full, and nothing the
 /// report brought is evicted for it.
