@@ -187,7 +187,7 @@ impl MasterState {
         Ok(Some(self.merge_report(segment, report.items, now)))
     }
 
-    fn merge_report(
+    pub(super) fn merge_report(
         &mut self,
         segment: SegmentId,
         mut items: Vec<Reported>,

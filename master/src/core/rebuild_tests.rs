@@ -347,6 +347,63 @@ fn a_rebuild_waits_for_the_records_an_owner_registers_from_disk() {
     s.check_invariants().unwrap();
 }
 
+/// An owner restarted on its SSD directory (its memory pool empty, its disk records found) is an
+/// owner of an earlier master, not a fresh one: the rebuild waits for its records. Before, its
+/// mount (no put id seen in memory) ended the rebuild at once, so a get of a key on its disk
+/// answered "not found", and a removal of it missed it, until its record was registered.
+#[test]
+fn an_owner_back_with_only_disk_records_is_waited_for() {
+    let mut s = fresh();
+    let report = MountReport {
+        newest_grant: 0,
+        objects: 0,
+        disk_records: 2,
+    };
+    s.mount_segment(owner(0), seg(0), MIB, 1 << 30, report, Millis(100))
+        .unwrap();
+    assert!(s.rebuilding(Millis(5_000)), "records to come");
+    assert!(matches!(
+        lookup(&mut s, "on-disk", 5_001),
+        Err(MasterError::Rebuilding(_))
+    ));
+    let id = s.disk_segment(owner(0), &seg(0)).unwrap();
+    s.register_disk(
+        id,
+        &ObjectKey::new("on-disk").unwrap(),
+        100,
+        7,
+        Millis(5_002),
+    )
+    .unwrap();
+    s.disk_registered(id);
+    assert!(!s.rebuilding(Millis(5_003)));
+    assert_eq!(lookup(&mut s, "on-disk", 5_004), Ok(1));
+    s.check_invariants().unwrap();
+}
+
+/// A mount retried after its answer was lost, from an owner whose pool holds nothing any more
+/// (the objects it counted the first time were forgotten meanwhile), ends the report the first
+/// mount opened: the segment takes puts. Before, the report stayed open with nothing to come,
+/// and every put to the segment was told to retry until the rebuild window closed.
+#[test]
+fn a_retried_mount_with_nothing_to_report_ends_the_report() {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 2), Millis(10))
+        .unwrap();
+    let again = s
+        .mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 0), Millis(20))
+        .unwrap();
+    assert!(matches!(again, Mounted::Ready));
+    s.put_start(
+        &ObjectKey::new("x").unwrap(),
+        1000,
+        &ReplicateConfig::default(),
+        Millis(30),
+    )
+    .unwrap();
+    s.check_invariants().unwrap();
+}
+
 /// An owner reporting its catalog (or registering disk records, or polling) sends no heartbeat
 /// meanwhile: each of those calls shows it alive, so a report longer than the client TTL does
 /// not get it expired half-way (it would start over at its remount, and again, for good).
@@ -472,10 +529,22 @@ fn an_owner_back_after_being_dropped_does_not_bring_back_removed_objects() {
 #[test]
 fn an_owner_dropped_again_before_its_report_keeps_what_it_held() {
     let mut s = fresh_with_ttl(Duration::from_secs(1));
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, MountReport::default(), Millis(0))
-        .unwrap();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
     let g = s
-        .put_start(&ObjectKey::new("k").unwrap(), 1000, &ReplicateConfig::default(), Millis(10))
+        .put_start(
+            &ObjectKey::new("k").unwrap(),
+            1000,
+            &ReplicateConfig::default(),
+            Millis(10),
+        )
         .unwrap();
     s.put_end("k", g.put_id, Millis(11)).unwrap();
     let report = vec![item("k", g.replicas[0].offset, 1000, g.put_id, 1)];
@@ -487,21 +556,45 @@ fn an_owner_dropped_again_before_its_report_keeps_what_it_held() {
         }
     };
     silent_until(&mut s, 11, 1_500);
-    assert!(lookup(&mut s, "k", 1_500).is_err(), "dropped with its owner");
+    assert!(
+        lookup(&mut s, "k", 1_500).is_err(),
+        "dropped with its owner"
+    );
     // Back, its report opened, and silent again for the TTL: dropped a second time.
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(g.put_id, 1), Millis(1_600))
-        .unwrap();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        returning(g.put_id, 1),
+        Millis(1_600),
+    )
+    .unwrap();
     silent_until(&mut s, 1_600, 3_000);
     // Back for good: the report comes in.
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(g.put_id, 1), Millis(3_100))
-        .unwrap();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        returning(g.put_id, 1),
+        Millis(3_100),
+    )
+    .unwrap();
     let outcome = s
         .catalog_reported(owner(0), &seg(0), report, true, Millis(3_200))
         .unwrap()
         .unwrap();
     assert_eq!((outcome.registered, outcome.refused), (1, 0));
-    assert_eq!(lookup(&mut s, "k", 3_300), Ok(1), "k came back with its owner");
-    assert!(s.take_freed(owner(0)).is_empty(), "the owner was told to forget k");
+    assert_eq!(
+        lookup(&mut s, "k", 3_300),
+        Ok(1),
+        "k came back with its owner"
+    );
+    assert!(
+        s.take_freed(owner(0)).is_empty(),
+        "the owner was told to forget k"
+    );
     s.check_invariants().unwrap();
 }
 

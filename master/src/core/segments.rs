@@ -62,7 +62,9 @@ impl MasterState {
         }
         // Above every grant the owner has seen, so none of its ranges' writes looks newer.
         self.grants.saw(report.newest_grant);
-        self.owner_mounted(report.newest_grant > 0, now);
+        // An owner back on its SSD directory alone (its memory pool empty) served an earlier
+        // master too: its records are waited for.
+        self.owner_mounted(report.newest_grant > 0 || report.disk_records > 0, now);
         if size < GRANULE {
             return Err(MasterError::Invalid(format!(
                 "segment {name} has {size} bytes; at least {GRANULE} are needed"
@@ -84,6 +86,13 @@ impl MasterState {
                 }
                 self.touch(owner, now);
                 if !restart_report {
+                    if self.segments[&id].report.is_some() {
+                        // The report the lost mount opened has nothing to come (the pool holds
+                        // nothing now): it ends, or the segment would take no put until the
+                        // rebuild window closed.
+                        self.segments.get_mut(&id).expect("ids are live").report = None;
+                        self.merge_report(id, Vec::new(), now);
+                    }
                     return Ok(Mounted::Ready);
                 }
                 self.expect_report(id);
