@@ -374,8 +374,13 @@ impl MasterState {
             let release_at = started.plus(self.policy.put_release_timeout).max(now);
             let old = self.objects.remove(key).expect("checked above");
             tracing::info!(%key, put_id = old.put_id, "discarding an abandoned put");
-            // Its owners forget that version then too: a write of it that did land must not
-            // come back as the object when a restarted master hears the owners' reports.
+            // Its owners forget that version now (nobody reads a version never ended), and
+            // again when the space is released (a write of it that lands late): kept, it would
+            // come back as the object when a restarted master hears the owners' reports, even
+            // after the key was removed.
+            for r in &old.replicas {
+                self.note_freed(r, old.put_id);
+            }
             self.defer_drop(old.replicas, old.put_id, release_at);
         }
         self.check_quota(key.as_str(), size, 0)?;

@@ -565,11 +565,18 @@ fn abandoned_put_is_taken_over_then_released() {
     let old = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
     let discard = p.put_discard_timeout.as_millis() as u64;
     let release = p.put_release_timeout.as_millis() as u64;
+    let _ = freed(&mut s, 0);
     let new = s.put_start(&k("a"), MIB, &cfg(1), Millis(discard)).unwrap();
     assert_eq!(
         s.allocated(),
         2 * MIB,
         "the old writer's range is quarantined"
+    );
+    // Its owner forgets the abandoned version at once (not after the release timeout): kept,
+    // it would come back at a failover even once the key was removed.
+    assert_eq!(
+        freed(&mut s, 0),
+        vec![(old.replicas[0].offset, old.put_id)]
     );
     assert!(matches!(
         s.put_end("a", old.put_id, Millis(0)),
