@@ -74,6 +74,11 @@ impl Pin {
         self == Self::HARD
     }
 
+    /// The stronger of two pins: hard over soft, the later soft deadline, soft over none.
+    pub fn stronger(self, other: Pin) -> Pin {
+        Pin(self.0.max(other.0))
+    }
+
     /// Whether a soft pin still holds at `now`.
     pub fn is_soft_at(self, now: Millis) -> bool {
         !self.is_hard() && self.0 > now.0

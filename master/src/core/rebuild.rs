@@ -273,6 +273,11 @@ impl MasterState {
             segment,
             allocation,
         };
+        let pin = Pin::asked(
+            r.stamp.hard_pin,
+            r.stamp.soft_pin,
+            now.plus(self.policy.soft_pin_ttl),
+        );
         if let Some(obj) = self.objects.get_mut(&r.key) {
             if r.stamp.put_id <= obj.put_id {
                 let same = obj.put_id == r.stamp.put_id
@@ -282,6 +287,9 @@ impl MasterState {
                 if !same {
                     return Err(replica.allocation);
                 }
+                // Copies (a replica task's, a disk record's) carry no pin: whichever copy
+                // reports first, the object keeps the strongest pin any reports.
+                obj.pin = obj.pin.stronger(pin);
                 obj.replicas.push(replica);
                 self.objects.link(&r.key);
                 return Ok(());
@@ -291,11 +299,6 @@ impl MasterState {
             self.remove(&r.key, true, now)
                 .expect("an adopted object can be removed by force");
         }
-        let pin = Pin::asked(
-            r.stamp.hard_pin,
-            r.stamp.soft_pin,
-            now.plus(self.policy.soft_pin_ttl),
-        );
         let mut replicas = Replicas::new();
         replicas.push(replica);
         self.evictable_changed();

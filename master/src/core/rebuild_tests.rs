@@ -347,6 +347,45 @@ fn a_rebuild_waits_for_the_records_an_owner_registers_from_disk() {
     s.check_invariants().unwrap();
 }
 
+/// Copies of one version reported by several owners (a replica task's copy carries no pin)
+/// keep the strongest pin any of them reports, whichever reports first. Before, the first
+/// report's pin stood: a hard-pinned object whose unpinned copy was reported first became
+/// evictable after a failover.
+#[test]
+fn copies_of_one_version_keep_the_strongest_pin_reported() {
+    let mut s = fresh();
+    for i in 0..2 {
+        s.mount_segment(
+            owner(i),
+            seg(i),
+            4 * MIB,
+            0,
+            returning(1900, 1),
+            Millis(100),
+        )
+        .unwrap();
+    }
+    let copy = item("k", 0, 1000, 1500, 2);
+    let mut pinned = item("k", 0, 1000, 1500, 2);
+    pinned.stamp.hard_pin = true;
+    s.catalog_reported(owner(1), &seg(1), vec![copy], true, Millis(110))
+        .unwrap()
+        .unwrap();
+    s.catalog_reported(owner(0), &seg(0), vec![pinned], true, Millis(120))
+        .unwrap()
+        .unwrap();
+    // Past the rebuild window and any lease, at a high enough ratio to take everything else.
+    let later = 3_600_000;
+    s.tick(Millis(later));
+    s.evict(Millis(later), 64 * MIB);
+    assert_eq!(
+        lookup(&mut s, "k", later + 1),
+        Ok(2),
+        "a hard-pinned object was evicted"
+    );
+    s.check_invariants().unwrap();
+}
+
 /// An owner restarted on its SSD directory (its memory pool empty, its disk records found) is an
 /// owner of an earlier master, not a fresh one: the rebuild waits for its records. Before, its
 /// mount (no put id seen in memory) ended the rebuild at once, so a get of a key on its disk

@@ -574,10 +574,7 @@ fn abandoned_put_is_taken_over_then_released() {
     );
     // Its owner forgets the abandoned version at once (not after the release timeout): kept,
     // it would come back at a failover even once the key was removed.
-    assert_eq!(
-        freed(&mut s, 0),
-        vec![(old.replicas[0].offset, old.put_id)]
-    );
+    assert_eq!(freed(&mut s, 0), vec![(old.replicas[0].offset, old.put_id)]);
     assert!(matches!(
         s.put_end("a", old.put_id, Millis(0)),
         Err(MasterError::StalePut { .. })
