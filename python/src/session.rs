@@ -10,6 +10,8 @@ use tokio::runtime::Runtime;
 use crate::config::SetupArgs;
 
 pub struct Session {
+    /// The process that set it up: a fork's copy is not usable (see `NativeStore::session`).
+    pub pid: u32,
     /// Drives the client's calls. A current-thread runtime by default: the calling Python thread
     /// polls the sockets itself, with no hand-off to an I/O thread on every wait (the lowest
     /// latency for the one-caller-per-process shape of inference workers). `MOONCAKE_IO_THREADS=N`
@@ -127,6 +129,7 @@ impl Session {
         if args.global_segment_size == 0 {
             let preferred = config.preferred()?;
             return Ok(Session {
+                pid: std::process::id(),
                 lane: lane_of(&rt),
                 shared: Default::default(),
                 shared_failed: Default::default(),
@@ -165,6 +168,7 @@ impl Session {
             transport,
         ))?;
         Ok(Session {
+            pid: std::process::id(),
             lane: lane_of(&rt),
             shared: Default::default(),
             shared_failed: Default::default(),

@@ -87,6 +87,37 @@ pub(crate) fn log_unregistered(what: &str, ptr: usize, size: usize) {
 }
 
 impl NativeStore {
+    /// The session this process set up. One inherited across `fork()` is none: its I/O threads
+    /// did not survive the fork (a call would wait for ever) and its sockets are the parent's
+    /// (a call would read the parent's answers, or the parent this one's), so it is dropped
+    /// from this process unused, never closed (that would unmount the parent's segments and
+    /// talk over its sockets), and this process may call setup() for a session of its own.
+    pub(crate) fn session(&self) -> Option<Arc<Session>> {
+        let s = self.session.read().clone()?;
+        if s.pid == std::process::id() {
+            return Some(s);
+        }
+        drop(s);
+        self.forget_inherited();
+        None
+    }
+
+    /// Leaks a session inherited across `fork()` (see `session`).
+    fn forget_inherited(&self) {
+        let inherited = self
+            .session
+            .write()
+            .take_if(|s| s.pid != std::process::id());
+        if let Some(s) = inherited {
+            tracing::error!(
+                parent = s.pid,
+                "this process is a fork of the one that called setup(): the store's session stays \
+                 with that process; call setup() again in this one"
+            );
+            std::mem::forget(s);
+        }
+    }
+
     /// Runs `f` on the session with the GIL released; `missing` when setup has not succeeded.
     fn with_session<T: Send>(
         &self,
@@ -94,7 +125,7 @@ impl NativeStore {
         missing: T,
         f: impl FnOnce(&Session) -> T + Send,
     ) -> T {
-        let Some(session) = self.session.read().clone() else {
+        let Some(session) = self.session() else {
             tracing::error!("the store is not set up: call setup() first");
             return missing;
         };
@@ -113,6 +144,7 @@ impl NativeStore {
     /// with the GIL released, as long as their deadlines allow; past that, the session ends
     /// with the last of them.
     fn close_session(&self, py: Python<'_>) {
+        self.forget_inherited();
         let Some(mut session) = self.session.write().take() else {
             return;
         };
@@ -158,28 +190,37 @@ impl NativeStore {
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<i32> {
         let parsed = SetupArgs::parse(args, kwargs)?;
-        if self.session.read().is_some() {
+        if self.session().is_some() {
             tracing::error!("setup() called twice; call close() first");
             return Ok(INVALID);
         }
         let threads = self.io_threads.load(std::sync::atomic::Ordering::Relaxed);
-        match py.detach(|| Session::start(&parsed, threads)) {
-            Ok(s) => {
-                *self.session.write() = Some(Arc::new(s));
-                if !self
-                    .gpus_found
-                    .swap(true, std::sync::atomic::Ordering::Relaxed)
-                {
-                    let gpus = py.detach(crate::gpu::detect);
-                    self.devices.write().extend(gpus);
-                }
-                Ok(0)
-            }
+        let session = match py.detach(|| Session::start(&parsed, threads)) {
+            Ok(s) => s,
             Err(e) => {
                 tracing::error!(code = e.code.as_i32(), "setup failed: {}", e.message);
-                Ok(e.code.as_i32())
+                return Ok(e.code.as_i32());
             }
+        };
+        // The devices are known before the session is: a GPU buffer registered as soon as
+        // setup() answers (or while it runs, from another thread) is not taken for host memory.
+        if !self
+            .gpus_found
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let gpus = py.detach(crate::gpu::detect);
+            self.devices.write().extend(gpus);
         }
+        let mut slot = self.session.write();
+        if slot.is_some() {
+            // Another thread's setup() won meanwhile: this one's session goes.
+            drop(slot);
+            tracing::error!("setup() called twice (from two threads at once); call close() first");
+            py.detach(|| session.close());
+            return Ok(INVALID);
+        }
+        *slot = Some(Arc::new(session));
+        Ok(0)
     }
 
     /// I/O threads the next `setup()` starts unless MOONCAKE_IO_THREADS says otherwise.
@@ -198,7 +239,7 @@ impl NativeStore {
     /// Mooncake's API; empty before setup.
     fn transfer_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(s) = self.session.read().as_ref() {
+        if let Some(s) = self.session() {
             let t = s.transfer_stats();
             for (k, v) in [
                 ("local_bytes", t.local_bytes),
@@ -219,9 +260,7 @@ impl NativeStore {
 
     /// This process's segment ("host:port") when it contributes memory, else its local hostname.
     fn get_hostname(&self) -> String {
-        self.session
-            .read()
-            .as_ref()
+        self.session()
             .map(|s| s.hostname.clone())
             .unwrap_or_default()
     }
@@ -238,7 +277,7 @@ impl NativeStore {
     }
 
     fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i32 {
-        if self.session.read().is_none() {
+        if self.session().is_none() {
             // The devices are found by setup(): a GPU buffer registered before would be taken
             // for host memory.
             tracing::error!("register_buffer before setup(): call setup() first");
@@ -852,6 +891,11 @@ impl Drop for NativeStore {
         let Some(session) = self.session.get_mut().take() else {
             return;
         };
+        if session.pid != std::process::id() {
+            // Inherited across fork(): the parent's to close (see `session`).
+            std::mem::forget(session);
+            return;
+        }
         let Ok(session) = Arc::try_unwrap(session) else {
             return;
         };

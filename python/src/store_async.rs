@@ -57,7 +57,7 @@ impl NativeStore {
         Fut: Future<Output = T> + Send + 'static,
         F: for<'py> FnOnce(Python<'py>, T) -> PyResult<Bound<'py, PyAny>> + Send + 'static,
     {
-        let Some(session) = self.session.read().clone() else {
+        let Some(session) = self.session() else {
             tracing::error!("the store is not set up: call setup() first");
             return aio::ready(py, finish(py, missing)?);
         };
