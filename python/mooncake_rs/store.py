@@ -411,11 +411,12 @@ class MooncakeDistributedStore(NativeStore):
             return None
         header, data = _tensor.encode(tensor)
         n = len(header) + data.nbytes
-        if n > size or not self._is_registered(buffer_ptr, n):
+        # Copied natively, the registry pinned: close() waits for the copy before it frees
+        # the store's pool blocks (a ctypes.memmove released the GIL and did not).
+        if (n > size or self._copy_into(buffer_ptr, header, 0, len(header)) != 0
+                or self._copy_into(buffer_ptr + len(header), data, 0, data.nbytes) != 0):
             _log.error("get_tensor_with_parallelism_into(%r): needs %d bytes of registered memory", key, n)
             return None
-        ctypes.memmove(buffer_ptr, header, len(header))
-        ctypes.memmove(buffer_ptr + len(header), (ctypes.c_char * data.nbytes).from_buffer_copy(data), data.nbytes)
         return self._tensor_at(key, buffer_ptr, n)
 
     def batch_get_tensor_with_parallelism_into(self, keys, buffer_ptrs, sizes, targets=None):
@@ -504,12 +505,12 @@ class MooncakeDistributedStore(NativeStore):
                 h, code = found[k]
                 if h is None:
                     row.append(code)
-                elif src < 0 or dst < 0 or n < 0 or src + n > len(h) or not self._is_registered(base + dst, n):
+                elif src < 0 or dst < 0 or n < 0 or src + n > len(h):
                     row.append(_INVALID)
                 else:
-                    if n:
-                        ctypes.memmove(base + dst, h.ptr() + src, n)
-                    row.append(n)
+                    # Copied natively, the registry pinned: close() waits for the copy before it
+                    # frees the store's pool blocks.
+                    row.append(n if self._copy_into(base + dst, h, src, n) == 0 else _INVALID)
             out.append(row)
         return out
 

@@ -383,6 +383,38 @@ impl NativeStore {
         self.pin(py).slice(ptr, size).is_some()
     }
 
+    /// Copies `n` bytes of `src` (bytes-like) from `offset` into registered host memory at
+    /// `dst`, with the registry pinned throughout, so that an unregister (and `close()`, which
+    /// frees the store's pool blocks after unregistering them) waits for the copy; the GIL is
+    /// released for it. 0, or INVALID (logged) when `dst` is not registered or `src` is short.
+    fn _copy_into(
+        &self,
+        py: Python<'_>,
+        dst: usize,
+        src: &Bound<'_, PyAny>,
+        offset: usize,
+        n: usize,
+    ) -> PyResult<i32> {
+        let view = PyBytesView::readable(src)?;
+        let bytes = view.as_slice();
+        let Some(from) = offset.checked_add(n).and_then(|end| bytes.get(offset..end)) else {
+            tracing::error!(
+                offset,
+                n,
+                have = bytes.len(),
+                "copy: the source is shorter than the range asked"
+            );
+            return Ok(INVALID);
+        };
+        let pin = self.pin(py);
+        let Some(Some(to)) = pin.slices_mut(&[(dst, n)]).pop() else {
+            log_unregistered("copy", dst, n);
+            return Ok(INVALID);
+        };
+        py.detach(|| to.copy_from_slice(from));
+        Ok(0)
+    }
+
     /// For tests of the GPU path without a GPU: device-like host memory this store recognises
     /// in `register_buffer` from now on (see `HostBackedDevice`).
     fn _attach_host_backed_device(&self) -> crate::gpu::HostBackedDevice {

@@ -290,6 +290,50 @@ def test_a_store_dropped_without_close_lets_other_threads_run_while_it_closes():
         m.stop()
 
 
+def test_close_waits_for_a_copy_into_the_stores_own_memory(cluster):
+    """get_into_ranges copies into the caller's registered memory, here a block of the store's
+    own pool (alloc_from_mem_pool), which close() frees. Closing while another thread copies
+    into it waits for the copy, made natively with the registry pinned: every range is copied
+    whole or refused, and nothing faults. Before, the copy was a ctypes.memmove, which released
+    the GIL with nothing pinned, so close() could unmap the block under it (SIGSEGV; the window
+    is narrow, and this test did not hit it on a 2-core machine)."""
+    child = textwrap.dedent(f"""
+        import os, threading
+        from mooncake_rs.store import MooncakeDistributedStore
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 0, 16 << 20, "tcp", "", {cluster.master!r}) == 0
+        key = f"close-race/{{os.getpid()}}"
+        size = 48 << 20
+        assert s.put(key, b"x" * size) == 0
+        block = s.alloc_from_mem_pool(size)
+        assert block
+        copying = threading.Event()
+
+        def copy():
+            while True:
+                got = s.get_into_ranges([block], [[key] * 4], [[0] * 4], [[0] * 4], [[size] * 4])[0]
+                # Each range copied whole, or refused once the store closed (-600).
+                assert all(n in (size, -600) for n in got), got
+                if -600 in got:
+                    ended.append(got)
+                    return
+                copying.set()
+
+        ended = []
+
+        t = threading.Thread(target=copy)
+        t.start()
+        assert copying.wait(30)
+        s.close()
+        t.join(30)
+        assert ended, "the copying thread failed"
+        print("closed")
+    """)
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=90)
+        assert out.returncode == 0 and out.stdout.strip() == "closed", (out.returncode, out.stderr[-2000:])
+
+
 def test_two_processes_share_objects_through_one_owner(store, cluster):
     payload = os.urandom(300_000)
     assert store.put("shared/from-parent", payload) == 0
