@@ -350,6 +350,27 @@ async fn forged_widened_or_misused_seals_move_no_byte() {
     intact().await;
 }
 
+/// A version's bytes never change once written: the grant's write seal lives for the put's
+/// discard timeout, past the put's end, and a second write under it (a retry whose answer was
+/// lost, or a replay with other bytes) is answered as done without touching them. Before, the
+/// replay landed: the committed replica diverged from its version's other copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_written_version_is_not_rewritten_under_its_grant() {
+    let s = start(&[]);
+    let value = payload("first", 8192);
+    let (id, loc) = s.granted("once", 8192).await;
+    s.write("once", loc.offset, id, loc.seal, &value)
+        .await
+        .unwrap();
+    s.api.put_end(&[("once", id)]).await.unwrap();
+    let other = payload("second", 8192);
+    s.write("once", loc.offset, id, loc.seal, &other)
+        .await
+        .unwrap();
+    let at = s.looked_up("once").await;
+    assert!(s.read("once", &at, 8192, at.seal).await.unwrap() == value);
+}
+
 /// A seal is not a bearer token across tenants: a worker that proved tenant A's token (the
 /// owner admits every tenant of the cluster) and replays tenant B's seal, seen on the plaintext
 /// data plane, is refused on its own connection, as the master would refuse it B's keys. Before,
