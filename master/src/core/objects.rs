@@ -641,21 +641,28 @@ impl MasterState {
         }
     }
 
-    /// Whether the start tagged `token` was abandoned by its caller: it grants nothing more.
-    pub fn start_abandoned(&self, token: u64) -> bool {
-        token != 0 && self.abandoned.contains(token)
+    /// Whether tenant `tenant`'s start tagged `token` was abandoned by its caller: it grants
+    /// nothing more.
+    pub fn start_abandoned(&self, tenant: &str, token: u64) -> bool {
+        token != 0 && self.abandoned.contains(tenant, token)
     }
 
-    /// The caller of the start tagged `token` gave up on it without its answer: every put it
-    /// granted that has not ended is revoked (those whose keys `may` revoke: the caller's
-    /// tenant), and it grants nothing should it arrive later. How many puts were revoked. Looks
-    /// at every put in flight; abandonments are rare.
-    pub fn abandon_start(&mut self, token: u64, now: Millis, may: impl Fn(&str) -> bool) -> u32 {
+    /// The caller (of tenant `tenant`) of the start tagged `token` gave up on it without its
+    /// answer: every put it granted that has not ended is revoked (those whose keys `may`
+    /// revoke: the caller's tenant), and it grants nothing should it arrive later. How many
+    /// puts were revoked. Looks at every put in flight; abandonments are rare.
+    pub fn abandon_start(
+        &mut self,
+        tenant: &str,
+        token: u64,
+        now: Millis,
+        may: impl Fn(&str) -> bool,
+    ) -> u32 {
         if token == 0 {
             return 0;
         }
         self.abandoned
-            .add(token, now, self.policy.put_discard_timeout);
+            .add(tenant, token, now, self.policy.put_discard_timeout);
         let granted: Vec<(ObjectKey, u64)> = self
             .unfinished
             .iter()

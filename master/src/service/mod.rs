@@ -210,7 +210,7 @@ impl MasterService {
                 let mut state = self.shared.state.lock();
                 // Abandoned while it waited (or before it arrived): what it granted is revoked
                 // already, and it grants nothing more.
-                let abandoned = state.start_abandoned(token);
+                let abandoned = state.start_abandoned(caller.tenant().name(), token);
                 for (&(k, size), slot) in items.iter().zip(results.iter_mut()) {
                     if slot.as_ref().is_some_and(|x| !short_of_memory(x)) {
                         continue;
@@ -296,7 +296,9 @@ impl MasterService {
         let now = self.shared.clock.now();
         let revoked = {
             let mut state = self.shared.state.lock();
-            let revoked = state.abandon_start(token, now, |k| caller.key(k).is_ok());
+            let revoked = state.abandon_start(caller.tenant().name(), token, now, |k| {
+                caller.key(k).is_ok()
+            });
             self.shared.wake_owners(&mut state);
             revoked
         };

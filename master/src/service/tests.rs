@@ -155,3 +155,28 @@ async fn a_default_tenant_remove_all_spares_other_tenants_on_dropped_segments() 
     });
     assert_eq!((adopted.registered, adopted.refused), (1, 0));
 }
+
+/// An abandoned start's token is its tenant's: tenant B abandoning token 7 (guessed, or its own
+/// that happens to match) refuses no start of tenant A's with that token. Before, the token was
+/// refused for every tenant until the discard timeout.
+#[tokio::test]
+async fn a_tenants_abandoned_token_refuses_no_other_tenants_start() {
+    let (svc, _) = service(&[64 * MIB], Duration::from_secs(3600));
+    let a = Caller::resolve(None, Some("a")).unwrap();
+    let b = Caller::resolve(None, Some("b")).unwrap();
+    assert_eq!(svc.abandon_put_start(&b, 7), 0);
+    let key_a = "\0a\0k";
+    let g = svc
+        .put_start(&a, &[(key_a, 1000)], &ReplicateConfig::default(), 7)
+        .await;
+    assert!(g[0].is_ok(), "{:?}", g[0]);
+    let key_b = "\0b\0k";
+    let g = svc
+        .put_start(&b, &[(key_b, 1000)], &ReplicateConfig::default(), 7)
+        .await;
+    assert!(
+        matches!(&g[0], Err(MasterError::Invalid(m)) if m.contains("abandoned")),
+        "{:?}",
+        g[0]
+    );
+}
