@@ -30,16 +30,27 @@ use crate::{
     seals::{Gate, Seals},
 };
 
-/// Binds the socket at `path`, replacing a stale file left by a dead owner.
+/// Binds the socket at `path`, replacing a stale file left by a dead owner. A socket listens
+/// from the moment it is bound, with the mode the umask gives it, so it is bound inside a
+/// directory only this user may enter, narrowed to 0660 there, and only then moved to `path`:
+/// nobody outside the owner's user and group can connect in between (and be handed the pool).
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
-    Ok(listener)
+    use std::os::unix::fs::DirBuilderExt;
+    let parent = path.parent().unwrap_or(Path::new("."));
+    // No longer than `path`: a socket's path has a length limit.
+    let private = parent.join(format!(".mcb{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let bound = (|| {
+        let at = private.join("s");
+        let listener = UnixListener::bind(&at)?;
+        std::fs::set_permissions(&at, std::fs::Permissions::from_mode(0o660))?;
+        // Replaces a stale file left by a dead owner.
+        std::fs::rename(&at, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    bound
 }
 
 pub struct LocalServer {
@@ -422,4 +433,28 @@ async fn peek_hello(stream: &UnixStream) -> io::Result<bool> {
 
 fn not_read() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "peer did not read its reply")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+
+    #[tokio::test]
+    async fn the_socket_is_0660_at_its_path_with_nothing_left_beside_it() {
+        let dir = std::env::temp_dir().join(format!("mc-bind-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mooncake-x.sock");
+        std::fs::write(&path, b"stale").unwrap();
+        let listener = super::bind(&path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o660);
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "only the socket");
+        let (connected, accepted) =
+            tokio::join!(tokio::net::UnixStream::connect(&path), listener.accept());
+        connected.unwrap();
+        accepted.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
