@@ -360,7 +360,11 @@ impl Connection {
         if let Err(d) = self.sealed(Access::Write, h, &key) {
             return self.drain_then(h.length, d).await;
         }
-        if self.catalog.holds(h.offset, h.length, &key, h.grant) {
+        // (Only a grant seen before can have been written: the usual write, of a grant newer
+        // than any seen, looks nothing up.)
+        if self.catalog.newest_grant() >= h.grant
+            && self.catalog.holds(h.offset, h.length, &key, h.grant)
+        {
             // Written whole under this grant already: a retry whose answer was lost, or a
             // replay of the grant's seal (it lives for the put's discard timeout, past the
             // put's end). A version's bytes never change once written: they stay as they are,
