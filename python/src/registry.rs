@@ -108,13 +108,6 @@ impl Registry {
         }
     }
 
-    /// A pin that can move into a task on another thread (an async call), held until dropped.
-    pub fn pin_owned(&self) -> OwnedPin {
-        Pinned {
-            ranges: self.ranges.read_arc(),
-        }
-    }
-
     /// `pin`, unless that would wait (a writer holds or waits for the registry).
     pub fn try_pin(&self) -> Option<Pinned<RwLockReadGuard<'_, Ranges>>> {
         Some(Pinned {
@@ -122,11 +115,43 @@ impl Registry {
         })
     }
 
-    /// `pin_owned`, unless that would wait.
-    pub fn try_pin_owned(&self) -> Option<OwnedPin> {
+    /// The registry pinned until the pin is dropped, on any thread (an async call's task),
+    /// unless that would wait.
+    fn try_pin_owned(&self) -> Option<OwnedPin> {
         Some(Pinned {
             ranges: self.ranges.try_read_arc()?,
         })
+    }
+
+    /// The registry pinned now when that does not wait, else a way to wait for the pin on
+    /// another thread (see `PinLater`).
+    pub fn pin_later(&self) -> PinLater {
+        match self.try_pin_owned() {
+            Some(pin) => PinLater::Now(pin),
+            None => PinLater::Wait(self.ranges.clone()),
+        }
+    }
+}
+
+/// A pin for an async call: taken at once, or (a register or unregister waits for the
+/// transfers in flight, and new pins queue behind it) waited for on a blocking thread of the
+/// call's runtime, never on the caller's event loop.
+pub enum PinLater {
+    Now(OwnedPin),
+    Wait(Arc<RwLock<Ranges>>),
+}
+
+impl PinLater {
+    /// The pin; None only if the runtime could not run the wait.
+    pub async fn get(self) -> Option<OwnedPin> {
+        match self {
+            PinLater::Now(pin) => Some(pin),
+            PinLater::Wait(ranges) => tokio::task::spawn_blocking(move || Pinned {
+                ranges: ranges.read_arc(),
+            })
+            .await
+            .ok(),
+        }
     }
 }
 

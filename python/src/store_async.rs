@@ -64,50 +64,48 @@ impl NativeStore {
         let rt = session.rt.handle().clone();
         aio::spawn(py, &rt, work(session), finish)
     }
+}
 
-    /// The keys whose ranges are all registered host memory (pinned), and those whose one range
-    /// is registered device memory; the others are logged and answer INVALID_PARAMS.
-    fn pinned_ranges(
-        &self,
-        py: Python<'_>,
-        op: &str,
-        ranges: &[(usize, usize)],
-        counts: &[usize],
-        writable: bool,
-    ) -> (OwnedPin, Vec<usize>, OnDevice) {
-        // Waited for without the GIL (see `NativeStore::pin`).
-        let pin = (self.registry.try_pin_owned())
-            .unwrap_or_else(|| py.detach(|| self.registry.pin_owned()));
-        let mut ok = Vec::with_capacity(counts.len());
-        let mut on_device = OnDevice::default();
-        // Whether each range is registered host memory (for a read: and apart from the others).
-        let host: Vec<bool> = if writable {
-            pin.slices_mut(ranges).iter().map(Option::is_some).collect()
+/// The keys whose ranges are all registered host memory (under `pin`), and those whose one
+/// range is registered device memory; the others are logged and answer INVALID_PARAMS.
+fn checked(
+    pin: &OwnedPin,
+    op: &str,
+    ranges: &[(usize, usize)],
+    counts: &[usize],
+    writable: bool,
+) -> (Vec<usize>, OnDevice) {
+    let mut ok = Vec::with_capacity(counts.len());
+    let mut on_device = OnDevice::default();
+    // Whether each range is registered host memory (for a read: and apart from the others).
+    let host: Vec<bool> = if writable {
+        pin.slices_mut(ranges).iter().map(Option::is_some).collect()
+    } else {
+        ranges
+            .iter()
+            .map(|&(p, len)| pin.slice(p, len).is_some())
+            .collect()
+    };
+    let mut at = 0;
+    for (i, &n) in counts.iter().enumerate() {
+        let mine = &ranges[at..at + n];
+        if on_device.take(pin, i, mine) {
+            // Staged through the device's copies.
+        } else if host[at..at + n].iter().all(|&h| h) {
+            ok.push(i);
         } else {
-            ranges
-                .iter()
-                .map(|&(p, len)| pin.slice(p, len).is_some())
-                .collect()
-        };
-        let mut at = 0;
-        for (i, &n) in counts.iter().enumerate() {
-            let mine = &ranges[at..at + n];
-            if on_device.take(&pin, i, mine) {
-                // Staged through the device's copies.
-            } else if host[at..at + n].iter().all(|&h| h) {
-                ok.push(i);
-            } else {
-                log_unregistered(
-                    op,
-                    mine.first().map_or(0, |r| r.0),
-                    mine.iter().map(|r| r.1).sum(),
-                );
-            }
-            at += n;
+            log_unregistered(
+                op,
+                mine.first().map_or(0, |r| r.0),
+                mine.iter().map(|r| r.1).sum(),
+            );
         }
-        (pin, ok, on_device)
+        at += n;
     }
+    (ok, on_device)
+}
 
+impl NativeStore {
     fn async_put_ranges(
         &self,
         py: Python<'_>,
@@ -118,8 +116,8 @@ impl NativeStore {
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
         let cfg = replicate(config);
-        let (pin, ok, on_device) =
-            self.pinned_ranges(py, "batch_put_from", &ranges, &counts, false);
+        // Pinned in the call's task: a wait for the pin never holds the event loop.
+        let pin = self.registry.pin_later();
         let starts: Vec<usize> = counts
             .iter()
             .scan(0, |at, &c| {
@@ -134,6 +132,10 @@ impl NativeStore {
             move |s| async move {
                 let mut out = vec![INVALID; n];
                 let Some(cfg) = cfg else { return out };
+                let Some(pin) = pin.get().await else {
+                    return out;
+                };
+                let (ok, on_device) = checked(&pin, "batch_put_from", &ranges, &counts, false);
                 let parts: Vec<Vec<&[u8]>> = ok
                     .iter()
                     .map(|&i| {
@@ -171,12 +173,17 @@ impl NativeStore {
         single: bool,
     ) -> PyResult<Py<PyAny>> {
         let n = keys.len();
-        let (pin, ok, on_device) = self.pinned_ranges(py, "batch_get_into", &ranges, &counts, true);
+        // Pinned in the call's task: a wait for the pin never holds the event loop.
+        let pin = self.registry.pin_later();
         self.spawn(
             py,
             vec![INVALID as i64; n],
             move |s| async move {
                 let mut out = vec![INVALID as i64; n];
+                let Some(pin) = pin.get().await else {
+                    return out;
+                };
+                let (ok, on_device) = checked(&pin, "batch_get_into", &ranges, &counts, true);
                 let mut slices = pin.slices_mut(&ranges).into_iter();
                 let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(ok.len());
                 let mut next = ok.iter().peekable();

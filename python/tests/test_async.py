@@ -4,6 +4,7 @@ the errors of a misuse."""
 
 import asyncio
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -232,4 +233,64 @@ def test_a_cancelled_async_put_stops_and_stores_nothing(monkeypatch):
             assert s.put("cancelled/k", b"new") == 0
             assert s.get("cancelled/k") == b"new"
         finally:
+            s.close()
+
+
+def test_an_async_zero_copy_call_does_not_hold_the_event_loop_while_memory_is_registered(monkeypatch):
+    """register_buffer waits for the transfers in flight (they pin the registry), and pins asked
+    for meanwhile queue behind it. An async zero-copy call awaited then waits for the pin in its
+    task, and the event loop runs on. Before, it waited on the loop's thread, so the loop stood
+    still until the transfer in flight ended (here, until a stopped owner resumed, 1.5 s)."""
+    import ctypes
+    import threading
+    import time
+
+    from conftest import running_cluster, stop_process
+
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    n = 64 << 10
+    with running_cluster(owners=1) as c:
+        s = MooncakeDistributedStoreAsync()
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", c.master) == 0
+        owner = c.owners[0].p.pid
+        try:
+            value = os.urandom(n)
+            assert s.put("pin/k", value) == 0
+            bufs = [ctypes.create_string_buffer(n) for _ in range(3)]
+            ptrs = [ctypes.addressof(b) for b in bufs]
+            assert s.register_buffer(ptrs[0], n) == 0 and s.register_buffer(ptrs[2], n) == 0
+            stop_process(owner)
+            # A read from the stopped owner, the registry pinned; then a registration waiting
+            # for it.
+            stuck = threading.Thread(target=lambda: s.batch_get_into(["pin/k"], [ptrs[0]], [n]))
+            stuck.start()
+            time.sleep(0.5)
+            registering = threading.Thread(target=lambda: s.register_buffer(ptrs[1], n))
+            registering.start()
+            time.sleep(0.5)
+            resume = threading.Timer(1.5, lambda: os.kill(owner, signal.SIGCONT))
+            resume.start()
+
+            async def main():
+                wakes = []
+
+                async def ticker():
+                    for _ in range(30):
+                        wakes.append(time.monotonic())
+                        await asyncio.sleep(0.05)
+
+                ticking = asyncio.create_task(ticker())
+                await asyncio.sleep(0.1)
+                got = await s.async_batch_get_into(["pin/k"], [ptrs[2]], [n])
+                await ticking
+                return got, max(b - a for a, b in zip(wakes, wakes[1:]))
+
+            got, gap = asyncio.run(main())
+            resume.join()
+            stuck.join(30)
+            registering.join(30)
+            assert gap < 0.5, f"the event loop stood still for {gap:.2f} s"
+            assert got == [n] and bufs[2].raw == value
+        finally:
+            os.kill(owner, signal.SIGCONT)
             s.close()
