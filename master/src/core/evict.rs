@@ -129,9 +129,17 @@ impl MasterState {
             if round.done() {
                 break;
             }
-            let Some(c) = self.objects.next_candidate(exhausted) else {
+            let mut joined = [false; 2];
+            let Some(c) = self.objects.next_candidate(exhausted, &mut joined) else {
                 break;
             };
+            // A list an object moved to on its second chance has one not looked at yet.
+            for l in 0..2 {
+                if joined[l] {
+                    passed[l] = 0;
+                    exhausted[l] = false;
+                }
+            }
             let l = c.list as usize;
             let o = self.objects.candidate(c);
             if o.replicas.is_empty() {

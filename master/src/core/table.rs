@@ -200,9 +200,15 @@ impl ObjectTable {
     }
 
     /// The next object eviction should consider, by the policy, from a list not `exhausted`
-    /// this round; objects read since it last looked get their second chance on the way. The
-    /// caller settles it with `keep`, `unlink` or `evicted`. None when nothing is left.
-    pub fn next_candidate(&mut self, exhausted: [bool; 2]) -> Option<Candidate> {
+    /// this round; objects read since it last looked get their second chance on the way, and
+    /// `joined` marks the lists they moved to (each now holds an object the round has not
+    /// looked at). The caller settles it with `keep`, `unlink` or `evicted`. None when nothing
+    /// is left.
+    pub fn next_candidate(
+        &mut self,
+        exhausted: [bool; 2],
+        joined: &mut [bool; 2],
+    ) -> Option<Candidate> {
         loop {
             let c = self.order.pop(exhausted)?;
             let seq = c.entry.seq;
@@ -211,7 +217,11 @@ impl ObjectTable {
                 .find_mut(spread(c.entry.hash), |o| o.place().is_entry(seq))
             {
                 None => self.order.stale(),
-                Some(o) if o.place().referenced() => o.set_place(self.order.second_chance(c)),
+                Some(o) if o.place().referenced() => {
+                    let place = self.order.second_chance(c);
+                    joined[usize::from(place.is_frequent())] = true;
+                    o.set_place(place);
+                }
                 Some(_) => return Some(c),
             }
         }
