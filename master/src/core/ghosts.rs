@@ -30,6 +30,8 @@ pub(super) struct Ghosts {
     /// The generation new ghosts join, and how many joined it.
     gen: usize,
     gen_filled: usize,
+    /// Table rebuilds so far (each O(table)).
+    purges: u64,
 }
 
 impl Ghosts {
@@ -40,7 +42,13 @@ impl Ghosts {
             per_gen: [[0; GENS]; 2],
             gen: 0,
             gen_filled: 0,
+            purges: 0,
         }
+    }
+
+    #[cfg(test)]
+    pub fn purges(&self) -> u64 {
+        self.purges
     }
 
     pub fn len(&self, list: GhostList) -> usize {
@@ -120,7 +128,7 @@ impl Ghosts {
     /// Remembers that eviction took `hash` from `list`. `resident` (the objects in the cache)
     /// sizes the generations.
     pub fn add(&mut self, hash: u32, list: GhostList, resident: usize) {
-        if self.gen_filled >= (resident / GENS).max(MIN_GEN) {
+        if self.gen_filled >= Self::generation(resident) {
             self.gen = (self.gen + 1) % GENS;
             self.gen_filled = 0;
             // The generation reused is the oldest one: its ghosts go.
@@ -154,9 +162,14 @@ impl Ghosts {
     }
 
     /// Forgets the oldest ghosts of `list` until at most `max` are left (a generation at a time,
-    /// so it may leave fewer).
-    pub fn trim(&mut self, list: GhostList, max: usize) {
+    /// so it may leave fewer), once more than `max + slack` are: every trim rebuilds the table,
+    /// so a list held at its bound by trimming one ghost per put would cost the whole table on
+    /// every put.
+    pub fn trim(&mut self, list: GhostList, max: usize, slack: usize) {
         let l = list as usize;
+        if self.len[l] <= max.saturating_add(slack) {
+            return;
+        }
         let mut g = self.gen;
         while self.len[l] > max {
             g = (g + 1) % GENS;
@@ -172,8 +185,15 @@ impl Ghosts {
         }
     }
 
+    /// Ghosts that go per trim or generation change, at least: a generation's worth (see
+    /// `trim`).
+    pub fn generation(resident: usize) -> usize {
+        (resident / GENS).max(MIN_GEN)
+    }
+
     /// Drops every ghost for which `gone` holds, rebuilding the array.
     fn purge(&mut self, gone: impl Fn(u32) -> bool) {
+        self.purges += 1;
         let n = self.slots.len();
         let old = std::mem::replace(&mut self.slots, vec![0; n]);
         for e in old.into_iter().filter(|&e| e != 0) {
@@ -241,7 +261,7 @@ mod tests {
         assert_eq!(g.take(h(0)), None, "the oldest generation was forgotten");
         assert_eq!(g.take(h(63)), None);
         assert_eq!(g.take(h(64)), Some(GhostList::Recent));
-        g.trim(GhostList::Recent, 900);
+        g.trim(GhostList::Recent, 900, 0);
         assert!(g.len(GhostList::Recent) <= 900);
         assert_eq!(g.take(h(127)), None, "trim drops the oldest first");
         assert_eq!(
@@ -265,9 +285,9 @@ mod tests {
         for i in (1..500).step_by(2) {
             assert_eq!(g.take(h(i)), Some(GhostList::Recent), "key {i}");
         }
-        g.trim(GhostList::Recent, 0);
+        g.trim(GhostList::Recent, 0, 0);
         assert_eq!(g.len(GhostList::Frequent), 500);
-        g.trim(GhostList::Frequent, 0);
+        g.trim(GhostList::Frequent, 0, 0);
         assert_eq!(g.len(GhostList::Frequent), 0);
         assert!(
             g.bytes() <= 4 * 1024,

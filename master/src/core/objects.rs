@@ -363,7 +363,9 @@ impl MasterState {
                 if let Some(grant) = self.upsert_in_place(key, size, config, now)? {
                     return Ok(grant);
                 }
-                // New space first: an upsert that finds none leaves the stored value as it was.
+                // New space first: an upsert that finds none leaves the stored value as it was,
+                // unless the eviction that made room took it (as any put's eviction may take
+                // an object nobody holds).
                 let replicas = self.allocate_making_room(size, config, now)?;
                 if self.objects.get(key).is_some() {
                     // (Unless the room made was its own: then it was evicted.)

@@ -266,14 +266,18 @@ impl EvictionOrder {
                 self.push(hash, List::Frequent)
             }
             None => {
-                // CAR's bounds on the history: |T1| + |B1| <= c, and all four lists <= 2c.
+                // CAR's bounds on the history: |T1| + |B1| <= c, and all four lists <= 2c,
+                // each kept within a generation (a trim rebuilds the ghost table: once a
+                // generation, not once a put).
+                let slack = Ghosts::generation(resident);
                 let t1 = self.live[List::Recent as usize];
                 self.ghosts
-                    .trim(GhostList::Recent, resident.saturating_sub(t1));
+                    .trim(GhostList::Recent, resident.saturating_sub(t1), slack);
                 let b1 = self.ghosts.len(GhostList::Recent);
                 self.ghosts.trim(
                     GhostList::Frequent,
                     (2 * resident).saturating_sub(resident + b1),
+                    slack,
                 );
                 self.push(hash, List::Recent)
             }
@@ -475,5 +479,48 @@ mod tests {
         lru.admit(1);
         let c = lru.pop([false; 2]).unwrap();
         assert!(!lru.second_chance(c).is_frequent());
+    }
+
+    /// A recent list holding about the whole cache (its ghost bound about zero) while the
+    /// frequent list's ghosts are many: each put's eviction adds a recent ghost over the bound.
+    /// The ghost table is rebuilt once a generation, not on every put. Before, every put
+    /// rebuilt it: O(ghosts) per put.
+    #[test]
+    fn a_ghost_list_at_its_bound_is_trimmed_once_a_generation() {
+        let n = 4096u32;
+        let mut order = EvictionOrder::new(EvictionPolicy::Car);
+        for h in 0..n {
+            order.admit(h);
+        }
+        // Everything read once: all in the frequent list.
+        for _ in 0..n {
+            let c = order.pop([false; 2]).unwrap();
+            order.second_chance(c);
+        }
+        // New keys push the frequent ones out into their ghosts, and the recent list fills.
+        order.recent_target = n as usize;
+        let mut next = n;
+        let mut step = |order: &mut EvictionOrder| {
+            order.admit(next);
+            next += 1;
+            let c = order.pop([false; 2]).unwrap();
+            order.evicted(c);
+        };
+        for _ in 0..n {
+            step(&mut order);
+        }
+        assert!(order.ghosts.len(GhostList::Frequent) > n as usize / 2);
+        let before = order.ghosts.purges();
+        let steps = 2048;
+        for _ in 0..steps {
+            step(&mut order);
+        }
+        let purges = order.ghosts.purges() - before;
+        let generation = Ghosts::generation(n as usize) as u64;
+        // A generation change, and a trim of each list, once a generation each.
+        assert!(
+            purges <= 3 * steps / generation + 2,
+            "{purges} rebuilds of the ghost table in {steps} puts"
+        );
     }
 }
