@@ -183,7 +183,9 @@ impl ClientConfig {
         if let Some(v) = env(SOCKET_DIR_ENV) {
             self.socket_dir = PathBuf::from(v);
         }
-        if let Some(v) = env(CLUSTER_ID_ENV) {
+        // Set but empty is unset (`export MC_STORE_CLUSTER_ID=${CLUSTER:-}`): an empty id names
+        // no cluster, and the leader would never be found.
+        if let Some(v) = env(CLUSTER_ID_ENV).filter(|v| !v.trim().is_empty()) {
             self.cluster_id = v.trim().to_string();
         }
         // Set but empty is unset (scripts export it for some runs only).
@@ -389,6 +391,15 @@ mod tests {
             .with_env(env(&[(TRANSFER_THREADS_ENV, "0")]))
             .unwrap();
         assert!(c.validate().is_err(), "0 transfer threads is refused");
+        // An empty cluster id is no cluster id: the default stays.
+        let c = ClientConfig::new("m:1")
+            .with_env(env(&[(CLUSTER_ID_ENV, " ")]))
+            .unwrap();
+        assert_eq!(c.cluster_id, ClientConfig::default().cluster_id);
+        let c = ClientConfig::new("m:1")
+            .with_env(env(&[(CLUSTER_ID_ENV, "prod")]))
+            .unwrap();
+        assert_eq!(c.cluster_id, "prod");
     }
 
     #[test]

@@ -15,9 +15,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// (Mooncake's flags take bare milliseconds or seconds).
 pub fn parse_duration_in(s: &str, unit: Duration) -> Result<Duration, String> {
     match s.trim().parse::<u64>() {
-        Ok(n) => unit
-            .checked_mul(u32::try_from(n).map_err(|_| format!("duration {s:?} is too large"))?)
-            .ok_or_else(|| format!("duration {s:?} is too large")),
+        Ok(n) => {
+            // Mooncake's flags are 64-bit: any count of the unit that a Duration holds.
+            let too_large = || format!("duration {s:?} is too large");
+            let nanos = unit
+                .as_nanos()
+                .checked_mul(u128::from(n))
+                .ok_or_else(too_large)?;
+            let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| too_large())?;
+            Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
+        }
         Err(_) => parse_duration(s),
     }
 }
@@ -89,5 +96,11 @@ mod tests {
             parse_duration_in("2m", Duration::from_secs(1)).unwrap(),
             Duration::from_secs(120)
         );
+        // Past u32 (Mooncake's flags are 64-bit): 58 days in milliseconds.
+        assert_eq!(
+            parse_duration_in("5000000000", Duration::from_millis(1)).unwrap(),
+            Duration::from_secs(5_000_000)
+        );
+        assert!(parse_duration_in(&u64::MAX.to_string(), Duration::from_secs(1 << 40)).is_err());
     }
 }

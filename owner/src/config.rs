@@ -108,7 +108,8 @@ impl OwnerConfig {
         if let Some(dir) = env(mooncake_common::local::SOCKET_DIR_ENV) {
             self.socket_dir = PathBuf::from(dir);
         }
-        if let Some(id) = env("MC_STORE_CLUSTER_ID") {
+        // Set but empty is unset (`export MC_STORE_CLUSTER_ID=${CLUSTER:-}`), as clients read it.
+        if let Some(id) = env("MC_STORE_CLUSTER_ID").filter(|v| !v.trim().is_empty()) {
             self.cluster_id = id.trim().to_string();
         }
         if let Some(file) = env("MOONCAKE_AUTH_TOKEN_FILE").filter(|f| !f.trim().is_empty()) {
@@ -164,5 +165,22 @@ impl OwnerConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cluster id set but empty is unset: an empty one names no cluster, and the owner would
+    /// look for a leader that never comes.
+    #[test]
+    fn an_empty_cluster_id_in_the_environment_is_unset() {
+        let default = OwnerConfig::default().cluster_id;
+        let c = OwnerConfig::default().with_env(|n| (n == "MC_STORE_CLUSTER_ID").then(String::new));
+        assert_eq!(c.cluster_id, default);
+        let c = OwnerConfig::default()
+            .with_env(|n| (n == "MC_STORE_CLUSTER_ID").then(|| "prod".to_string()));
+        assert_eq!(c.cluster_id, "prod");
     }
 }

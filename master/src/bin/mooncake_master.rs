@@ -47,8 +47,8 @@ struct Args {
     allocation_strategy: Option<AllocationStrategy>,
     /// Offload objects to their owner's SSD tier when their put ends (not only on eviction).
     #[arg(long = "eager_offload", alias = "eager-offload", num_args = 0..=1,
-        default_missing_value = "true", action = clap::ArgAction::Set, default_value = "false")]
-    eager_offload: bool,
+        default_missing_value = "true", action = clap::ArgAction::Set)]
+    eager_offload: Option<bool>,
     /// Which objects eviction takes first: "car" (adaptive recency/frequency) or "lru".
     #[arg(long = "eviction_policy", alias = "eviction-policy")]
     eviction_policy: Option<mooncake_master::core::EvictionPolicy>,
@@ -71,8 +71,8 @@ struct Args {
     /// Campaign for leadership in etcd (with --etcd_endpoints); standbys take over on failure.
     /// `--enable_ha` alone, or with a value as Mooncake writes it (`--enable_ha=true`).
     #[arg(long = "enable_ha", alias = "enable-ha", num_args = 0..=1,
-        default_missing_value = "true", action = clap::ArgAction::Set, default_value = "false")]
-    enable_ha: bool,
+        default_missing_value = "true", action = clap::ArgAction::Set)]
+    enable_ha: Option<bool>,
     /// etcd endpoints, "host:port;host:port".
     #[arg(long = "etcd_endpoints", alias = "etcd-endpoints")]
     etcd_endpoints: Option<String>,
@@ -142,6 +142,8 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         cluster_id <- args.cluster_id,
         ha_lease_ttl <- args.ha_lease_ttl,
         advertise_address <- args.advertise_address,
+        eager_offload <- args.eager_offload,
+        enable_ha <- args.enable_ha,
     );
     if args.auth_token_file.is_some() {
         c.auth_token_file = args.auth_token_file;
@@ -154,12 +156,6 @@ fn config(args: Args) -> anyhow::Result<MasterConfig> {
         if arg.is_some() {
             *field = arg;
         }
-    }
-    if args.eager_offload {
-        c.eager_offload = true;
-    }
-    if args.enable_ha {
-        c.enable_ha = true;
     }
     c.validate()
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
@@ -259,12 +255,44 @@ mod tests {
             "--eager_offload",
         ])
         .unwrap();
-        assert!(args.enable_ha && args.eager_offload);
+        assert_eq!(
+            (args.enable_ha, args.eager_offload),
+            (Some(true), Some(true))
+        );
         assert_eq!(args.soft_pin_ttl, Some(Duration::from_secs(30 * 60)));
         assert_eq!(args.default_kv_lease_ttl, Some(Duration::from_secs(5)));
         let off = Args::try_parse_from(["mooncake_master", "--enable_ha=false"]).unwrap();
-        assert!(!off.enable_ha && !off.eager_offload);
+        assert_eq!((off.enable_ha, off.eager_offload), (Some(false), None));
         let bare = Args::try_parse_from(["mooncake_master", "--enable_ha"]).unwrap();
-        assert!(bare.enable_ha);
+        assert_eq!(bare.enable_ha, Some(true));
+    }
+
+    /// A flag given on the command line overrides the config file's value, `false` too: before,
+    /// `--enable_ha=false` and `--eager_offload=false` left a file's `true` in place.
+    #[test]
+    fn a_false_flag_overrides_the_config_files_true() {
+        let dir = std::env::temp_dir().join(format!("mc-master-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("master.toml");
+        std::fs::write(
+            &file,
+            "enable_ha = true\neager_offload = true\netcd_endpoints = \"127.0.0.1:2379\"\nadvertise_address = \"127.0.0.1:50051\"\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let from_file =
+            config(Args::try_parse_from(["mooncake_master", "--config", path]).unwrap()).unwrap();
+        assert!(from_file.enable_ha && from_file.eager_offload);
+        let args = Args::try_parse_from([
+            "mooncake_master",
+            "--config",
+            path,
+            "--enable_ha=false",
+            "--eager_offload=false",
+        ])
+        .unwrap();
+        let c = config(args).unwrap();
+        assert!(!c.enable_ha && !c.eager_offload);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
