@@ -1,5 +1,6 @@
-//! Human byte sizes ("4GiB", "512 MB", "1048576") for flags and config files. Binary units (KiB,
-//! MiB, GiB, TiB) are powers of 1024, decimal units (KB, MB, GB, TB) powers of 1000, as written.
+//! Human byte sizes ("4GiB", "512 MB", "1048576") for flags and config files. Every unit is a
+//! power of 1024: KB, MB, GB and TB too (and K, M, G, T), as Mooncake's configs read them, so
+//! `global_segment_size="4GB"` asks for the same memory here as there.
 
 use std::{fmt, str::FromStr};
 
@@ -17,16 +18,16 @@ pub struct SizeError {
 const UNITS: &[(&str, u64)] = &[
     ("b", 1),
     ("k", 1 << 10),
-    ("kb", 1_000),
+    ("kb", 1 << 10),
     ("kib", 1 << 10),
     ("m", 1 << 20),
-    ("mb", 1_000_000),
+    ("mb", 1 << 20),
     ("mib", 1 << 20),
     ("g", 1 << 30),
-    ("gb", 1_000_000_000),
+    ("gb", 1 << 30),
     ("gib", 1 << 30),
     ("t", 1 << 40),
-    ("tb", 1_000_000_000_000),
+    ("tb", 1 << 40),
     ("tib", 1 << 40),
 ];
 
@@ -143,7 +144,10 @@ mod tests {
     fn parses_units() {
         assert_eq!(ByteSize::parse("4GiB").unwrap().bytes(), 4 << 30);
         assert_eq!(ByteSize::parse("4 gib").unwrap().bytes(), 4 << 30);
-        assert_eq!(ByteSize::parse("512MB").unwrap().bytes(), 512_000_000);
+        // As Mooncake reads them: binary.
+        assert_eq!(ByteSize::parse("512MB").unwrap().bytes(), 512 << 20);
+        assert_eq!(ByteSize::parse("4GB").unwrap().bytes(), 4 << 30);
+        assert_eq!(ByteSize::parse("1.5GB").unwrap().bytes(), 3 << 29);
         assert_eq!(ByteSize::parse("1048576").unwrap().bytes(), 1 << 20);
         assert_eq!(ByteSize::parse("1.5KiB").unwrap().bytes(), 1536);
         assert_eq!(ByteSize::parse("64k").unwrap().bytes(), 64 << 10);
