@@ -273,6 +273,8 @@ pub struct MasterState {
     owners: HashMap<ClientId, Owner>,
     objects: table::ObjectTable,
     pending: Vec<PendingRelease>,
+    /// No pending release is due before this (eviction looks at the list only from then).
+    pending_due: Millis,
     next_segment: u64,
     grants: Grants,
     rng: StdRng,
@@ -353,6 +355,7 @@ impl MasterState {
             owners: HashMap::new(),
             objects: table::ObjectTable::new(eviction_policy),
             pending: Vec::new(),
+            pending_due: Millis(0),
             next_segment: 1,
             grants: Grants {
                 next: 1,
