@@ -5,6 +5,7 @@ the errors of a misuse."""
 import asyncio
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -226,11 +227,17 @@ def test_a_cancelled_async_put_stops_and_stores_nothing(monkeypatch):
                         await asyncio.wait_for(s.async_put("cancelled/k", value), 0.5)
                 finally:
                     os.kill(owner, signal.SIGCONT)
-                await asyncio.sleep(1.5)
 
             asyncio.run(main())
             assert s.is_exist("cancelled/k") == 0
-            assert s.put("cancelled/k", b"new") == 0
+            # The cancelled put's revoke lands in the background: until then a put of the key is
+            # told it exists (0) and stores nothing.
+            deadline = time.monotonic() + 10
+            while True:
+                assert s.put("cancelled/k", b"new") == 0
+                if s.get("cancelled/k") == b"new" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             assert s.get("cancelled/k") == b"new"
         finally:
             s.close()
@@ -240,7 +247,7 @@ def test_an_async_zero_copy_call_does_not_hold_the_event_loop_while_memory_is_re
     """register_buffer waits for the transfers in flight (they pin the registry), and pins asked
     for meanwhile queue behind it. An async zero-copy call awaited then waits for the pin in its
     task, and the event loop runs on. Before, it waited on the loop's thread, so the loop stood
-    still until the transfer in flight ended (here, until a stopped owner resumed, 1.5 s)."""
+    still until the transfer in flight ended (here, until a stopped owner resumed, 3 s)."""
     import ctypes
     import threading
     import time
@@ -268,14 +275,15 @@ def test_an_async_zero_copy_call_does_not_hold_the_event_loop_while_memory_is_re
             registering = threading.Thread(target=lambda: s.register_buffer(ptrs[1], n))
             registering.start()
             time.sleep(0.5)
-            resume = threading.Timer(1.5, lambda: os.kill(owner, signal.SIGCONT))
+            assert stuck.is_alive() and registering.is_alive(), "nothing holds the registry"
+            resume = threading.Timer(3, lambda: os.kill(owner, signal.SIGCONT))
             resume.start()
 
             async def main():
                 wakes = []
 
                 async def ticker():
-                    for _ in range(30):
+                    for _ in range(50):
                         wakes.append(time.monotonic())
                         await asyncio.sleep(0.05)
 
@@ -289,7 +297,7 @@ def test_an_async_zero_copy_call_does_not_hold_the_event_loop_while_memory_is_re
             resume.join()
             stuck.join(30)
             registering.join(30)
-            assert gap < 0.5, f"the event loop stood still for {gap:.2f} s"
+            assert gap < 1, f"the event loop stood still for {gap:.2f} s"
             assert got == [n] and bufs[2].raw == value
         finally:
             os.kill(owner, signal.SIGCONT)

@@ -264,7 +264,7 @@ def test_a_sync_call_is_not_held_up_by_another_threads_call_to_a_silent_peer(mon
         assert dst.raw == src.raw
         t.join(timeout=30)
         assert stuck["rc"] == -1, "the silent peer's call fails at its deadline"
-        assert took < 2.5, f"the healthy call waited {took:.1f} s"
+        assert took < 4, f"the healthy call waited {took:.1f} s"
     finally:
         os.kill(target.pid, signal.SIGCONT)
         stop_target(target)

@@ -11,7 +11,7 @@ import pytest
 from conftest import new_store, running_cluster, start_master, start_owner
 from mooncake_rs.store import TaskStatus, TaskType
 
-LEASE_MS = 300
+LEASE_MS = 1000  # long enough that two calls in a row fall within one lease on a loaded machine
 
 
 @pytest.fixture(scope="module")

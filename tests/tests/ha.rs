@@ -253,8 +253,20 @@ async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
         connect_timeout: Duration::from_millis(300),
         ..ClientConfig::new(addr)
     };
-    let to_a = Client::connect(direct(&a.addr)).await.unwrap();
-    assert!(answers(&to_a).await);
+    // Short deadlines for the probes below; the first answer is waited for (a loaded machine).
+    let mut to_a = None;
+    for _ in 0..50 {
+        if let Ok(c) = Client::connect(direct(&a.addr)).await {
+            to_a = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let to_a = to_a.expect("the leader never answered a connect");
+    assert!(
+        mooncake_tests::eventually(Duration::from_secs(10), async || answers(&to_a).await).await,
+        "the leader never answered"
+    );
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
         .unwrap();
@@ -306,7 +318,7 @@ async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_keeps_its_term_through_an_etcd_stall_shorter_than_its_lease() {
     let etcd = Etcd::start().await;
-    let a = ha_master_with_ttl(&etcd, "9");
+    let a = ha_master_with_ttl(&etcd, "15");
     let ready = a
         .guard
         .wait_line("mooncake_master ready", Duration::from_secs(20));
@@ -317,12 +329,14 @@ async fn a_leader_keeps_its_term_through_an_etcd_stall_shorter_than_its_lease() 
     let before: Vec<String> = (0..10).map(|i| format!("before/{i}")).collect();
     put_all(&client, &before).await;
 
-    // 4 s: longer than a keepalive period (3 s), shorter than the lease (9 s).
+    // 6 s: longer than a keepalive period (5 s), shorter than the lease (15 s), which leaves
+    // the leader a few seconds to reconnect on a loaded machine.
     let member = &etcd.members[0].guard;
     member.stop();
+    let stalled = tokio::time::Instant::now();
     let during: Vec<String> = (0..10).map(|i| format!("during/{i}")).collect();
     put_all(&client, &during).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    tokio::time::sleep_until(stalled + Duration::from_secs(6)).await;
     member.signal(libc::SIGCONT);
 
     // A step-down would be followed by a campaign: a "standby" or a new "ready" line.
