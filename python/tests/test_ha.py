@@ -13,10 +13,22 @@ from conftest import Proc, bin_path, start_owner
 from mooncake_rs.store import MooncakeDistributedStore
 
 
+_next_port = [os.getpid() * 97 % 12000]
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (see the Rust tests' free_port): one handed
+    out now and bound later is not taken meanwhile as some connect()'s local port."""
+    for _ in range(12000):
+        port = 20000 + _next_port[0] % 12000
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000..32000")
 
 
 @pytest.fixture

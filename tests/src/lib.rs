@@ -62,11 +62,21 @@ pub async fn check_payloads(client: &Client, keys: &[String], size: usize) {
 
 /// A free loopback port (bound and released: fine for tests, where nothing else races for it).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("local address")
-        .port()
+    // Below the kernel's ephemeral range (32768 and up here): a port handed out now and bound
+    // later (a standby binds only once it leads) is never taken meanwhile as the local port of
+    // some connect() of a test running beside this one. Each call of this process moves on.
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let start = std::process::id().wrapping_mul(97);
+    for _ in 0..SPAN {
+        let port = FIRST + start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + SPAN)
 }
 
 /// A master config for tests: loopback, free ports.
