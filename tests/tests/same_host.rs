@@ -483,9 +483,14 @@ struct OneObject {
 
 impl OneObject {
     async fn start() -> Self {
-        let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
-            .await
-            .unwrap();
+        // No watermark eviction: the one object fills the segment, and upkeep would otherwise
+        // evict it (or its successor) between a test's put and its get on a loaded machine.
+        let master = mooncake_master::RunningMaster::start(mooncake_master::MasterConfig {
+            eviction_high_watermark_ratio: 1.0,
+            ..mooncake_tests::master_config()
+        })
+        .await
+        .unwrap();
         let addr = master.rpc_addr.to_string();
         let size = 1 << 20;
         let owner = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
