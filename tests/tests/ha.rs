@@ -241,6 +241,17 @@ async fn answers(client: &Client) -> bool {
 /// went on answering for up to a keepalive period (3 s here) beside the new leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
+    the_next_leader_answers_only_after_the_old_one(false).await;
+}
+
+/// The same when the whole prefix is deleted (a cleanup), the recorded lease id with it: the
+/// standby retires the lease it saw holding the key while it waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_of_the_prefix_under_a_leader_leaves_one_answering_at_a_time() {
+    the_next_leader_answers_only_after_the_old_one(true).await;
+}
+
+async fn the_next_leader_answers_only_after_the_old_one(whole_prefix: bool) {
     let etcd = Etcd::start().await;
     let a = ha_master_with_ttl(&etcd, "9");
     a.guard
@@ -270,9 +281,18 @@ async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
         .unwrap();
-    c.delete(mooncake_common::leader::leader_key("ha-test"), None)
+    if whole_prefix {
+        c.delete(
+            "mooncake-store/ha-test/",
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        )
         .await
         .unwrap();
+    } else {
+        c.delete(mooncake_common::leader::leader_key("ha-test"), None)
+            .await
+            .unwrap();
+    }
     let deleted = Instant::now();
 
     let mut a_last = None;

@@ -66,6 +66,35 @@ impl Seat {
         }
     }
 
+    /// The value of `key`, read in one transaction with the check that this term still holds
+    /// the leader key: a term deposed meanwhile reads nothing (an error, `Deposed`), so what it
+    /// reads is never its successor's.
+    pub async fn read(&self, etcd: &mut Client, key: &str) -> anyhow::Result<Option<String>> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.leader_key.as_str(),
+                CompareOp::Equal,
+                self.term,
+            )])
+            .and_then([TxnOp::get(key, None)]);
+        let resp = etcd.txn(txn).await?;
+        if !resp.succeeded() {
+            return Err(Deposed {
+                what: format!("reading {key}"),
+                term: self.term,
+            }
+            .into());
+        }
+        Ok(resp.op_responses().into_iter().find_map(|r| match r {
+            etcd_client::TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .and_then(|kv| kv.value_str().ok())
+                .map(str::to_string),
+            _ => None,
+        }))
+    }
+
     /// Whether this term still holds the leader key: an error (`Deposed`) once it was deleted
     /// (by an operator, a cleanup) or taken by another term, even while this term's lease
     /// lives on. Nothing is written.

@@ -171,6 +171,8 @@ async fn connect(endpoint: &str, lease_ttl: Duration) -> anyhow::Result<Client> 
 struct Won {
     lease: i64,
     term: i64,
+    /// The lease that held the leader key while this process stood by (the last it saw).
+    watched: Option<i64>,
     /// When the lease was asked for: etcd counts its TTL from about then, so the local view of
     /// the lease must too.
     granted_at: crate::clock::Millis,
@@ -187,6 +189,8 @@ async fn campaign(
     let key = mooncake_common::leader::leader_key(&ha.cluster_id);
     // The leader last announced, so the periodic look does not announce it again.
     let mut announced: Option<Option<String>> = None;
+    // The lease of the leader key last seen (see `predecessor`).
+    let mut watched: Option<i64> = None;
     loop {
         let ttl = ha.lease_ttl.as_secs().max(1) as i64;
         let granted_at = clock.now();
@@ -213,6 +217,7 @@ async fn campaign(
             return Ok(Won {
                 lease,
                 term,
+                watched,
                 granted_at,
             });
         }
@@ -221,6 +226,9 @@ async fn campaign(
         let Some(kv) = current.kvs().first() else {
             continue; // gone meanwhile: campaign at once
         };
+        if kv.lease() != 0 {
+            watched = Some(kv.lease());
+        }
         let leader = kv.value_str().ok().map(str::to_string);
         if announced.as_ref() != Some(&leader) {
             events.standing_by(leader.as_deref());
@@ -304,12 +312,13 @@ async fn serve_term(
         term: won.term,
     };
     // Two masters never answer at once: a previous leader whose lease outlived its key is
-    // retired first.
+    // retired first. This term's lease is recorded for the next only once it is done: should
+    // it end during the wait, the lease is left to lapse (not given up), so that the next term
+    // cannot start before this one's wait would have ended (with the same TTL).
     let lease_key = predecessor::lease_key(&ha.cluster_id);
-    let wait = predecessor::retire(etcd, &lease_key, won.lease).await?;
-    seat.put(etcd, &lease_key, &won.lease.to_string()).await?;
-    if !wait.is_zero()
-        && !wait_out(
+    let wait = predecessor::retire(etcd, &seat, &lease_key, won.lease, won.watched).await?;
+    if !wait.is_zero() {
+        let waited = wait_out(
             etcd,
             won.lease,
             ha.lease_ttl,
@@ -318,10 +327,13 @@ async fn serve_term(
             wait,
             stop.clone(),
         )
-        .await?
-    {
-        return Ok(());
+        .await;
+        if !matches!(waited, Ok(true)) {
+            *given_up = true;
+            return waited.map(|_| ());
+        }
     }
+    seat.put(etcd, &lease_key, &won.lease.to_string()).await?;
     let ceiling_key = ceiling_key(&ha.cluster_id);
     let floor = etcd
         .get(ceiling_key.as_str(), Some(GetOptions::new()))
@@ -546,13 +558,22 @@ async fn wait_out(
     let until = Instant::now() + wait;
     let mut keepalive = None;
     loop {
-        renew(etcd, &mut keepalive, lease, ttl, leadership, clock).await?;
+        let mut next = ttl / 3;
+        if let Err(e) = renew(etcd, &mut keepalive, lease, ttl, leadership, clock).await {
+            // As while leading: tried again while the lease may still be alive.
+            if ends_term(&e) || !leadership.holds(clock.now()) {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "etcd did not answer a keepalive; trying again");
+            keepalive = None;
+            next = RETRY;
+        }
         let now = Instant::now();
         if now >= until {
             return Ok(true);
         }
         tokio::select! {
-            _ = tokio::time::sleep((until - now).min(ttl / 3)) => {}
+            _ = tokio::time::sleep((until - now).min(next)) => {}
             _ = stop_asked(&mut stop) => return Ok(false),
         }
     }
