@@ -36,10 +36,16 @@ use crate::{
 /// nobody outside the owner's user and group can connect in between (and be handed the pool).
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
     use std::os::unix::fs::DirBuilderExt;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // One directory per bind, made here (owners of one process may bind at once), its path no
+    // longer than a socket's file name here ("mooncake-*.sock"): socket paths have a limit.
+    static NEXT: AtomicU32 = AtomicU32::new(0);
     let parent = path.parent().unwrap_or(Path::new("."));
-    // No longer than `path`: a socket's path has a length limit.
-    let private = parent.join(format!(".mcb{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&private);
+    let private = parent.join(format!(
+        ".m{:x}-{:x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::DirBuilder::new().mode(0o700).create(&private)?;
     let bound = (|| {
         let at = private.join("s");
