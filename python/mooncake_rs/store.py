@@ -519,7 +519,8 @@ class MooncakeDistributedStore(NativeStore):
         address, or 0 when the store is not set up or the size is not positive. Freed at close."""
         if size <= 0:
             return 0
-        block = mmap.mmap(-1, size)
+        # Private: a child of a fork() gets its own copy, never the parent's bytes to write into.
+        block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(block))
         if self.register_buffer(ptr, size) != 0:
             block.close()

@@ -38,6 +38,9 @@ fn opcode(op: i64, notify: bool) -> Option<TransferOp> {
 }
 
 struct Running {
+    /// The process that initialized it: a fork's copy is not usable (its runtimes' threads did
+    /// not survive the fork, its sockets are the parent's); the child initializes its own.
+    pid: u32,
     /// Serves peers and runs background batches, and the synchronous calls of threads that
     /// find the sync lane taken.
     rt: Runtime,
@@ -100,9 +103,15 @@ fn log_failure(what: &str, e: &EngineError) -> i64 {
 
 impl NativeEngine {
     fn running(&self) -> Result<&Running, EngineError> {
-        self.running
-            .as_ref()
-            .ok_or_else(|| EngineError::Invalid("initialize() was not called".into()))
+        match &self.running {
+            Some(r) if r.pid == std::process::id() => Ok(r),
+            Some(_) => Err(EngineError::Invalid(
+                "this process is a fork of the one that called initialize(): the engine stays \
+                 with that process; call initialize() in this one"
+                    .into(),
+            )),
+            None => Err(EngineError::Invalid("initialize() was not called".into())),
+        }
     }
 
     fn batch(
@@ -202,9 +211,13 @@ impl NativeEngine {
         device_name: &str,
     ) -> i64 {
         let _ = device_name;
-        if self.running.is_some() {
+        if self.running().is_ok() {
             tracing::warn!("transfer engine: initialize() called twice");
             return -1;
+        }
+        if let Some(inherited) = self.running.take() {
+            // Across fork(): the parent's to stop; never touched here (see `Running::pid`).
+            std::mem::forget(inherited);
         }
         let metadata = match metadata_server.trim() {
             "P2PHANDSHAKE" => Metadata::P2pHandshake,
@@ -273,6 +286,7 @@ impl NativeEngine {
                 let requester = engine.requester(true);
                 let shared = engine.requester(false);
                 self.running = Some(Running {
+                    pid: std::process::id(),
                     rt,
                     engine: Arc::new(engine),
                     sync_lane: Mutex::new(SyncLane {
@@ -306,16 +320,13 @@ impl NativeEngine {
     }
 
     fn get_rpc_port(&self) -> i64 {
-        self.running
-            .as_ref()
-            .map_or(-1, |r| r.engine.rpc_port() as i64)
+        self.running().map_or(-1, |r| r.engine.rpc_port() as i64)
     }
 
     /// `host:rpc_port`, the name peers pass as `target_hostname`.
     fn get_session_id(&self) -> String {
-        self.running
-            .as_ref()
-            .map_or_else(String::new, |r| r.engine.session_name().to_string())
+        self.running()
+            .map_or_else(|_| String::new(), |r| r.engine.session_name().to_string())
     }
 
     #[pyo3(signature = (buffer_addr, capacity, location = "*"))]
@@ -706,6 +717,11 @@ impl Drop for NativeEngine {
         let Some(r) = self.running.take() else {
             return;
         };
+        if r.pid != std::process::id() {
+            // Inherited across fork(): the parent's to stop (see `Running::pid`).
+            std::mem::forget(r);
+            return;
+        }
         crate::stopping::stop_off_thread(
             "mooncake-engine-stop",
             "a dropped transfer engine",

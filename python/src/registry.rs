@@ -134,23 +134,29 @@ impl Registry {
 }
 
 /// A pin for an async call: taken at once, or (a register or unregister waits for the
-/// transfers in flight, and new pins queue behind it) waited for on a blocking thread of the
-/// call's runtime, never on the caller's event loop.
+/// transfers in flight, and new pins queue behind it) waited for in the call's task, never on
+/// the caller's event loop. The wait polls rather than parking a blocking thread per waiting
+/// call: transfers in flight may need those threads to finish and let the writer through.
 pub enum PinLater {
     Now(OwnedPin),
     Wait(Arc<RwLock<Ranges>>),
 }
 
 impl PinLater {
-    /// The pin; None only if the runtime could not run the wait.
-    pub async fn get(self) -> Option<OwnedPin> {
+    /// The pin.
+    pub async fn get(self) -> OwnedPin {
         match self {
-            PinLater::Now(pin) => Some(pin),
-            PinLater::Wait(ranges) => tokio::task::spawn_blocking(move || Pinned {
-                ranges: ranges.read_arc(),
-            })
-            .await
-            .ok(),
+            PinLater::Now(pin) => pin,
+            PinLater::Wait(ranges) => {
+                let mut pause = std::time::Duration::from_millis(1);
+                loop {
+                    if let Some(ranges) = ranges.try_read_arc() {
+                        return Pinned { ranges };
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_millis(8));
+                }
+            }
         }
     }
 }

@@ -132,9 +132,7 @@ impl NativeStore {
             move |s| async move {
                 let mut out = vec![INVALID; n];
                 let Some(cfg) = cfg else { return out };
-                let Some(pin) = pin.get().await else {
-                    return out;
-                };
+                let pin = pin.get().await;
                 let (ok, on_device) = checked(&pin, "batch_put_from", &ranges, &counts, false);
                 let parts: Vec<Vec<&[u8]>> = ok
                     .iter()
@@ -180,9 +178,7 @@ impl NativeStore {
             vec![INVALID as i64; n],
             move |s| async move {
                 let mut out = vec![INVALID as i64; n];
-                let Some(pin) = pin.get().await else {
-                    return out;
-                };
+                let pin = pin.get().await;
                 let (ok, on_device) = checked(&pin, "batch_get_into", &ranges, &counts, true);
                 let mut slices = pin.slices_mut(&ranges).into_iter();
                 let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(ok.len());

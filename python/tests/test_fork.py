@@ -66,3 +66,26 @@ def test_a_forked_child_sets_up_its_own_session_and_leaves_the_parents_alone(clu
     finally:
         s.remove_all(True)
         s.close()
+
+
+def test_a_forked_child_does_not_use_the_parents_transfer_engine(monkeypatch):
+    """The same for a TransferEngine initialized before fork(): the child's calls fail at once
+    (-1) instead of hanging on runtimes whose threads did not survive the fork, its copy is never
+    stopped (that would withdraw the parent's registration), and it may initialize its own."""
+    from mooncake_rs.engine import TransferEngine
+
+    monkeypatch.setenv("MOONCAKE_SHM", "0")
+    parent = TransferEngine()
+    assert parent.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port = parent.get_rpc_port()
+    assert port > 0
+
+    def child():
+        inherited = (parent.get_rpc_port(), parent.transfer_sync_write("127.0.0.1:1", 1, 1, 1))
+        again = parent.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        return inherited, again, parent.get_rpc_port() not in (-1, port)
+
+    inherited, again, own_port = in_child(child)
+    assert inherited == (-1, -1), "the child used the parent's engine"
+    assert again == 0 and own_port
+    assert parent.get_rpc_port() == port, "the parent's engine is untouched"

@@ -60,7 +60,8 @@ pub async fn check_payloads(client: &Client, keys: &[String], size: usize) {
     }
 }
 
-/// A free loopback port (bound and released: fine for tests, where nothing else races for it).
+/// A free loopback port: bound and released, from a range no connect() takes its local port
+/// from (see below).
 pub fn free_port() -> u16 {
     // Below the kernel's ephemeral range (32768 and up here): a port handed out now and bound
     // later (a standby binds only once it leads) is never taken meanwhile as the local port of
@@ -184,6 +185,21 @@ pub fn tcp_transport(config: &ClientConfig) -> Arc<mooncake_client::transport::T
             credential: config.credential().expect("a readable auth token file"),
         },
     ))
+}
+
+/// A raw TCP transport proving `credential` (None: none), with 3 s deadlines, for tests that
+/// talk to owners without a client.
+pub fn tcp_with(
+    credential: Option<mooncake_common::auth::Credential>,
+) -> mooncake_client::transport::TcpTransport {
+    mooncake_client::transport::TcpTransport::new(mooncake_client::transport::tcp::TcpConfig {
+        connect_timeout: Duration::from_secs(3),
+        transfer_timeout: Duration::from_secs(3),
+        connections_per_owner: 2,
+        transfer_threads: 1,
+        dedicated_runtime: false,
+        credential,
+    })
 }
 
 /// Deterministic bytes for a key: different keys give different bytes at every length.

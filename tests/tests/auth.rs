@@ -8,7 +8,6 @@ use std::{os::unix::fs::PermissionsExt, path::Path, sync::Arc, time::Duration};
 use mooncake_client::{
     transport::{
         local::{Deadlines, LocalOwner},
-        tcp::TcpConfig,
         TcpTransport,
     },
     Client, ClientConfig, MasterProtocol, ReplicateConfig,
@@ -79,14 +78,7 @@ fn start_guarded() -> Guarded {
 }
 
 fn tcp(credential: Option<Credential>) -> TcpTransport {
-    TcpTransport::new(TcpConfig {
-        connect_timeout: Duration::from_secs(3),
-        transfer_timeout: Duration::from_secs(3),
-        connections_per_owner: 2,
-        transfer_threads: 1,
-        dedicated_runtime: false,
-        credential,
-    })
+    mooncake_tests::tcp_with(credential)
 }
 
 fn credential(file: &str) -> Credential {

@@ -10,7 +10,6 @@ use mooncake_client::{
     master::FramedMaster,
     transport::{
         local::{Deadlines, LocalOwner},
-        tcp::TcpConfig,
         TcpTransport,
     },
     Client, ClientConfig, ReplicateConfig,
@@ -181,14 +180,7 @@ impl Sealed {
 
 /// A raw TCP transport proving `credential`.
 fn transport(credential: Credential) -> TcpTransport {
-    TcpTransport::new(TcpConfig {
-        connect_timeout: Duration::from_secs(3),
-        transfer_timeout: Duration::from_secs(3),
-        connections_per_owner: 2,
-        transfer_threads: 1,
-        dedicated_runtime: false,
-        credential: Some(credential),
-    })
+    mooncake_tests::tcp_with(Some(credential))
 }
 
 fn denied(r: Result<(), TransferError>) {
@@ -548,7 +540,7 @@ async fn a_flood_of_refused_writes_is_answered_not_timed_out() {
         .collect();
     // A deadline that a slow debug build under load keeps well within; the two sides waiting
     // on each other would run it out all the same.
-    let tcp = TcpTransport::new(TcpConfig {
+    let tcp = TcpTransport::new(mooncake_client::transport::tcp::TcpConfig {
         connect_timeout: Duration::from_secs(3),
         transfer_timeout: Duration::from_secs(60),
         connections_per_owner: 2,
