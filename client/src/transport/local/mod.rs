@@ -148,6 +148,22 @@ fn broken(results: &[Result<(), TransferError>]) -> Option<TransferError> {
     })
 }
 
+/// Adds one exchange's `outcome` (of the items in `run`) to `results`: its results, or its
+/// error for each of its items. An error of the `first` exchange is the whole call's.
+fn gather(
+    results: &mut Vec<Result<(), TransferError>>,
+    first: bool,
+    run: std::ops::Range<usize>,
+    outcome: Result<Vec<Result<(), TransferError>>, TransferError>,
+) -> Result<(), TransferError> {
+    match outcome {
+        Ok(r) => results.extend(r),
+        Err(e) if first => return Err(e),
+        Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
+    }
+    Ok(())
+}
+
 impl LocalOwner {
     /// Connects to the owner's socket, checks it serves `segment`, and maps its pool. Blocking:
     /// call it off the async workers.
@@ -337,11 +353,7 @@ impl LocalOwner {
                 Some(e) => Err(e),
                 None => self.write_exchange(&items[run.clone()], deadline).await,
             };
-            match outcome {
-                Ok(r) => results.extend(r),
-                Err(e) if n == 0 => return Err(e),
-                Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
-            }
+            gather(&mut results, n == 0, run, outcome)?;
         }
         Ok(results)
     }
@@ -438,11 +450,7 @@ impl LocalOwner {
                 Some(e) => Err(e),
                 None => self.read_exchange(&mut items[run.clone()], deadline).await,
             };
-            match outcome {
-                Ok(r) => results.extend(r),
-                Err(e) if n == 0 => return Err(e),
-                Err(e) => results.extend(run.map(|_| Err(e.duplicate()))),
-            }
+            gather(&mut results, n == 0, run, outcome)?;
         }
         Ok(results)
     }
