@@ -308,3 +308,53 @@ fn an_owner_that_cannot_start_fails_the_wrapper_without_running_the_command() {
         "{err}"
     );
 }
+
+/// The readiness limit is the operator's (a large mlocked segment may take longer than the
+/// default minute): past it the wrapper fails without running the command and stops the owner;
+/// a limit that is not a number is refused before anything starts.
+#[test]
+fn the_readiness_limit_is_configurable() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/mooncake_owner");
+    // A master that never answers: the owner keeps trying for its whole mount timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let master = silent.local_addr().unwrap().to_string();
+    let run = |limit: &str| {
+        let started = Instant::now();
+        let out = Command::new(&script)
+            .env("MOONCAKE_OWNERD", bin_path("mooncake_ownerd"))
+            .env("MOONCAKE_OWNER_READY_TIMEOUT", limit)
+            .args([
+                "--master",
+                &master,
+                "--host",
+                "127.0.0.1",
+                "--segment-size",
+                "1MiB",
+                "--no-mlock",
+                "--mount-timeout",
+                "120s",
+                "--",
+                "sh",
+                "-c",
+                "echo RAN",
+            ])
+            .output()
+            .unwrap();
+        (out, started.elapsed())
+    };
+    let (out, took) = run("2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("within 2s"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("RAN"));
+    // The owner would have waited two minutes; the wrapper stopped it (its stop takes at most
+    // ten seconds).
+    assert!(took < Duration::from_secs(30), "{took:?}");
+
+    for bad in ["soon", "0", "-5"] {
+        let (out, _) = run(bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(err.contains("MOONCAKE_OWNER_READY_TIMEOUT"), "{err}");
+    }
+}

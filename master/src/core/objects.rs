@@ -778,7 +778,7 @@ impl MasterState {
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
         let Some(obj) = self.objects.get(key) else {
             // Gone with a dropped segment: its owner's copy must not come back either.
-            self.forgotten.removed(key.as_str());
+            self.removed_from_dropped(key);
             if self.rebuilding(now) {
                 return Err(MasterError::Rebuilding(key.clone()));
             }
@@ -821,7 +821,7 @@ impl MasterState {
     pub fn remove_listed(&mut self, force: bool, keys: &[ObjectKey], now: Millis) -> u64 {
         let mut removed = 0;
         for key in keys {
-            self.forgotten.removed(key.as_str());
+            self.removed_from_dropped(key);
             let removable = self
                 .objects
                 .get(key)

@@ -306,13 +306,16 @@ impl MasterState {
         let reads = self.policy.lease_mode == LeaseMode::Reads;
         let lingering = &mut self.lingering;
         let mut held = HashMap::new();
+        let mut on_disk = HashMap::new();
+        let mut elsewhere = Vec::new();
         self.objects.retain(|obj| {
             let before = obj.replicas.len();
             obj.replicas.retain(|r| r.segment != id);
             if obj.replicas.len() < before && obj.phase.is_complete() {
                 held.insert(obj.key().clone(), obj.put_id);
             }
-            if obj.disk().contains(&id) {
+            let had_disk = obj.disk().contains(&id);
+            if had_disk {
                 let tier = obj.tier_mut();
                 tier.disk.retain(|s| *s != id);
                 // Kept (another copy stays) or not, the record may come back with its owner;
@@ -338,8 +341,17 @@ impl MasterState {
                 lingering.keep(obj.key(), obj.lease, now);
             }
             if !keep {
-                // Gone with the segment: its record coming back is the object coming back.
-                obj.tier_mut().forgotten_disk.clear();
+                // Gone with the segment: its record coming back is the object coming back,
+                // unless the key is removed meanwhile (then it gets a tombstone).
+                if had_disk {
+                    on_disk.insert(obj.key().clone(), obj.put_id);
+                }
+                let (key, put_id) = (obj.key().clone(), obj.put_id);
+                for other in std::mem::take(&mut obj.tier_mut().forgotten_disk) {
+                    if other != *name {
+                        elsewhere.push((other, key.clone(), put_id));
+                    }
+                }
             }
             if !keep && obj.promoting().is_some() {
                 // A promotion lives on the segment of the disk copy, so an object without one
@@ -349,7 +361,11 @@ impl MasterState {
             obj.tidy_tier();
             keep
         });
-        self.forgotten.remember(seg.name.clone(), held, now);
+        self.forgotten
+            .remember(seg.name.clone(), held, on_disk, now);
+        for (other, key, put_id) in elsewhere {
+            self.forgotten.also_on_disk(&other, &key, put_id);
+        }
         for offload in forgotten {
             self.forget_offload(&offload);
         }

@@ -726,3 +726,55 @@ fn a_promotion_and_a_copy_to_one_segment_leave_one_replica_there() {
     s.check_invariants().unwrap();
     assert_eq!(s.allocated(), MIB, "the second range went back");
 }
+
+/// A disk-only object goes with its owner's segment (the owner restarted, or missed its
+/// heartbeats). Removing its key meanwhile, before or after the owner mounts again, keeps its
+/// record from coming back when the owner registers it; left alone, the record comes back.
+/// Before, the removal found nothing to remove and laid no tombstone: the removed key came back.
+#[test]
+fn a_removed_key_does_not_come_back_from_a_dropped_segments_disk() {
+    for remove_before_the_mount in [true, false] {
+        let (mut s, _) = disk_only_a(2);
+        let left = put(&mut s, "left", MIB, 3).unwrap();
+        let id = s.disk_segment(owner(0), &seg(0)).unwrap();
+        owner_works(&mut s, id, true, 4);
+        s.evict(Millis(5), MIB);
+        assert_eq!(tiers(&mut s, "a", 6), vec![Tier::Disk]);
+        assert_eq!(tiers(&mut s, "left", 6), vec![Tier::Disk]);
+        let a = s.objects.get("a").unwrap().put_id;
+        // Its owner is silent past the client TTL: the segment goes, with both objects.
+        let ttl = s.policy.client_ttl.as_millis() as u64;
+        s.tick(Millis(7 + ttl + 1));
+        assert_eq!(s.key_count(), 0);
+        let now = 8 + ttl + 1;
+        if remove_before_the_mount {
+            assert!(s.remove(&k("a"), false, Millis(now)).is_err());
+        }
+        s.mount_segment(
+            owner(9),
+            seg(0),
+            4 * MIB,
+            1 << 30,
+            MountReport::default(),
+            Millis(now + 1),
+        )
+        .unwrap();
+        if !remove_before_the_mount {
+            assert!(s.remove(&k("a"), false, Millis(now + 2)).is_err());
+        }
+        let id = s.disk_segment(owner(9), &seg(0)).unwrap();
+        assert!(
+            s.register_disk(id, &k("a"), MIB, a, Millis(now + 3))
+                .is_err(),
+            "the removed key came back from disk"
+        );
+        assert_eq!(
+            s.register_disk(id, &k("left"), MIB, left, Millis(now + 3)),
+            Ok(left),
+            "a record of a key nobody removed comes back"
+        );
+        assert_eq!(tiers(&mut s, "left", now + 4), vec![Tier::Disk]);
+        assert_eq!(s.key_count(), 1);
+        s.check_invariants().unwrap();
+    }
+}

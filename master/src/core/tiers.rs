@@ -106,7 +106,7 @@ impl MasterState {
     pub(super) fn discard(&mut self, mut obj: Object, now: Millis) {
         let tier = obj.take_tier();
         let key = obj.key();
-        self.forgotten.removed(key.as_str());
+        self.removed_from_dropped(key);
         if self.policy.lease_mode == LeaseMode::Reads {
             self.lingering.keep(key, obj.lease, now);
         }
@@ -138,6 +138,14 @@ impl MasterState {
             self.abandon_promotion(p, now);
         }
         self.drop_replicas(std::mem::take(&mut obj.replicas), obj.put_id);
+    }
+
+    /// `key` was removed: what dropped segments held of it must not come back, neither from
+    /// their pools (see `forgotten`) nor from their disks (a tombstone each).
+    pub(super) fn removed_from_dropped(&mut self, key: &ObjectKey) {
+        for (name, put_id) in self.forgotten.removed(key.as_str()) {
+            self.add_tombstone(name, key.clone(), put_id);
+        }
     }
 
     /// A promotion's memory is given back only after the longest a writer may take.
@@ -655,6 +663,8 @@ impl MasterState {
                 put_id,
             });
         }
+        // Tracked again from here on, whichever way it goes below.
+        self.forgotten.registered(&id.0, key.as_str(), put_id);
         if let Some(obj) = self.objects.get_mut(key) {
             if obj.put_id == put_id && obj.size == size && obj.phase.is_complete() {
                 let name = self.segments[&segment].name.clone();
