@@ -146,36 +146,56 @@ impl LocalServer {
             .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
     }
 
-    /// One client connection. Its locks live in `held` and are released when it ends, however
-    /// it ends; a write that never ended leaves its range naming no key (reads are refused).
-    async fn session(&self, stream: UnixStream, mut stop: watch::Receiver<bool>) -> io::Result<()> {
+    /// One client connection. Its locks live in `held` and are released when it ends; a write
+    /// that never ended leaves its range naming no key (reads are refused).
+    ///
+    /// A client the owner gives up on (silent past the frame timeout, not reading its replies,
+    /// or breaking the protocol) may still be copying: it maps the whole pool, and a stopped
+    /// process resumes its copy where it was.
+    /// - A reader's ranges go once its connection is closed: a copy still under way then fails
+    ///   its end of the exchange (writing the end fails), so its bytes are never taken for the
+    ///   object's, whatever a writer puts there next.
+    /// - A writer's ranges stay locked until the client closes the connection (it ends, or
+    ///   dies); the owner shuts its side, so that the client's end of the exchange fails and it
+    ///   discards what it wrote. Released earlier, a late copy would land over whatever the
+    ///   master had put in that range meanwhile (after removing the put, or its release
+    ///   timeout), a committed object, unseen by any check.
+    async fn session(&self, stream: UnixStream, stop: watch::Receiver<bool>) -> io::Result<()> {
         let mut held = Held::default();
-        // Declared after `held`, so dropped before it on every way out: the connection closes
-        // before the ranges go, and a client still copying then fails its end of the exchange
-        // (and discards what it copied) instead of finishing it after a writer got the range.
         let mut stream = stream;
+        let served = self.exchange(&mut stream, &mut held, stop.clone()).await;
+        if served.is_err() && !held.writes.is_empty() {
+            hold_until_closed(stream, held, stop).await;
+        } else {
+            // Closed before the ranges go (see above).
+            drop(stream);
+            drop(held);
+        }
+        served
+    }
+
+    /// Serves frames until the client closes (or the owner stops: `Ok`), or the owner gives up
+    /// on it (`Err`).
+    async fn exchange(
+        &self,
+        stream: &mut UnixStream,
+        held: &mut Held,
+        mut stop: watch::Receiver<bool>,
+    ) -> io::Result<()> {
         let mut body = Vec::new();
         loop {
             let mut h = [0u8; 5];
             // A client holding ranges has the frame timeout to send its next frame (the end of
-            // its exchange): one that stalls (stopped, stuck) would otherwise keep writers off
-            // those ranges for as long as it lives.
+            // its exchange): one that stalls (stopped, stuck) is told its exchange failed.
             let limit = (!held.is_empty()).then_some(self.frame_timeout);
             let next = tokio::select! {
                 r = stream.read_exact(&mut h[..1]) => r.map(|_| true).unwrap_or(false),
                 _ = stop.changed() => false,
                 () = sleep_or_never(limit) => {
-                    tracing::warn!(
-                        read_ranges = held.reads.len(),
-                        writes = held.writes.len(),
-                        after = ?self.frame_timeout,
-                        "a same-host client holding ranges went silent; closing its connection and releasing them"
-                    );
-                    // Closed before the ranges go: the client's end of the exchange then fails
-                    // (and it discards what it copied) instead of arriving after a writer's.
-                    drop(stream);
-                    drop(held);
-                    return Ok(());
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "a same-host client holding ranges went silent",
+                    ));
                 }
             };
             if !next {
@@ -184,7 +204,7 @@ impl LocalServer {
             let rest = async {
                 stream.read_exact(&mut h[1..]).await?;
                 let (len, op) = frame_header(h).map_err(invalid)?;
-                mooncake_common::body::read_body(&mut stream, len, &mut body).await?;
+                mooncake_common::body::read_body(stream, len, &mut body).await?;
                 Ok::<_, io::Error>(op)
             };
             let op = tokio::time::timeout(self.frame_timeout, rest)
@@ -196,19 +216,13 @@ impl LocalServer {
             let reply = match op {
                 LocalOp::Hello => {
                     let hello =
-                        tokio::time::timeout(self.frame_timeout, self.hello(&mut stream, &mut r));
+                        tokio::time::timeout(self.frame_timeout, self.hello(stream, &mut r));
                     hello.await.map_err(|_| not_read())??;
                     None
                 }
-                LocalOp::BeginWrite => {
-                    Some(self.begin(&mut r, &mut held, true).await.map_err(invalid)?)
-                }
-                LocalOp::EndWrite => Some(self.end_write(&mut r, &mut held).map_err(invalid)?),
-                LocalOp::BeginRead => Some(
-                    self.begin(&mut r, &mut held, false)
-                        .await
-                        .map_err(invalid)?,
-                ),
+                LocalOp::BeginWrite => Some(self.begin(&mut r, held, true).await.map_err(invalid)?),
+                LocalOp::EndWrite => Some(self.end_write(&mut r, held).map_err(invalid)?),
+                LocalOp::BeginRead => Some(self.begin(&mut r, held, false).await.map_err(invalid)?),
                 LocalOp::EndRead => {
                     let n = r.count().map_err(invalid)?;
                     for _ in 0..n {
@@ -219,21 +233,11 @@ impl LocalServer {
                 }
             };
             if let Some(reply) = reply {
-                // A client that does not read its reply (stopped before it did) keeps the
-                // ranges it holds no longer than one that does not send.
-                match tokio::time::timeout(self.frame_timeout, stream.write_all(&reply)).await {
-                    Ok(written) => written?,
-                    Err(_) => {
-                        tracing::warn!(
-                            read_ranges = held.reads.len(),
-                            writes = held.writes.len(),
-                            "a same-host client did not read its reply; closing its connection and releasing its ranges"
-                        );
-                        drop(stream);
-                        drop(held);
-                        return Err(not_read());
-                    }
-                }
+                // A client that does not read its reply (stopped before it did) is given up on
+                // like one that does not send.
+                tokio::time::timeout(self.frame_timeout, stream.write_all(&reply))
+                    .await
+                    .map_err(|_| not_read())??;
             }
         }
     }
@@ -401,6 +405,29 @@ impl Held {
             }
         }
     }
+}
+
+/// Keeps a given-up writer's ranges locked until it closes the connection (or the owner stops):
+/// see `session`. What it still sends is read and dropped; its replies never come.
+async fn hold_until_closed(mut stream: UnixStream, held: Held, mut stop: watch::Receiver<bool>) {
+    tracing::warn!(
+        read_ranges = held.reads.len(),
+        writes = held.writes.len(),
+        "a same-host writer was given up on: its exchange fails, and its ranges stay locked until it closes the connection (a copy it still makes must not land over a newer object)"
+    );
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 4096];
+    loop {
+        tokio::select! {
+            r = stream.read(&mut sink) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            },
+            _ = stop.changed() => break,
+        }
+    }
+    tracing::info!("a given-up same-host writer closed its connection; its ranges are free");
+    drop(held);
 }
 
 /// Sleeps for `limit`, or forever without one.

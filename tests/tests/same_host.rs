@@ -463,6 +463,59 @@ async fn a_silent_same_host_reader_loses_its_range_after_the_frame_timeout() {
     a_reader_that_stops(1, true).await;
 }
 
+/// A same-host writer that goes silent mid-write (a stopped process) is told its exchange
+/// failed after the frame timeout, but its range stays locked until it closes the connection:
+/// the process may resume its copy at any time, and released, the range could meanwhile hold a
+/// newer object (here the master reallocates it at once, its put removed). Before, the range
+/// went after the frame timeout and the next put there succeeded while the old copy could
+/// still land over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_same_host_writer_keeps_its_range_until_it_closes() {
+    use mooncake_common::local::LocalOp;
+    use std::io::Read;
+    let one = OneObject::start().await;
+    let mut silent = one.connect();
+    let put_id = one.at.put_id;
+    let begin = one.begin(LocalOp::BeginWrite, 1, "first", "", |_| put_id);
+    let begun = exchange(&mut silent, &begin);
+    assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the write began");
+
+    let c = &one.client;
+    let cfg = ReplicateConfig::default();
+    c.remove("first", true).await.unwrap();
+    let size = one.size as usize;
+    let second = payload("second", size);
+    // Three frame timeouts: the owner gives up on the writer after one.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert!(
+            c.put("second", &second, &cfg).await.is_err(),
+            "a put landed in the range a silent writer may still copy into"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The writer's exchange failed: the owner shut its side of the connection.
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut rest = [0u8; 16];
+    assert_eq!(
+        silent.read(&mut rest).unwrap(),
+        0,
+        "the owner's side is shut"
+    );
+    drop(silent);
+    let given_up = Instant::now() + Duration::from_secs(30);
+    while let Err(e) = c.put("second", &second, &cfg).await {
+        assert!(Instant::now() < given_up, "the range stayed held: {e}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut buf = vec![0u8; size];
+    assert_eq!(c.get("second", &mut buf).await.unwrap(), size);
+    assert!(buf == second);
+    one.shutdown().await;
+}
+
 /// The same when the client stops before reading the owner's reply to its begin, and the reply
 /// (60,000 items) is too big for the socket's buffer: the owner's write of it is bounded too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
