@@ -528,6 +528,12 @@ impl SsdStore {
         self.bufs.give(buf);
         if let Err(e) = res {
             self.failing.failed();
+            // Part of the record may have landed, its header first: a restart must not find it
+            // (its reservation is still in flight, so nobody else writes there meanwhile).
+            let (_, zeroed) = self.engine.write_at(zeroed(ALIGN), r.offset).await;
+            if let Err(z) = zeroed {
+                tracing::warn!(error = %z, offset = r.offset, "cannot zero a failed record's header");
+            }
             // The victims were given up (the master was told they are gone): their headers
             // must not bring them back at a restart.
             self.abandon(r).await;

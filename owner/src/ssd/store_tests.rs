@@ -429,7 +429,16 @@ impl super::DiskEngine for FailingRecordWrites {
         offset: u64,
     ) -> futures::future::BoxFuture<'static, (super::AlignedBuf, std::io::Result<()>)> {
         if buf.len() > super::ALIGN && self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Box::pin(async move { (buf, Err(std::io::Error::other("injected EIO"))) });
+            // A short write, then an error: the record's first block (its header) lands.
+            let mut head = super::AlignedBuf::with_capacity(super::ALIGN);
+            head.set_len(super::ALIGN);
+            head.copy_from_slice(&buf[..super::ALIGN]);
+            let inner = self.inner.clone();
+            return Box::pin(async move {
+                let (_, landed) = inner.write_at(head, offset).await;
+                landed.expect("the first block lands");
+                (buf, Err(std::io::Error::other("injected EIO")))
+            });
         }
         self.inner.write_at(buf, offset)
     }
@@ -451,6 +460,32 @@ impl super::DiskEngine for FailingRecordWrites {
 /// A record write that fails gives up the records in its way (the master was told they are
 /// gone): their headers are zeroed, so a restart does not bring them back. Writes that keep
 /// failing pause offloads before they give up more records.
+/// A record write that fails after its header landed (a short write, then an error) zeroes
+/// that header, also where no earlier record lay (free space): before, a restart registered the
+/// failed record, whose reads then failed their checksum (and the master, counting the disk
+/// copy, could have let the object's memory go).
+#[tokio::test]
+async fn a_failed_record_write_does_not_come_back_at_a_restart() {
+    let dir = TempDir::new();
+    let cap = (1 << 20) + 4096;
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let engine = move |file| {
+        let inner = super::open_engine(EngineKind::Pread, file, 16)?;
+        Ok(std::sync::Arc::new(FailingRecordWrites { inner, fail })
+            as std::sync::Arc<dyn super::DiskEngine>)
+    };
+    let (s, _) = SsdStore::open_with(dir.path(), cap, engine, 64 << 20)
+        .await
+        .unwrap();
+    let r = s.reserve(&k("new"), 65536).unwrap();
+    assert!(r.victims.is_empty(), "free space");
+    let buf = s.encode(&r, &k("new"), 999, &value(7, 65536));
+    assert!(s.write(r, buf, &k("new"), 999, 65536).await.is_err());
+    drop(s);
+    let (_, n) = open(&dir, cap, EngineKind::Pread).await;
+    assert_eq!(n, 0, "the failed record came back");
+}
+
 #[tokio::test]
 async fn a_failed_record_write_does_not_bring_its_victims_back_at_a_restart() {
     let dir = TempDir::new();
