@@ -735,11 +735,22 @@ impl SsdStore {
         self.zero_header(at).await
     }
 
-    /// Records reads found missing or corrupt since the last call (each once).
+    /// Records reads found missing or corrupt since the last call (each once), and still so: a
+    /// version found missing that has a record by now (offloaded again since), or a corrupt
+    /// record no longer indexed (replaced, or already reported gone), is not lost. The master
+    /// would otherwise drop the good copy it was told of meanwhile.
     pub fn take_lost(&self) -> Vec<Lost> {
         let mut lost = std::mem::take(&mut *self.lost.lock());
         lost.sort();
         lost.dedup();
+        let ring = self.ring.lock();
+        lost.retain(|l| {
+            let now = ring.by_key.get(&l.key);
+            match l.corrupt_seq {
+                None => !now.is_some_and(|loc| loc.put_id == l.put_id),
+                Some(seq) => now.is_some_and(|loc| loc.seq == seq),
+            }
+        });
         lost
     }
 
