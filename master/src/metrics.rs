@@ -339,6 +339,11 @@ fn render_counters(out: &mut String, c: &Counters) {
         c.expired_puts,
     );
     counter(
+        "master_freed_notes_dropped_total",
+        "Freed-range notes dropped because an owner stopped applying them (their objects may come back after a master restart).",
+        c.freed_notes_dropped,
+    );
+    counter(
         "master_expired_clients_total",
         "Owners dropped after missing heartbeats.",
         c.expired_owners,

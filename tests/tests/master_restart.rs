@@ -257,3 +257,55 @@ async fn a_removal_during_the_rebuild_waits_for_the_report() {
     let mut buf = vec![0u8; SIZE];
     assert_eq!(get_code(&client.get("gone/0", &mut buf).await), -704);
 }
+
+/// More freed-range notes than one heartbeat's answer carries (16,384) reach the owner in one
+/// round of heartbeats, not one answer's worth per heartbeat interval: 17,000 objects removed
+/// before a restart stay removed though only one of the owner's heartbeats (every 8 s) came
+/// between. Before, the notes left for the next answer brought their objects back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_freed_notes_is_applied_in_one_heartbeat_round() {
+    const N: usize = 17_000;
+    const SMALL: usize = 256;
+    const BEAT: Duration = Duration::from_secs(8);
+    let port = free_port();
+    let rpc = format!("127.0.0.1:{port}");
+    // The restarted master waits for an owner that heartbeats this seldom.
+    let flags = ["--rebuild_grace_sec", "10"];
+    let mut master = master_with(port, &flags);
+    let (_owner, _) = spawn_owner(&rpc, "64MiB", &["--heartbeat-interval", "8s"]);
+    // Its heartbeats come at once, then every 8 s from about now.
+    let mounted = std::time::Instant::now();
+    let client = Client::connect(ClientConfig {
+        rpc_timeout: Duration::from_secs(30),
+        ..ClientConfig::new(&rpc)
+    })
+    .await
+    .unwrap();
+    let keys: Vec<String> = (0..N).map(|i| format!("gone/{i}")).collect();
+    for chunk in keys.chunks(2000) {
+        put_payloads(&client, chunk, SMALL, &ReplicateConfig::default()).await;
+    }
+    let kept: Vec<String> = (0..10).map(|i| format!("kept/{i}")).collect();
+    put_payloads(&client, &kept, SMALL, &ReplicateConfig::default()).await;
+    assert_eq!(
+        client.remove_by_regex("^gone/", false).await.unwrap(),
+        N as u64
+    );
+    // Two seconds past the next heartbeat, six before the one after.
+    let beats = mounted.elapsed().as_secs_f64() / BEAT.as_secs_f64();
+    let next = mounted + BEAT.mul_f64(beats.ceil());
+    tokio::time::sleep_until((next + Duration::from_secs(2)).into()).await;
+
+    master.signal(libc::SIGKILL);
+    master.wait_exit(Duration::from_secs(5));
+    let _master = master_with(port, &flags);
+    check_payloads(&client, &kept, SMALL).await;
+    let mut back = 0;
+    for chunk in keys.chunks(2000) {
+        let refs: Vec<&str> = chunk.iter().map(|k| k.as_str()).collect();
+        for r in client.batch_exists(&refs).await.unwrap() {
+            back += usize::from(r.unwrap());
+        }
+    }
+    assert_eq!(back, 0, "removed objects came back after the restart");
+}

@@ -91,7 +91,11 @@ async fn a_retried_mount_after_a_merged_report_succeeds() {
     link.mount().await.expect("a retried mount succeeds");
     assert_eq!(link.epoch(), epoch);
     assert!(
-        !link.heartbeat(Duration::from_secs(2)).await.unwrap(),
+        !link
+            .heartbeat(Duration::from_secs(2))
+            .await
+            .unwrap()
+            .remount,
         "the master knows the owner: no remount"
     );
     let stats = master.with_state(|s| s.segment_stats());
@@ -142,9 +146,21 @@ async fn freed_range_notes_stay_until_the_owner_applied_them() {
     assert_eq!(pending(), 1);
 
     // Handed out, and kept until the next heartbeat says it was applied.
-    assert!(!link.heartbeat(Duration::from_secs(2)).await.unwrap());
+    assert!(
+        !link
+            .heartbeat(Duration::from_secs(2))
+            .await
+            .unwrap()
+            .remount
+    );
     assert_eq!(pending(), 1, "not acknowledged yet");
-    assert!(!link.heartbeat(Duration::from_secs(2)).await.unwrap());
+    assert!(
+        !link
+            .heartbeat(Duration::from_secs(2))
+            .await
+            .unwrap()
+            .remount
+    );
     assert_eq!(pending(), 0, "acknowledged");
     master.shutdown().await;
 }

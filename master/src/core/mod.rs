@@ -172,7 +172,9 @@ pub struct Freed {
 }
 
 /// Freed ranges kept per owner until it says it applied them, at most (32 bytes each); the
-/// oldest go first beyond it, and those objects may come back after a master restart.
+/// oldest go first beyond it (counted, and logged), and those objects may come back after a
+/// master restart. An owner heartbeats again at once while notes wait (see `freed_waiting`),
+/// so only one that stops applying them falls this far behind.
 const MAX_FREED_NOTES: usize = 1 << 16;
 /// The most notes one heartbeat's answer carries (about 0.5 MiB); the rest go with the next.
 const MAX_FREED_PER_REPLY: usize = 1 << 14;
@@ -246,6 +248,8 @@ pub struct Counters {
     pub promotions: u64,
     pub disk_dropped: u64,
     pub disk_registered: u64,
+    /// Freed-range notes dropped because an owner was `MAX_FREED_NOTES` behind.
+    pub freed_notes_dropped: u64,
 }
 
 /// A snapshot of one segment, for listings and metrics.

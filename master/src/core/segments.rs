@@ -186,6 +186,12 @@ impl MasterState {
         o.freed.iter().take(MAX_FREED_PER_REPLY).copied().collect()
     }
 
+    /// How many freed-range notes wait for `owner` (a heartbeat's answer carries the first
+    /// `MAX_FREED_PER_REPLY`).
+    pub fn freed_waiting(&self, owner: ClientId) -> usize {
+        self.owners.get(&owner).map_or(0, |o| o.freed.len())
+    }
+
     /// The ranges `owner` should forget, as if it applied them at once.
     #[cfg(test)]
     pub fn take_freed(&mut self, owner: ClientId) -> Vec<Freed> {
@@ -203,6 +209,14 @@ impl MasterState {
         if let Some(o) = self.owners.get_mut(&seg.owner) {
             if o.freed.len() >= MAX_FREED_NOTES {
                 o.freed.pop_front();
+                if self
+                    .counters
+                    .freed_notes_dropped
+                    .is_multiple_of(MAX_FREED_NOTES as u64)
+                {
+                    tracing::warn!(segment = %seg.name, "an owner is {MAX_FREED_NOTES} freed-range notes behind; the oldest go (their objects may come back after a master restart)");
+                }
+                self.counters.freed_notes_dropped += 1;
             }
             o.freed.push_back(Freed {
                 offset: r.allocation.offset(),

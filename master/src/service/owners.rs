@@ -81,13 +81,14 @@ impl MasterService {
 
     /// Records that `owner` is alive (and its SSD tier's state, if it has one); returns the
     /// ranges it should forget, whose objects are gone, past the notes it says it applied:
-    /// `applied` is (epoch, largest note), and counts only if the epoch is this master's.
+    /// `applied` is (epoch, largest note), and counts only if the epoch is this master's. The
+    /// flag: more notes wait than these (it should heartbeat again at once).
     pub fn heartbeat(
         &self,
         owner: ClientId,
         disk: Option<DiskStats>,
         applied: (u64, u64),
-    ) -> (HeartbeatReply, Vec<Freed>) {
+    ) -> (HeartbeatReply, Vec<Freed>, bool) {
         let now = self.shared.clock.now();
         let reply = {
             let mut state = self.shared.state.lock();
@@ -100,7 +101,9 @@ impl MasterService {
             } else {
                 0
             };
-            (reply, state.freed_notes(owner, applied))
+            let notes = state.freed_notes(owner, applied);
+            let more = state.freed_waiting(owner) > notes.len();
+            (reply, notes, more)
         };
         self.shared.metrics.record(Op::Heartbeat, 1, 0);
         reply

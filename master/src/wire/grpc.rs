@@ -148,9 +148,9 @@ impl pb::master_server::Master for GrpcMaster {
         let r = req.into_inner();
         let owner = client_id(&r.client_id)?;
         let applied = (r.freed_epoch, r.freed_applied);
-        let (reply, freed) = self
-            .0
-            .heartbeat(owner, r.disk.as_ref().map(Into::into), applied);
+        let (reply, freed, more_freed) =
+            self.0
+                .heartbeat(owner, r.disk.as_ref().map(Into::into), applied);
         Ok(Response::new(pb::HeartbeatResponse {
             code: 0,
             remount: reply == HeartbeatReply::Remount,
@@ -164,6 +164,7 @@ impl pb::master_server::Master for GrpcMaster {
                     seq: f.seq,
                 })
                 .collect(),
+            more_freed,
         }))
     }
 

@@ -65,6 +65,16 @@ impl LinkError {
     }
 }
 
+/// What a heartbeat's answer asks of the owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Beat {
+    /// The master does not know this owner's mount (it restarted, the leader changed, or the
+    /// owner was dropped): mount again.
+    pub remount: bool,
+    /// More freed-range notes wait than the answer carried: heartbeat again at once.
+    pub more_freed: bool,
+}
+
 #[derive(Clone)]
 pub struct MasterLink {
     target: Arc<Target>,
@@ -310,10 +320,11 @@ impl MasterLink {
         }
     }
 
-    /// Returns whether the master asked for a remount. A heartbeat gives up after `patience`
-    /// (shorter than other calls): a master that cannot answer one soon is treated as gone, so
-    /// the link looks for the leader again instead of waiting on a paused one.
-    pub async fn heartbeat(&self, patience: Duration) -> Result<bool, LinkError> {
+    /// A heartbeat; says whether the master asked for a remount, or has more freed-range notes
+    /// waiting. A heartbeat gives up after `patience` (shorter than other calls): a master that
+    /// cannot answer one soon is treated as gone, so the link looks for the leader again
+    /// instead of waiting on a paused one.
+    pub async fn heartbeat(&self, patience: Duration) -> Result<Beat, LinkError> {
         let req = pb::HeartbeatRequest {
             client_id: self.owner.to_string(),
             disk: self.ssd.as_ref().map(|s| s.stats().into()),
@@ -342,7 +353,10 @@ impl MasterLink {
                     .fetch_max(last, std::sync::atomic::Ordering::SeqCst);
             }
         }
-        Ok(other)
+        Ok(Beat {
+            remount: other,
+            more_freed: !other && resp.more_freed,
+        })
     }
 
     /// No mount starts from now on (see `unmount`): a shutdown says so before it waits for
@@ -510,19 +524,30 @@ impl MasterLink {
         self.epoch.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Heartbeats every `interval` until `stop`; remounts when the master asks for it.
+    /// Heartbeats every `interval` until `stop`, and again at once while the master has more
+    /// freed-range notes than one answer carries; remounts when the master asks for it.
     pub async fn heartbeat_loop(self, interval: Duration, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut again = false;
         loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
+            if !again {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.changed() => return,
+                }
+            } else if *stop.borrow() {
+                return;
             }
+            again = false;
             // Two intervals, at least half a second.
             let patience = (interval * 2).max(Duration::from_millis(500));
             match self.heartbeat(patience).await {
-                Ok(false) => {
+                Ok(Beat {
+                    remount: false,
+                    more_freed,
+                }) => {
+                    again = more_freed;
                     let unregistered = self
                         .disk_unregistered
                         .load(std::sync::atomic::Ordering::SeqCst);
@@ -530,8 +555,8 @@ impl MasterLink {
                         self.register_ssd_records(ssd).await;
                     }
                 }
-                Ok(true) if self.unmounting.load(std::sync::atomic::Ordering::SeqCst) => {}
-                Ok(true) => {
+                Ok(_) if self.unmounting.load(std::sync::atomic::Ordering::SeqCst) => {}
+                Ok(_) => {
                     tracing::warn!(segment = %self.segment, "master does not know this owner; mounting again");
                     match self.mount().await {
                         Ok(()) => {

@@ -747,7 +747,7 @@ impl SsdStore {
         lost.retain(|l| {
             let now = ring.by_key.get(&l.key);
             match l.corrupt_seq {
-                None => !now.is_some_and(|loc| loc.put_id == l.put_id),
+                None => now.is_none_or(|loc| loc.put_id != l.put_id),
                 Some(seq) => now.is_some_and(|loc| loc.seq == seq),
             }
         });
