@@ -287,14 +287,19 @@ impl TransferEngine {
     }
 
     /// Unregisters and frees a buffer `allocate_managed` returned (also one unregistered
-    /// already with `unregister`).
+    /// already with `unregister`). Refused (`InUse`) while another region registered inside
+    /// it remains (after `unregister` of the buffer, a part of it registered again): freeing
+    /// would leave peers reading and writing unmapped memory through that region.
     pub async fn free_managed(&self, addr: u64) -> Result<(), EngineError> {
-        if !self.managed.lock().contains_key(&addr) {
+        let Some(len) = self.managed.lock().get(&addr).map(|m| m.len) else {
             return Err(EngineError::NotRegistered { addr, len: 0 });
-        }
+        };
         match self.unregister(addr).await {
             Ok(()) | Err(EngineError::NotRegistered { .. }) => {}
             Err(e) => return Err(e),
+        }
+        if let Some(region) = self.regions.overlapping(addr, len) {
+            return Err(EngineError::InUse { addr, len, region });
         }
         let freed = self.managed.lock().remove(&addr);
         drop(freed);
@@ -331,7 +336,7 @@ impl TransferEngine {
         }
     }
 
-    /// The regions `target` registered.
+    /// The regions `target` registered; meets it afresh (see `Requester::peer_regions`).
     pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
         self.requester.peer_regions(target).await
     }
@@ -404,16 +409,18 @@ impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.stop();
         // Managed buffers go with the engine, unless a request being served still uses one
-        // (the server stops between requests): that one is left allocated rather than freed
-        // under it.
+        // (the server stops between requests) or another region registered inside it remains
+        // (see `free_managed`): that one is left allocated rather than freed under it.
         for (addr, m) in self.managed.get_mut().drain() {
-            if self.regions.remove_if_idle(addr) {
+            if self.regions.remove_if_idle(addr) && self.regions.overlapping(addr, m.len).is_none()
+            {
                 drop(m);
             } else {
                 tracing::warn!(
                     addr = format_args!("{addr:#x}"),
                     len = m.len,
-                    "a managed buffer was in use as its engine stopped; leaving it allocated"
+                    "a managed buffer was in use as its engine stopped (by a transfer, or a \
+                     region registered inside it); leaving it allocated"
                 );
                 // Its memory and its file stay: a peer may still be granted them.
                 std::mem::forget(m);

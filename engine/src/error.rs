@@ -14,6 +14,11 @@ pub enum EngineError {
     Overlapped { addr: u64, len: u64 },
     #[error("region {addr:#x} is still in use by transfers after {after:?}; it stays registered")]
     Busy { addr: u64, after: Duration },
+    #[error(
+        "managed buffer {addr:#x} (+{len} bytes) still holds the registered region {region:#x}: \
+         unregister it first; the buffer stays allocated"
+    )]
+    InUse { addr: u64, len: u64, region: u64 },
     #[error("cannot serve transfers on {addr}: {source}")]
     Bind {
         addr: String,
@@ -21,8 +26,9 @@ pub enum EngineError {
     },
     #[error(
         "transfer engine {target} restarted since this engine first reached it: the memory it \
-         registered then is gone, so nothing was moved; look its buffers up again (the next call \
-         reaches the new process)"
+         registered then is gone, so nothing was moved; calls to it fail so until its buffers' \
+         addresses are looked up again (peer_regions, get_first_buffer_address), which reaches \
+         the new process"
     )]
     Restarted { target: String },
     #[error("transfer to {target} failed: {source}")]
@@ -38,7 +44,7 @@ impl EngineError {
         match self {
             EngineError::Invalid(_) => -1,
             EngineError::NotRegistered { .. } => -3,
-            EngineError::Busy { .. } => -4,
+            EngineError::Busy { .. } | EngineError::InUse { .. } => -4,
             EngineError::Overlapped { .. } => -7,
             EngineError::Bind { .. } => -102,
             EngineError::Transfer { .. } | EngineError::Restarted { .. } => -1,

@@ -7,8 +7,11 @@
 //! the same session name, or behind the same etcd name on a new port) has other memory at the
 //! addresses the caller knows, so the call fails with `EngineError::Restarted` and moves nothing,
 //! where it would otherwise read or write the new process's buffers at stale addresses. The name
-//! is then forgotten: the next call meets the new process afresh (by then the caller has looked
-//! its buffers up again, from its bootstrap server say).
+//! is then marked restarted, not forgotten: a caller that retries with the addresses it has
+//! would otherwise meet the new process and write at them (allocations often come back at the
+//! same place, so they pass its region check). Calls to the name keep failing as restarted until
+//! the caller looks the peer's buffers up again (`Requester::peer_regions`), which meets the new
+//! process.
 
 use std::{collections::HashMap, io, sync::Arc};
 
@@ -74,60 +77,102 @@ pub fn draw_incarnation() -> u64 {
     }
 }
 
+/// What this engine knows of a peer's name.
+#[derive(Debug, Clone)]
+pub enum Known {
+    /// The process met under the name.
+    Met(Arc<Hello>),
+    /// The process met under the name refused a call as restarted: every call fails so until
+    /// the caller looks the peer's buffers up again (`Peers::meet`).
+    Restarted,
+}
+
+impl Known {
+    /// The process met, or the refusal of a call to a restarted one.
+    pub fn hello(&self, name: &str) -> Result<Arc<Hello>, EngineError> {
+        match self {
+            Known::Met(h) => Ok(h.clone()),
+            Known::Restarted => Err(EngineError::Restarted {
+                target: name.to_string(),
+            }),
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct Peers {
-    known: Mutex<HashMap<String, Arc<Hello>>>,
+    known: Mutex<HashMap<String, Known>>,
 }
 
 impl Peers {
     /// The peer `name` as first met (at `session`, its current session name), asking it by
-    /// `deadline` if this engine has not met it yet.
+    /// `deadline` if this engine has not met it yet; `Restarted` once it refused a call as such.
     pub async fn hello(
         &self,
         name: &str,
         session: &str,
         deadline: Instant,
     ) -> Result<Arc<Hello>, EngineError> {
-        if let Some(h) = self.known.lock().get(name) {
-            return Ok(h.clone());
+        if let Some(k) = self.known.lock().get(name) {
+            return k.hello(name);
         }
-        let hello = match tokio::time::timeout_at(deadline, ask(session)).await {
-            Ok(Ok(h)) => Arc::new(h),
-            Ok(Err(e)) => {
-                return Err(EngineError::Invalid(format!(
-                    "cannot reach transfer engine {name}: {e}"
-                )))
-            }
-            Err(_) => {
-                return Err(EngineError::Invalid(format!(
-                    "timed out: transfer engine {name} did not say who it is by the call's \
-                     deadline"
-                )))
-            }
-        };
-        // Two callers meeting the peer at once keep the first answer.
-        Ok(self
-            .known
+        let hello = Arc::new(asked(name, session, deadline).await?);
+        // Two callers meeting the peer at once keep the first answer (or a restart marked
+        // meanwhile).
+        self.known
             .lock()
             .entry(name.to_string())
-            .or_insert(hello)
-            .clone())
+            .or_insert(Known::Met(hello))
+            .hello(name)
     }
 
-    /// The peer `name` as met, if this engine has met it (and not forgotten it since).
-    pub fn known(&self, name: &str) -> Option<Arc<Hello>> {
+    /// Meets the peer `name` at `session` afresh, whatever was known of it, and clears a restart
+    /// mark: for a caller about to learn its buffers, whose addresses are then this process's.
+    pub async fn meet(
+        &self,
+        name: &str,
+        session: &str,
+        deadline: Instant,
+    ) -> Result<Arc<Hello>, EngineError> {
+        let hello = Arc::new(asked(name, session, deadline).await?);
+        self.met_as(name, hello.clone());
+        Ok(hello)
+    }
+
+    /// Records `name` as met as `hello`.
+    fn met_as(&self, name: &str, hello: Arc<Hello>) {
+        self.known
+            .lock()
+            .insert(name.to_string(), Known::Met(hello));
+    }
+
+    /// What this engine knows of `name`, if it met it.
+    pub fn known(&self, name: &str) -> Option<Known> {
         self.known.lock().get(name).cloned()
     }
 
-    /// Forgets `name` if it is still known as `incarnation` (after that one refused a call).
-    pub fn forget(&self, name: &str, incarnation: u64) {
+    /// Marks `name` restarted if it is still known as `incarnation` (after that one refused a
+    /// call as restarted); a name met afresh since keeps its newer process.
+    pub fn restarted(&self, name: &str, incarnation: u64) {
         let mut known = self.known.lock();
-        if known
-            .get(name)
-            .is_some_and(|h| h.incarnation == incarnation)
-        {
-            known.remove(name);
+        if let Some(k) = known.get_mut(name) {
+            if matches!(k, Known::Met(h) if h.incarnation == incarnation) {
+                *k = Known::Restarted;
+            }
         }
+    }
+}
+
+/// The answer of the peer `name` at `session` to `PeerHello`, by `deadline`.
+async fn asked(name: &str, session: &str, deadline: Instant) -> Result<Hello, EngineError> {
+    match tokio::time::timeout_at(deadline, ask(session)).await {
+        Ok(Ok(h)) => Ok(h),
+        Ok(Err(e)) => Err(EngineError::Invalid(format!(
+            "cannot reach transfer engine {name}: {e}"
+        ))),
+        Err(_) => Err(EngineError::Invalid(format!(
+            "timed out: transfer engine {name} did not say who it is by the call's deadline"
+        ))),
     }
 }
 
@@ -198,6 +243,8 @@ pub fn refused(target: &str, code: i32, message: &str) -> EngineError {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -210,5 +257,44 @@ mod tests {
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
         assert!(Hello::decode(&h.encode()[..15]).is_err());
         assert_ne!(h.incarnation, 0);
+    }
+
+    fn met(incarnation: u64) -> Arc<Hello> {
+        Arc::new(Hello {
+            pid: 1,
+            incarnation,
+            identity: Vec::new(),
+        })
+    }
+
+    /// A name whose process refused a call as restarted stays refused (it is not met afresh by
+    /// the next call, whose addresses are the old process's) until met again on purpose; a
+    /// refusal for an older incarnation does not mark the newer one.
+    #[tokio::test]
+    async fn a_restarted_peer_stays_refused_until_met_again() {
+        let peers = Peers::default();
+        let name = "127.0.0.1:7002";
+        // Nothing listens there: a call that asked the peer would fail as unreachable.
+        let (session, deadline) = ("127.0.0.1:1", Instant::now() + Duration::from_secs(2));
+        peers.met_as(name, met(1));
+        peers.restarted(name, 1);
+        for _ in 0..2 {
+            let e = peers.hello(name, session, deadline).await.unwrap_err();
+            assert!(matches!(e, EngineError::Restarted { .. }), "{e}");
+            assert!(e.to_string().contains("looked up again"), "{e}");
+            assert!(matches!(peers.known(name), Some(Known::Restarted)));
+        }
+        peers.met_as(name, met(2));
+        peers.restarted(name, 1);
+        assert_eq!(
+            peers
+                .hello(name, session, deadline)
+                .await
+                .unwrap()
+                .incarnation,
+            2
+        );
+        peers.restarted(name, 2);
+        assert!(peers.hello(name, session, deadline).await.is_err());
     }
 }

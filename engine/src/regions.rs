@@ -259,6 +259,17 @@ impl Regions {
         }
     }
 
+    /// The start of a registered region that overlaps `addr..addr + len`, if any (also one
+    /// being unregistered: its transfers may still run).
+    pub fn overlapping(&self, addr: u64, len: u64) -> Option<u64> {
+        let end = addr.saturating_add(len);
+        let map = self.by_addr.read();
+        // Regions do not overlap each other: if the last one starting before `end` ends at or
+        // before `addr`, so does every earlier one.
+        let (_, r) = map.range(..end).next_back()?;
+        (r.addr + r.len > addr).then_some(r.addr)
+    }
+
     fn removed(&self, region: &Region) {
         if region.file.is_some() {
             self.files_removed.fetch_add(1, Ordering::AcqRel);

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use crate::{
     directory::Directory,
     local::{Mappings, Outcome, SameHost},
-    peers::{self, Hello, Peers},
+    peers::{self, Hello, Known, Peers},
     regions::{Regions, Use},
     small::{self, Dir, Small},
     EngineConfig, EngineError, TransferOp, TransferRequest,
@@ -32,9 +32,10 @@ use crate::{
 /// costs more than the socket copies.
 const SAME_HOST_MIN: u64 = 128 << 10;
 
-/// A peer as an engine knew it when a call was made (see `Requester::transfer_as`).
+/// A peer as an engine knew it when a call was made (see `Requester::transfer_as`): the
+/// process met, or that it restarted since.
 #[derive(Clone)]
-pub struct MetPeer(Arc<Hello>);
+pub struct MetPeer(Known);
 
 /// Batches this engine moved, by path.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -112,11 +113,29 @@ impl Requester {
         }
     }
 
-    /// The regions `target` registered.
+    /// The regions `target` registered, for a caller that addresses its memory by them: the
+    /// peer is met afresh first, so later calls name the process these addresses are of (and
+    /// a peer marked restarted takes calls again). Met before its regions are asked: should it
+    /// restart in between, calls name the older process and are refused, never served at
+    /// another process's addresses.
     pub async fn peer_regions(&self, target: &str) -> Result<Vec<(u64, u64)>, EngineError> {
         let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
-        let r = self.regions_of_session(&session, deadline).await;
+        let r = async {
+            self.peers.meet(target, &session, deadline).await?;
+            self.regions_of_session(&session, deadline).await
+        }
+        .await;
+        self.forget_on_failure(target, &r);
+        r
+    }
+
+    /// Whether `target` answers (with its regions), leaving what this engine knows of it as
+    /// it is: a probe does not learn addresses, so it does not clear a restart mark.
+    pub async fn probe(&self, target: &str) -> Result<(), EngineError> {
+        let deadline = self.transport.deadline();
+        let session = self.session_of(target).await?;
+        let r = self.regions_of_session(&session, deadline).await.map(drop);
         self.forget_on_failure(target, &r);
         r
     }
@@ -172,8 +191,9 @@ impl Requester {
 
     /// `transfer` of a call made when `target` was known as `met` (None: not met yet). Every
     /// try names that incarnation, so a call made before the peer restarted never moves bytes
-    /// with its successor, even when another call's refusal has made this engine forget the
-    /// predecessor before this one ran. Not met yet, the peer is met by the first try.
+    /// with its successor, even when the caller has met the successor before this one ran. Not
+    /// met yet, the peer is met by the first try; known to have restarted, the call fails so
+    /// at once (see `peers`).
     pub async fn transfer_as(
         &self,
         target: &str,
@@ -183,7 +203,7 @@ impl Requester {
     ) -> Result<(), EngineError> {
         let deadline = self.transport.deadline();
         let session = self.session_of(target).await?;
-        let mut met = met.map(|m| m.0);
+        let mut met = met.map(|m| m.0.hello(target)).transpose()?;
         let mut r = self
             .transfer_to_session(target, &session, op, batch, deadline, &mut met)
             .await;
@@ -278,7 +298,7 @@ impl Requester {
 
     /// `transfer` to the peer the caller names `name`, now at `session`, as `met` (the peer as
     /// this call met it before; set here when it had not). A peer that refuses the call for
-    /// naming an earlier incarnation is forgotten (see `peers`).
+    /// naming an earlier incarnation is marked restarted (see `peers`).
     async fn transfer_to_session(
         &self,
         name: &str,
@@ -311,7 +331,7 @@ impl Requester {
             .await;
         match r {
             Err(EngineError::Restarted { .. }) => {
-                self.peers.forget(name, hello.incarnation);
+                self.peers.restarted(name, hello.incarnation);
                 Err(EngineError::Restarted {
                     target: name.to_string(),
                 })

@@ -171,7 +171,7 @@ impl Connection {
             }
             if head.read == 0 && self.reader.buffer().is_empty() {
                 // Nothing more pipelined: the peer waits for what was answered so far.
-                self.writer.flush().await?;
+                self.flush().await?;
                 // A same-host grant is held until its release or until the connection closes,
                 // even while the engine stops: the peer's copy cannot be interrupted, so its
                 // ranges never go under it (unregistering then reports them still in use).
@@ -208,7 +208,7 @@ impl Connection {
             match tokio::time::timeout(timeout, self.frame(head)).await {
                 Ok(Ok(true)) => {}
                 Ok(Ok(false)) => {
-                    self.writer.flush().await?;
+                    self.flush().await?;
                     return Ok(());
                 }
                 Ok(Err(e)) => return Err(e),
@@ -218,6 +218,27 @@ impl Connection {
                         format!("a frame took longer than {timeout:?}"),
                     ))
                 }
+            }
+        }
+    }
+
+    /// Sends what was answered so far, by the held grant's deadline (else within the frame
+    /// timeout); past it, an error that closes the connection and releases the grant. A peer
+    /// that sends requests and never reads their answers fills the socket's buffers: without a
+    /// deadline the flush would wait for ever, and the deadline of a grant, checked only after
+    /// it, would never come, so any client of the port could pin a region.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        let deadline = (self.held_until)
+            .unwrap_or_else(|| tokio::time::Instant::now() + self.served.frame_timeout);
+        match tokio::time::timeout_at(deadline, self.writer.flush()).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::warn!(peer = %self.peer, held = !self.held.is_empty(),
+                    "transfer engine: a peer did not read its answers in time; closing its connection");
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the peer did not read its answers in time",
+                ))
             }
         }
     }

@@ -443,19 +443,6 @@ async fn managed_buffers_are_registered_and_local_bytes_stay_inside_regions() {
         "freed memory is not readable"
     );
     // Unregistered first (as `unregister_memory` would): still freed, its mapping gone.
-    // The /proc/self/maps line of the mapping at `addr` less its permissions (its range,
-    // offset, device, inode and file): another mapping placed at the same address meanwhile,
-    // by a test running beside this one, has another inode.
-    let mapping = |addr: u64| {
-        std::fs::read_to_string("/proc/self/maps")
-            .unwrap()
-            .lines()
-            .find(|l| l.starts_with(&format!("{addr:x}-")))
-            .map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                format!("{} {}", f[0], f[2..].join(" "))
-            })
-    };
     let other = a.allocate_managed(1 << 20).unwrap();
     let before = mapping(other).expect("mapped");
     a.unregister(other).await.unwrap();
@@ -475,6 +462,46 @@ async fn managed_buffers_are_registered_and_local_bytes_stay_inside_regions() {
         Some(&before),
         "freed with its engine"
     );
+}
+
+/// The /proc/self/maps line of the mapping at `addr` less its permissions (its range, offset,
+/// device, inode and file): another mapping placed at the same address meanwhile, by a test
+/// running beside this one, has another inode.
+fn mapping(addr: u64) -> Option<String> {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with(&format!("{addr:x}-")))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            format!("{} {}", f[0], f[2..].join(" "))
+        })
+}
+
+/// A managed buffer unregistered and partly registered again is not freed under that region,
+/// neither by `free_managed` (refused as in use, -4) nor with its engine (left allocated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_managed_buffer_with_a_region_registered_inside_is_not_freed() {
+    let a = engine(Duration::from_secs(5)).await;
+    let buf = a.allocate_managed(1 << 20).unwrap();
+    a.unregister(buf).await.unwrap();
+    a.register(buf + 4096, 4096).unwrap();
+    let e = a.free_managed(buf).await.unwrap_err();
+    assert_eq!(e.code(), -4, "{e}");
+    assert!(matches!(e, EngineError::InUse { .. }), "{e}");
+    // Still mapped: the region inside it is read and written as before.
+    a.write_local(buf + 4096, b"kv").unwrap();
+    assert_eq!(a.read_local(buf + 4096, 2).unwrap(), b"kv");
+    // Once that region goes, the buffer can.
+    a.unregister(buf + 4096).await.unwrap();
+    a.free_managed(buf).await.unwrap();
+    // With its engine: left allocated while a region inside it remains.
+    let kept = a.allocate_managed(1 << 20).unwrap();
+    let before = mapping(kept).expect("mapped");
+    a.unregister(kept).await.unwrap();
+    a.register(kept + (8 << 10), 4096).unwrap();
+    drop(a);
+    assert_eq!(mapping(kept), Some(before), "left allocated");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -683,6 +710,68 @@ async fn a_same_host_grant_holds_its_range_until_released_or_disconnected() {
     assert!(closed.is_ok(), "closed");
     assert!(t.elapsed() >= deadline * 3, "{:?}", t.elapsed());
     b.unregister(addr(&region)).await.unwrap();
+}
+
+/// A same-host peer that is granted a range and then sends requests without reading their
+/// answers (so that the engine's flush of them cannot finish) loses its grant all the same, by
+/// the grant's deadline: the range can be unregistered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_holder_that_reads_no_answers_loses_its_grant() {
+    use mooncake_common::wire::{Op, RequestHeader};
+    use tokio::io::AsyncWriteExt;
+
+    let deadline = Duration::from_millis(250);
+    let b = engine(deadline).await;
+    let region = vec![0u8; 4096];
+    b.register(addr(&region), 4096).unwrap();
+    // A small receive buffer: the engine's answers back up after about a megabyte.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut s = sock
+        .connect(b.session_name().parse().unwrap())
+        .await
+        .unwrap();
+    let name = b.session_name().as_bytes();
+    let frame = |op, length, grant| {
+        let mut f = RequestHeader {
+            op,
+            key_len: name.len() as u16,
+            flags: 0,
+            request_id: 1,
+            offset: 0,
+            length,
+            grant,
+            seal: Default::default(),
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(name);
+        f
+    };
+    let mut grant = frame(Op::PeerGrant, 16, b.incarnation());
+    grant.extend_from_slice(&addr(&region).to_le_bytes());
+    grant.extend_from_slice(&4096u64.to_le_bytes());
+    s.write_all(&grant).await.unwrap();
+    // Bursts of requests, each let through before the next: the engine answers a burst, then
+    // flushes its answers as the peer waits for them. Its reply buffer never fills within a
+    // burst (where a frame's own deadline would end the connection): it is the flush that waits
+    // on this peer once the socket's buffers are full, about a megabyte on.
+    let burst = frame(Op::PeerRegions, 0, 0).repeat(256);
+    for _ in 0..400 {
+        match tokio::time::timeout(deadline / 2, s.write_all(&burst)).await {
+            Ok(Ok(())) => tokio::time::sleep(Duration::from_millis(2)).await,
+            // The engine stopped reading (its flush waits), or closed the connection.
+            Ok(Err(_)) | Err(_) => break,
+        }
+    }
+    // The grant goes by its deadline (four times the engine's), the connection unread.
+    let t = Instant::now();
+    let released = tokio::time::timeout(deadline * 20, async {
+        while b.unregister(addr(&region)).await.is_err() {}
+    })
+    .await;
+    assert!(released.is_ok(), "still held after {:?}", t.elapsed());
+    drop(s);
 }
 
 /// A stopping engine answers a connection that holds a grant only with the release of it:

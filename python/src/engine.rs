@@ -618,7 +618,8 @@ impl NativeEngine {
     }
 
     /// The first region `segment_name` (a peer's session name) registered; 0 if none or
-    /// unreachable.
+    /// unreachable. Looking a peer's buffers up is what lets calls reach it again after it
+    /// restarted (they fail until then: the addresses known were the old process's).
     fn get_first_buffer_address(&self, py: Python<'_>, segment_name: &str) -> u64 {
         let run = || {
             let r = self.running()?;
@@ -633,11 +634,12 @@ impl NativeEngine {
         }
     }
 
-    /// 0 when `peer_server_name` answers.
+    /// 0 when `peer_server_name` answers. Learns no addresses: a restarted peer's calls
+    /// still fail until its buffers are looked up again (`get_first_buffer_address`).
     fn send_probe(&self, py: Python<'_>, peer_server_name: &str) -> i64 {
         let run = || {
             let r = self.running()?;
-            py.detach(|| block_on!(r, |q| q.peer_regions(peer_server_name)))
+            py.detach(|| block_on!(r, |q| q.probe(peer_server_name)))
         };
         match run() {
             Ok(_) => 0,

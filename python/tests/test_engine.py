@@ -143,6 +143,11 @@ def test_managed_buffers_first_address_and_probe(plain_pair):
     assert a.transfer_sync_read(session(b), local, m, 7) == 0
     assert a.read_bytes_from_buffer(local, 7) == b"prefill"
     assert a.free_managed_buffer(local, 4096) == 0
+    # Unregistered, then partly registered again: not freed under that region (-4, in use).
+    assert b.unregister_memory(m) == 0 and b.register_memory(m + 4096, 4096) == 0
+    assert b.free_managed_buffer(m, 1 << 20) == -4
+    assert b.write_bytes_to_buffer(m + 4096, b"kv", 2) == 0
+    assert b.unregister_memory(m + 4096) == 0
     assert b.free_managed_buffer(m, 1 << 20) == 0
     assert a.get_first_buffer_address(session(b)) == 0
     assert a.get_notifies() == []
@@ -311,7 +316,12 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
     assert c.register_memory(room_p, len(room)) == 0
     assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == -1
     assert again.raw == bytes(len(again))
-    # Met again: served, on the small path and on the batch path.
+    # The same call again still fails: its addresses were learnt from the old process, and
+    # may well be where the new one keeps other buffers.
+    assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == -1
+    assert again.raw == bytes(len(again))
+    # Its buffers looked up again, it is met again: served, on the small and the batch path.
+    assert a.get_first_buffer_address("127.0.0.1:7002") == again_p
     assert a.transfer_sync_write("127.0.0.1:7002", src_p, again_p, len(src)) == 0
     assert again.raw == src.raw
     assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [room_p], [len(big)]) == 0
@@ -326,6 +336,9 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
     assert d.register_memory(fresh_p, len(fresh)) == 0
     assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [fresh_p], [len(big)]) == -1
     assert fresh.raw == bytes(len(fresh))
+    assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [fresh_p], [len(big)]) == -1
+    assert fresh.raw == bytes(len(fresh)), "a retry with the old addresses moved bytes"
+    assert a.get_first_buffer_address("127.0.0.1:7002") == fresh_p
     assert a.batch_transfer_sync_write("127.0.0.1:7002", [big_p], [fresh_p], [len(big)]) == 0
     assert fresh.raw == big.raw
 
@@ -333,8 +346,9 @@ def test_etcd_metadata_names_peers_by_their_hostname(etcd, monkeypatch):
 @pytest.mark.parametrize("shm", ["0", "1"])
 def test_a_restarted_peer_refuses_calls_meant_for_its_predecessor(etcd, monkeypatch, shm):
     """A new engine under a name the caller met before refuses the first call (its incarnation
-    is not the one met), over TCP and over the same-host path, and nothing moves; the next call
-    meets it afresh."""
+    is not the one met), over TCP and over the same-host path, and nothing moves; so are the
+    calls after it (their addresses were the old process's: a probe does not change that), until
+    the caller looks the peer's buffers up again, which meets it afresh."""
     monkeypatch.setenv("MOONCAKE_SHM", shm)
     port = 7101 + 10 * int(shm)
     me, peer = f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"
@@ -358,6 +372,12 @@ def test_a_restarted_peer_refuses_calls_meant_for_its_predecessor(etcd, monkeypa
     assert c.register_memory(fresh_p, n) == 0
     assert a.batch_transfer_sync_write(peer, [src_p], [fresh_p], [n]) == -1
     assert fresh.raw == bytes(n), "nothing moved"
+    for _ in range(2):
+        assert a.batch_transfer_sync_write(peer, [src_p], [fresh_p], [n]) == -1
+        assert a.transfer_sync_write(peer, src_p, fresh_p, 4096) == -1
+        assert a.send_probe(peer) == 0
+    assert fresh.raw == bytes(n), "a retry with the old addresses moved bytes"
+    assert a.get_first_buffer_address(peer) == fresh_p
     before = a.get_stats()
     assert a.batch_transfer_sync_write(peer, [src_p], [fresh_p], [n]) == 0
     assert a.batch_transfer_sync_read(peer, [back_p], [fresh_p], [n]) == 0
