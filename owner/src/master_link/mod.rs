@@ -488,10 +488,16 @@ impl MasterLink {
                     return;
                 }
             };
+            // Records an offload took since the snapshot: its word to the master may have come
+            // before this registration (and changed nothing), so the master hears it again.
+            let mut taken = Vec::new();
             for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
                 if code == 0 {
                     if put_id != r.put_id {
                         tracing::warn!(key = %r.key, "master registered a record under another version");
+                    }
+                    if !store.keeps(&r.key, r.put_id) {
+                        taken.push((&r.key, r.put_id));
                     }
                     registered += 1;
                 } else {
@@ -504,6 +510,11 @@ impl MasterLink {
                         gone.push((r.key.clone(), r.put_id));
                     }
                     refused += 1;
+                }
+            }
+            if !taken.is_empty() {
+                if let Err(e) = self.disk_dropped(taken.iter().copied()).await {
+                    tracing::warn!(error = %e, records = taken.len(), "cannot tell the master which registered records an offload took meanwhile; it learns so at the first read of each (reported lost)");
                 }
             }
         }

@@ -560,3 +560,26 @@ async fn a_failed_record_write_does_not_bring_its_victims_back_at_a_restart() {
     let v = s.read(&k("k3"), 103, 65536).await.unwrap();
     assert_eq!(&v[..], &value(3, 65536)[..]);
 }
+
+/// A record is kept until a reservation takes it as a victim: from then on its offload tells
+/// the master it is gone (a registration racing that word checks `keeps` after it).
+#[tokio::test]
+async fn a_victim_of_a_reservation_under_way_is_not_kept() {
+    let dir = TempDir::new();
+    let cap = (4 << 16) + 4096;
+    let (s, _) = open(&dir, cap, EngineKind::Pread).await;
+    for i in 0..4u8 {
+        put(&s, &format!("k{i}"), 100 + i as u64, &value(i, 60_000)).await;
+    }
+    assert!(s.keeps(&k("k0"), 100));
+    assert!(!s.keeps(&k("k0"), 99), "another version");
+    let mut r = s.reserve(&k("new"), 60_000).unwrap();
+    assert_eq!(r.victims[0].key, k("k0"));
+    assert!(!s.keeps(&k("k0"), 100), "taken by the reservation");
+    assert!(s.keeps(&k("k1"), 101));
+    s.evict_victims(&mut r);
+    assert!(!s.keeps(&k("k0"), 100));
+    s.abandon(r).await;
+    assert!(!s.keeps(&k("k0"), 100), "evicted");
+    assert!(s.keeps(&k("k1"), 101));
+}
