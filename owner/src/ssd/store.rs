@@ -468,11 +468,12 @@ impl SsdStore {
     }
 
     /// Gives a reservation up without writing. Victims not yet evicted stay readable. Victims
-    /// whose headers lie in the region and that no longer count get them zeroed, so they cannot
-    /// come back at a restart: all of them once evicted (the master was told they are gone), and
-    /// any deleted meanwhile (a delete leaves a header inside a reservation under way).
+    /// that no longer count get their headers zeroed, so they cannot come back at a restart:
+    /// all of them once evicted (the master was told they are gone; also one whose header lies
+    /// before the region, see `zero_headers_before`), and any deleted meanwhile (a delete
+    /// leaves a header inside a reservation under way).
     pub async fn abandon(&self, r: Reservation) {
-        let gone: Vec<u64> = {
+        let inside: Vec<u64> = {
             let ring = self.ring.lock();
             r.victims
                 .iter()
@@ -487,13 +488,27 @@ impl SsdStore {
                 .map(|v| v.offset)
                 .collect()
         };
-        for at in gone {
+        for at in inside {
             let (_, res) = self.engine.write_at(zeroed(ALIGN), at).await;
             if let Err(e) = res {
                 tracing::warn!(error = %e, offset = at, "cannot zero a dropped record's header");
             }
         }
         self.ring.lock().inflight.remove(&r.offset);
+        self.zero_headers_before(&r).await;
+    }
+
+    /// Zeroes the headers of `r`'s evicted victims that lie before its region: the region
+    /// starts inside such a record (an earlier reservation there was given up without evicting
+    /// it), which must not come back at a restart, written over or not. Outside the region, so
+    /// only where nothing newer is being written or lives (see `zero_header`).
+    async fn zero_headers_before(&self, r: &Reservation) {
+        if !r.evicted {
+            return;
+        }
+        for v in r.victims.iter().filter(|v| v.offset < r.offset) {
+            let _ = self.zero_header(v.offset).await;
+        }
     }
 
     /// The record for `value` in a buffer ready to write (every byte set, padding zeroed).
@@ -567,6 +582,9 @@ impl SsdStore {
             // The older record's header left behind is logged; recovery takes the newer one.
             let _ = self.zero_header(at).await;
         }
+        // Recovery would take such a victim for garbage (this newer record overlaps it), but
+        // not once this record is dropped in turn.
+        self.zero_headers_before(&r).await;
         Ok(())
     }
 

@@ -583,3 +583,31 @@ async fn a_victim_of_a_reservation_under_way_is_not_kept() {
     assert!(!s.keeps(&k("k0"), 100), "evicted");
     assert!(s.keeps(&k("k1"), 101));
 }
+
+/// A reservation that starts inside a live record (an earlier one there was given up without
+/// evicting it: telling the master failed) takes that record as a victim whose header lies
+/// before the region. Evicted, then given up, that header is zeroed too: before, the record the
+/// master was told is gone came back at a restart.
+#[tokio::test]
+async fn a_victim_whose_header_lies_before_the_region_does_not_come_back() {
+    let dir = TempDir::new();
+    let cap = (4 << 16) + 4096;
+    let (s, _) = open(&dir, cap, EngineKind::Pread).await;
+    for i in 0..4u8 {
+        put(&s, &format!("k{i}"), 100 + i as u64, &value(i, 60_000)).await;
+    }
+    // Given up without evicting k0 (it stays live), leaving the head inside k0.
+    let r0 = s.reserve(&k("x"), 20_000).unwrap();
+    assert_eq!(r0.victims[0].key, k("k0"));
+    s.abandon(r0).await;
+    let mut r1 = s.reserve(&k("y"), 20_000).unwrap();
+    assert_eq!(r1.victims[0].key, k("k0"));
+    // The region starts inside k0 (its header lies before it).
+    s.evict_victims(&mut r1);
+    s.abandon(r1).await;
+    drop(s);
+    let (s, n) = open(&dir, cap, EngineKind::Pread).await;
+    assert_eq!(n, 3, "the evicted k0 came back");
+    assert!(s.read(&k("k0"), 100, 60_000).await.is_err());
+    assert!(s.read(&k("k1"), 101, 60_000).await.is_ok());
+}
