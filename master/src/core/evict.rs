@@ -22,6 +22,7 @@ impl MasterState {
         self.expire_replica_tasks(now);
         self.drain_eager_backlog(now);
         self.release_due(now);
+        self.late_notes_due(now);
         self.lingering.prune(now);
         self.forgotten.prune(now);
         let capacity = self.capacity();

@@ -176,6 +176,18 @@ pub struct Freed {
 /// master restart. An owner heartbeats again at once while notes wait (see `freed_waiting`),
 /// so only one that stops applying them falls this far behind.
 const MAX_FREED_NOTES: usize = 1 << 16;
+/// Second notes of puts that went unfinished (see `MasterState::note_again_later`), at most; the
+/// oldest go first beyond it.
+const MAX_LATE_NOTES: usize = 1 << 16;
+
+/// A freed-range note to send again at `at` (see `MasterState::note_again_later`).
+struct LateNote {
+    at: Millis,
+    segment: SegmentId,
+    offset: u64,
+    put_id: u64,
+}
+
 /// The most notes one heartbeat's answer carries (about 0.5 MiB); the rest go with the next.
 const MAX_FREED_PER_REPLY: usize = 1 << 14;
 
@@ -277,6 +289,8 @@ pub struct MasterState {
     owners: HashMap<ClientId, Owner>,
     objects: table::ObjectTable,
     pending: Vec<PendingRelease>,
+    /// Freed-range notes to send again, in the order they are due.
+    late_notes: std::collections::VecDeque<LateNote>,
     /// No pending release is due before this (eviction looks at the list only from then).
     pending_due: Millis,
     next_segment: u64,
@@ -359,6 +373,7 @@ impl MasterState {
             owners: HashMap::new(),
             objects: table::ObjectTable::new(eviction_policy),
             pending: Vec::new(),
+            late_notes: Default::default(),
             pending_due: Millis(0),
             next_segment: 1,
             grants: Grants {

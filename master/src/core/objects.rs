@@ -10,7 +10,7 @@ use super::{
     allocator::Allocation,
     order::Place,
     placement::{self, Candidate},
-    MasterState, PendingRelease, Segment, SegmentId, Unfinished,
+    LateNote, MasterState, PendingRelease, Segment, SegmentId, Unfinished, MAX_LATE_NOTES,
 };
 use crate::{clock::Millis, error::MasterError};
 
@@ -617,8 +617,9 @@ impl MasterState {
 
     /// The writer gave up: the space is free at once. A write of the revoked put that still
     /// lands later cannot be mistaken for another key's bytes, because owners check on every
-    /// read that the range was last written under the key being read.
-    pub fn put_revoke(&mut self, key: &str, put_id: u64) -> Result<(), MasterError> {
+    /// read that the range was last written under the key being read; its owner is told to
+    /// forget that version again later (see `note_again_later`).
+    pub fn put_revoke(&mut self, key: &str, put_id: u64, now: Millis) -> Result<(), MasterError> {
         let obj = self.current_put(key, put_id)?;
         if obj.phase.is_complete() {
             return Err(MasterError::Exists(obj.key().clone()));
@@ -627,9 +628,38 @@ impl MasterState {
             self.unfinished.remove(&(started, put_id));
         }
         let obj = self.objects.remove(key).expect("checked above");
+        self.note_again_later(&obj.replicas, put_id, now);
         self.drop_replicas(obj.replicas, put_id);
         self.evictable_changed();
         Ok(())
+    }
+
+    /// A put that never ended went (revoked, or removed by force) and its space is free at
+    /// once: a write of it already on its way (its bytes in the owner's socket) may land after
+    /// the owner applied the note that it is gone, and would then stay in the owner's catalog
+    /// for a later master to adopt, as a put its writer was told had failed (or a key removed
+    /// since). The owner is told again once any such write has surely landed.
+    pub(super) fn note_again_later(&mut self, replicas: &[Replica], put_id: u64, now: Millis) {
+        let at = now.plus(self.policy.put_discard_timeout);
+        for r in replicas {
+            if self.late_notes.len() >= MAX_LATE_NOTES {
+                self.late_notes.pop_front();
+            }
+            self.late_notes.push_back(LateNote {
+                at,
+                segment: r.segment,
+                offset: r.allocation.offset(),
+                put_id,
+            });
+        }
+    }
+
+    /// Sends the late notes that are due (see `note_again_later`).
+    pub(super) fn late_notes_due(&mut self, now: Millis) {
+        while self.late_notes.front().is_some_and(|n| n.at <= now) {
+            let n = self.late_notes.pop_front().expect("checked above");
+            self.note_freed_at(n.segment, n.offset, n.put_id);
+        }
     }
 
     /// Names `token`, the token of its caller's start, on the put `put_id` granted at `now`
@@ -673,7 +703,7 @@ impl MasterState {
             .collect();
         let mut revoked = 0;
         for (key, put_id) in granted {
-            if self.put_revoke(key.as_str(), put_id).is_ok() {
+            if self.put_revoke(key.as_str(), put_id, now).is_ok() {
                 revoked += 1;
             }
         }

@@ -202,7 +202,13 @@ impl MasterState {
 
     /// Notes that the range `r` held version `put_id` of an object that is gone.
     pub(super) fn note_freed(&mut self, r: &super::objects::Replica, put_id: u64) {
-        let Some(seg) = self.segments.get(&r.segment) else {
+        self.note_freed_at(r.segment, r.allocation.offset(), put_id);
+    }
+
+    /// Notes that the range at `offset` of `segment` held version `put_id` of an object that
+    /// is gone.
+    pub(super) fn note_freed_at(&mut self, segment: SegmentId, offset: u64, put_id: u64) {
+        let Some(seg) = self.segments.get(&segment) else {
             return;
         };
         let granted_before = self.grants.next;
@@ -219,7 +225,7 @@ impl MasterState {
                 self.counters.freed_notes_dropped += 1;
             }
             o.freed.push_back(Freed {
-                offset: r.allocation.offset(),
+                offset,
                 put_id,
                 granted_before,
                 seq: self.next_freed,

@@ -155,7 +155,7 @@ fn an_upsert_reuses_memory_nobody_reads_and_otherwise_waits_for_the_readers() {
         s.put_start(&k("c"), 10, &upsert(), Millis(lease_end + 20_005)),
         Err(MasterError::PutInFlight(k("c")))
     );
-    s.put_revoke("c", inflight.put_id).unwrap();
+    s.put_revoke("c", inflight.put_id, Millis(0)).unwrap();
     s.check_invariants().unwrap();
 }
 
@@ -210,6 +210,40 @@ fn an_upsert_that_finds_no_put_id_leaves_the_stored_value() {
     );
 }
 
+/// A put that went unfinished (revoked, or removed by force) is noted freed at once and again
+/// a put discard timeout later: a write of it on its way when the first note was applied lands
+/// after it, and only the second note keeps a later master from adopting it. A completed object
+/// removed is noted once.
+#[test]
+fn an_unfinished_puts_range_is_noted_freed_again_later() {
+    let mut s = state_with(&[64 * MIB]);
+    let later = s.policy.put_discard_timeout.as_millis() as u64;
+    let revoked = s.put_start(&k("r"), 1000, &cfg(1), Millis(0)).unwrap();
+    s.put_revoke("r", revoked.put_id, Millis(0)).unwrap();
+    let forced = s.put_start(&k("f"), 1000, &cfg(1), Millis(0)).unwrap();
+    s.remove(&k("f"), true, Millis(0)).unwrap();
+    put(&mut s, "done", 1000, &cfg(1), 0).unwrap();
+    s.remove(&k("done"), false, Millis(0)).unwrap();
+    let versions = |notes: Vec<Freed>| {
+        let mut v: Vec<u64> = notes.iter().map(|n| n.put_id).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(s.take_freed(owner(0)).len(), 3);
+    s.tick(Millis(later - 1));
+    assert!(s.take_freed(owner(0)).is_empty());
+    s.tick(Millis(later));
+    let again = s.take_freed(owner(0));
+    assert_eq!(versions(again), vec![revoked.put_id, forced.put_id]);
+    assert_eq!(
+        s.take_freed(owner(0)).len(),
+        0,
+        "once each, not at every tick"
+    );
+    s.tick(Millis(later + 1));
+    assert!(s.take_freed(owner(0)).is_empty());
+}
+
 /// A heartbeat's notes stay until a later heartbeat says they were applied: an answer lost on
 /// its way loses none (before, they were handed out once, and a removed object could come back
 /// at the next rebuild).
@@ -253,7 +287,7 @@ fn owners_are_told_which_ranges_to_forget_when_objects_go() {
     // Nothing went yet; a heartbeat hands out nothing.
     assert_eq!(freed(&mut s, 0), vec![]);
     s.remove(&k("a"), false, Millis(1)).unwrap();
-    s.put_revoke("c", c.put_id).unwrap();
+    s.put_revoke("c", c.put_id, Millis(0)).unwrap();
     let note = |g: &PutGrant| (g.replicas[0].offset, g.put_id);
     let notes = s.take_freed(owner(0));
     assert!(notes.iter().all(|f| f.granted_before == s.next_grant()));
@@ -611,7 +645,7 @@ fn upkeep_knows_only_the_puts_not_ended() {
     let revoked = s
         .put_start(&k("revoked"), 4096, &cfg(1), Millis(200))
         .unwrap();
-    s.put_revoke("revoked", revoked.put_id).unwrap();
+    s.put_revoke("revoked", revoked.put_id, Millis(0)).unwrap();
     s.put_start(&k("lost"), 4096, &cfg(1), Millis(300)).unwrap();
     s.put_start(&k("done0"), 4096, &upsert(), Millis(400))
         .unwrap();
@@ -652,8 +686,8 @@ fn a_taken_over_puts_owner_forgets_its_version_when_the_range_is_released() {
 fn revoke_frees_and_only_the_current_put_can_end() {
     let mut s = state_with(&[4 * MIB]);
     let g = s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
-    assert!(s.put_revoke("a", g.put_id + 1).is_err());
-    s.put_revoke("a", g.put_id).unwrap();
+    assert!(s.put_revoke("a", g.put_id + 1, Millis(0)).is_err());
+    s.put_revoke("a", g.put_id, Millis(0)).unwrap();
     assert_eq!(s.allocated(), 0);
     assert!(s.put_end("a", g.put_id, Millis(0)).is_err());
     s.check_invariants().unwrap();
@@ -801,7 +835,7 @@ proptest! {
                     }
                 }
                 Step::End(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_end(&format!("k{key}"), *id, Millis(now)); } }
-                Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&format!("k{key}"), *id); } }
+                Step::Revoke(key) => { if let Some(id) = puts.get(&key) { let _ = s.put_revoke(&format!("k{key}"), *id, Millis(now)); } }
                 Step::Get(key) => {
                     if let Ok((size, reps)) = s.get_replicas(&k(&format!("k{key}")), Millis(now)) {
                         prop_assert!(!reps.is_empty());

@@ -137,6 +137,10 @@ impl MasterState {
         if let Some(p) = tier.promoting {
             self.abandon_promotion(p, now);
         }
+        if !obj.phase.is_complete() {
+            // Removed by force, or abandoned: a write of it may still land.
+            self.note_again_later(&obj.replicas, obj.put_id, now);
+        }
         self.drop_replicas(std::mem::take(&mut obj.replicas), obj.put_id);
     }
 

@@ -348,7 +348,10 @@ impl MasterService {
         caller: &Caller,
         puts: &[(&str, u64)],
     ) -> Vec<Result<(), MasterError>> {
-        self.per_key(caller, Op::PutRevoke, puts, |s, k, id| s.put_revoke(k, id))
+        let now = self.shared.clock.now();
+        self.per_key(caller, Op::PutRevoke, puts, |s, k, id| {
+            s.put_revoke(k, id, now)
+        })
     }
 
     fn per_key(
