@@ -178,12 +178,13 @@ impl MemoryPool {
 
     /// Exclusive access to `[offset, offset + len)` for a write without a grant.
     pub fn write_range(&self, offset: u64, len: u64) -> Result<WriteGuard<'_>, RangeError> {
-        self.acquire(offset, len, true)?;
+        let seen = self.acquire(offset, len, true)?;
         Ok(WriteGuard {
             pool: self,
             offset,
             len,
             grant: 0,
+            seen,
         })
     }
 
@@ -198,26 +199,28 @@ impl MemoryPool {
         grant: u64,
         patience: std::time::Duration,
     ) -> Result<WriteGuard<'_>, RangeError> {
-        self.take_for_write(offset, len, grant, patience).await?;
+        let seen = self.take_for_write(offset, len, grant, patience).await?;
         Ok(WriteGuard {
             pool: self,
             offset,
             len,
             grant,
+            seen,
         })
     }
 
-    /// Takes the range for a write under `grant`, waiting as `write_range_granted` says.
+    /// Takes the range for a write under `grant`, waiting as `write_range_granted` says; the
+    /// supersession count when it was taken.
     async fn take_for_write(
         &self,
         offset: u64,
         len: u64,
         grant: u64,
         patience: std::time::Duration,
-    ) -> Result<(), RangeError> {
+    ) -> Result<u64, RangeError> {
         // The usual case: nothing in the way, nothing to register.
-        if self.try_write(offset, len, grant)? {
-            return Ok(());
+        if let Some(seen) = self.try_write(offset, len, grant)? {
+            return Ok(seen);
         }
         let deadline = tokio::time::Instant::now() + patience;
         let _waiting = Waiting::register(&self.waiting);
@@ -227,11 +230,11 @@ impl MemoryPool {
             tokio::pin!(released);
             released.as_mut().enable();
             match self.try_write(offset, len, grant) {
-                Ok(true) => return Ok(()),
-                Ok(false) if tokio::time::Instant::now() < deadline => {
+                Ok(Some(seen)) => return Ok(seen),
+                Ok(None) if tokio::time::Instant::now() < deadline => {
                     let _ = tokio::time::timeout_at(deadline, released).await;
                 }
-                Ok(false) => {
+                Ok(None) => {
                     let by_write = self
                         .active
                         .lock()
@@ -248,9 +251,11 @@ impl MemoryPool {
         }
     }
 
-    /// Takes the range for a write under `grant` (true), or marks the older writes in the way
-    /// superseded and wakes them (false: wait for their release, and for readers in the way).
-    fn try_write(&self, offset: u64, len: u64, grant: u64) -> Result<bool, RangeError> {
+    /// Takes the range for a write under `grant` (with the supersession count then, read under
+    /// the same lock: a supersession right after it is seen by the write), or marks the older
+    /// writes in the way superseded and wakes them (None: wait for their release, and for
+    /// readers in the way).
+    fn try_write(&self, offset: u64, len: u64, grant: u64) -> Result<Option<u64>, RangeError> {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
@@ -279,18 +284,23 @@ impl MemoryPool {
             older = true;
         }
         if older {
-            active.supersede(start, end);
-            self.supersessions
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            drop(active);
-            self.superseding.notify_waiters();
-            return Ok(false);
+            // Told once: a waiting writer tries again at every release in the pool, and each
+            // word wakes every write under way to look.
+            if active.supersede(start, end) {
+                self.supersessions
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(active);
+                self.superseding.notify_waiters();
+            }
+            return Ok(None);
         }
         if readers {
-            return Ok(false);
+            return Ok(None);
         }
         active.add_writer(start, end, grant);
-        Ok(true)
+        Ok(Some(
+            self.supersessions.load(std::sync::atomic::Ordering::SeqCst),
+        ))
     }
 
     /// Shared access to `[offset, offset + len)`.
@@ -352,7 +362,8 @@ impl MemoryPool {
         })
     }
 
-    fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<(), RangeError> {
+    /// Takes the range; the supersession count then (see `try_write`).
+    fn acquire(&self, offset: u64, len: u64, write: bool) -> Result<u64, RangeError> {
         self.check_range(offset, len)?;
         let (start, end) = (offset, offset + len);
         let mut active = self.active.lock();
@@ -371,7 +382,7 @@ impl MemoryPool {
         } else {
             active.add_reader(start, end);
         }
-        Ok(())
+        Ok(self.supersessions.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     fn release(&self, offset: u64, len: u64, write: bool, grant: u64) {
@@ -413,6 +424,8 @@ pub struct WriteGuard<'a> {
     offset: u64,
     len: u64,
     grant: u64,
+    /// `MemoryPool::supersessions` when the range was taken.
+    seen: u64,
 }
 
 impl<'a> WriteGuard<'a> {
@@ -424,10 +437,7 @@ impl<'a> WriteGuard<'a> {
             start: self.offset,
             end: self.offset + self.len,
             grant: self.grant,
-            seen: self
-                .pool
-                .supersessions
-                .load(std::sync::atomic::Ordering::SeqCst),
+            seen: self.seen,
         }
     }
 }
@@ -439,7 +449,7 @@ pub struct Supersession<'a> {
     start: u64,
     end: u64,
     grant: u64,
-    /// `MemoryPool::supersessions` when the write began.
+    /// `MemoryPool::supersessions` when the write took its range.
     seen: u64,
 }
 
@@ -619,6 +629,37 @@ mod tests {
     #[test]
     fn zero_size_is_refused() {
         assert!(MemoryPool::create(0, false).is_err());
+    }
+
+    /// A write that asks whether it was superseded only after a newer grant superseded it
+    /// (the data plane takes the range, then looks at the catalog, then listens) still learns
+    /// it: before, it compared against the count when it asked, and kept writing while the
+    /// newer write waited out its patience.
+    #[tokio::test]
+    async fn a_supersession_before_the_write_listens_is_not_missed() {
+        use std::time::Duration;
+        let pool = Arc::new(MemoryPool::create(1 << 20, false).unwrap());
+        let patience = Duration::from_secs(10);
+        let stale = pool
+            .write_range_granted(0, 4096, 5, patience)
+            .await
+            .unwrap();
+        let newer = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.write_range_granted(0, 4096, 9, patience)
+                    .await
+                    .map(drop)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(stale.supersession().is_superseded());
+        drop(stale);
+        tokio::time::timeout(Duration::from_secs(5), newer)
+            .await
+            .expect("the newer write took the range")
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]

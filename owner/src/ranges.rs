@@ -96,18 +96,22 @@ impl ActiveRanges {
         }
     }
 
-    /// Marks every writer overlapping `[start, end)` superseded.
-    pub fn supersede(&mut self, start: u64, end: u64) {
+    /// Marks every writer overlapping `[start, end)` superseded; whether one was newly marked
+    /// (one marked already needs no second word).
+    pub fn supersede(&mut self, start: u64, end: u64) -> bool {
         let writers: Vec<(u64, u64)> = self
             .overlapping(start, end)
             .filter(|(_, h)| h.is_write())
             .map(|(r, _)| r)
             .collect();
+        let mut newly = false;
         for r in writers {
             if let Some(Holders::Writer { superseded, .. }) = self.by_range.get_mut(&r) {
+                newly |= !*superseded;
                 *superseded = true;
             }
         }
+        newly
     }
 
     /// Whether the writer of exactly `[start, end)` under `grant` was superseded.
