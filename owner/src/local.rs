@@ -75,8 +75,10 @@ pub struct LocalServer {
 }
 
 impl LocalServer {
-    /// Serves local clients until `stop`, then removes the socket file.
+    /// Serves local clients until `stop`, then removes the socket file (also when dropped
+    /// unfinished: an owner whose runtime ends without a shutdown leaves no file behind).
     pub async fn serve(self: Arc<Self>, listener: UnixListener, mut stop: watch::Receiver<bool>) {
+        let _socket = RemovedOnDrop(self.path.clone());
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -97,7 +99,6 @@ impl LocalServer {
                 _ = stop.changed() => break,
             }
         }
-        let _ = std::fs::remove_file(&self.path);
     }
 
     /// Admits a connection (see `mooncake_common::auth`), then serves it, or answers its hello
@@ -404,6 +405,15 @@ impl Held {
                 self.reads.remove(&range);
             }
         }
+    }
+}
+
+/// A file removed when this is dropped.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 

@@ -796,3 +796,29 @@ async fn calls_queued_behind_a_stopped_owner_fail_within_their_own_deadline() {
     }
     owner.signal(libc::SIGCONT);
 }
+
+/// An owner whose runtime ends without a shutdown (a test that returns early, an embedding
+/// process that exits its runtime) leaves no same-host socket file behind: before, only an
+/// orderly stop removed it.
+#[test]
+fn an_owner_dropped_without_a_shutdown_leaves_no_socket_behind() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (path, running) = rt.block_on(async {
+        let master = mooncake_master::RunningMaster::start(mooncake_tests::master_config())
+            .await
+            .unwrap();
+        let owner = mooncake_owner::RunningOwner::start(mooncake_tests::owner_config(
+            &master.rpc_addr.to_string(),
+            4 << 20,
+        ))
+        .await
+        .unwrap();
+        let path = socket_path(&socket_dir(), &owner.segment);
+        assert!(path.exists(), "{}", path.display());
+        (path, (master, owner))
+    });
+    // The runtime ends first, its tasks dropped mid-loop, the owner never told to stop.
+    drop(rt);
+    assert!(!path.exists(), "{} was left behind", path.display());
+    drop(running);
+}
