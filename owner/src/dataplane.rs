@@ -440,6 +440,18 @@ impl Connection {
             );
             return self.drain_then(left, refused(&why)).await;
         }
+        if self.gate.is_some() && lapsed(&h.seal) {
+            // The seal was good when the frame began: its payload came late (a stalled writer,
+            // whose put was revoked or discarded meanwhile). Recorded now, it would outlive the
+            // master's last note that the put is gone, for a later master to adopt.
+            drop(unfinished);
+            drop(guard);
+            let why = format!(
+                "the write of put {} ended after its seal lapsed; start the put again",
+                h.grant
+            );
+            return Ok(Err(refused(&why)));
+        }
         catalog.record(
             h.offset,
             h.length,
@@ -643,4 +655,9 @@ impl Connection {
         self.replies.push_bytes(&h.encode());
         self.replies.push_bytes(msg);
     }
+}
+
+/// Whether `seal` has lapsed by now (with the owner's allowance for clock skew).
+pub(crate) fn lapsed(seal: &mooncake_common::auth::Seal) -> bool {
+    seal.expiry_us() < Seals::now()
 }

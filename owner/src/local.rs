@@ -324,7 +324,8 @@ impl LocalServer {
                         }
                         Ok(lock) => {
                             let stamp = Stamp::from_flags(item.grant, item.flags);
-                            held.writes.insert((offset, len), (lock, key, stamp));
+                            held.writes
+                                .insert((offset, len), (lock, key, stamp, item.seal));
                             Code::Ok
                         }
                     }
@@ -366,13 +367,19 @@ impl LocalServer {
             let range = (r.u64()?, r.u64()?);
             let commit = r.u8()? != 0;
             let code = match held.writes.remove(&range) {
-                Some((lock, key, stamp)) => {
-                    if commit {
-                        self.catalog
-                            .record(range.0, range.1, key, stamp, stamp.put_id);
+                Some((lock, key, stamp, seal)) => {
+                    // Ended after its seal lapsed (see the data plane's write): not recorded.
+                    if commit && self.gate.is_some() && crate::dataplane::lapsed(&seal) {
+                        drop(lock);
+                        Code::TransferFail
+                    } else {
+                        if commit {
+                            self.catalog
+                                .record(range.0, range.1, key, stamp, stamp.put_id);
+                        }
+                        drop(lock);
+                        Code::Ok
                     }
-                    drop(lock);
-                    Code::Ok
                 }
                 None => Code::InvalidParams,
             };
@@ -384,7 +391,8 @@ impl LocalServer {
 
 #[derive(Default)]
 struct Held {
-    writes: HashMap<(u64, u64), (RangeLock, ObjectKey, Stamp)>,
+    /// Per range, its lock, key, stamp and seal (checked again when the write ends).
+    writes: HashMap<(u64, u64), (RangeLock, ObjectKey, Stamp, mooncake_common::auth::Seal)>,
     /// Per range, a lock for each read of it begun and not ended.
     reads: HashMap<(u64, u64), Vec<RangeLock>>,
 }

@@ -452,6 +452,66 @@ async fn a_lapsed_seal_moves_no_byte() {
     assert!(s.read("lapsing", &again, 8192, again.seal).await.unwrap() == value);
 }
 
+/// A write whose seal was good when its frame began but lapsed before its last byte landed (a
+/// stalled writer: its put revoked or discarded meanwhile) is refused and not recorded: the
+/// master's last note that the put is gone comes once the seal has surely lapsed, and a write
+/// recorded after it would stay for a later master to adopt. Before, it was recorded (and read
+/// back once the put was ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_ends_after_its_seal_lapsed_is_not_recorded() {
+    use std::io::{Read, Write};
+
+    use mooncake_common::wire::{Op, RequestHeader, ResponseHeader, RESPONSE_HEADER_LEN};
+
+    // Puts the master keeps (and seals) for 1 s.
+    let s = start(&["--put_start_discard_timeout_sec", "1"]);
+    let (id, at) = s.granted("slow", 8192).await;
+    let value = payload("slow", 8192);
+    let credential = Credential::cluster_from_file(Path::new(&s.token)).unwrap();
+    let addr = s.segment.as_str().to_string();
+    let skew = Duration::from_micros(mooncake_owner::seals::CLOCK_SKEW_US);
+    let (offset, seal) = (at.offset, at.seal);
+    let sent = value.clone();
+    let status = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        mooncake_common::auth::authenticate_blocking(&mut conn, &credential).unwrap();
+        let mut frame = RequestHeader {
+            op: Op::Write,
+            key_len: "slow".len() as u16,
+            flags: Stamp::new(id, &ReplicateConfig::default()).flags(),
+            request_id: 1,
+            offset,
+            length: sent.len() as u64,
+            grant: id,
+            seal,
+        }
+        .encode()
+        .to_vec();
+        frame.extend_from_slice(b"slow");
+        frame.extend_from_slice(&sent[..4096]);
+        conn.write_all(&frame).unwrap();
+        // The rest once the seal has lapsed.
+        std::thread::sleep(Duration::from_secs(1) + skew + Duration::from_millis(500));
+        conn.write_all(&sent[4096..]).unwrap();
+        let mut h = [0u8; RESPONSE_HEADER_LEN];
+        conn.read_exact(&mut h).unwrap();
+        ResponseHeader::decode(&h).unwrap().code()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, Code::TransferFail);
+    // Ended at the master (it keeps unfinished puts until their release timeout), the object
+    // has no bytes at its owner: the write was not recorded.
+    assert!(s.api.put_end(&[("slow", id)]).await.unwrap()[0].is_ok());
+    let found = s.looked_up("slow").await;
+    assert_eq!(
+        s.read("slow", &found, 8192, found.seal).await,
+        Err(Code::ObjectNotFound)
+    );
+}
+
 /// Each seal is checked against the clock when its frame arrives: a connection that never lets
 /// the owner's read buffer run empty (the start of its next frame always sent with the last)
 /// does not keep the clock where the connection started.

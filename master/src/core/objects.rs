@@ -638,9 +638,12 @@ impl MasterState {
     /// once: a write of it already on its way (its bytes in the owner's socket) may land after
     /// the owner applied the note that it is gone, and would then stay in the owner's catalog
     /// for a later master to adopt, as a put its writer was told had failed (or a key removed
-    /// since). The owner is told again once any such write has surely landed.
+    /// since). The owner is told again once any such write has surely landed: in a cluster
+    /// with a secret, owners record a write only while its seal lives (it lapses a put discard
+    /// timeout after the put started; owners allow a second for clock skew).
     pub(super) fn note_again_later(&mut self, replicas: &[Replica], put_id: u64, now: Millis) {
-        let at = now.plus(self.policy.put_discard_timeout);
+        const SLACK: std::time::Duration = std::time::Duration::from_secs(3);
+        let at = now.plus(self.policy.put_discard_timeout + SLACK);
         for r in replicas {
             if self.late_notes.len() >= MAX_LATE_NOTES {
                 self.late_notes.pop_front();

@@ -211,13 +211,13 @@ fn an_upsert_that_finds_no_put_id_leaves_the_stored_value() {
 }
 
 /// A put that went unfinished (revoked, or removed by force) is noted freed at once and again
-/// a put discard timeout later: a write of it on its way when the first note was applied lands
+/// once its seal has surely lapsed (a put discard timeout and 3 s later): a write of it on its way when the first note was applied lands
 /// after it, and only the second note keeps a later master from adopting it. A completed object
 /// removed is noted once.
 #[test]
 fn an_unfinished_puts_range_is_noted_freed_again_later() {
     let mut s = state_with(&[64 * MIB]);
-    let later = s.policy.put_discard_timeout.as_millis() as u64;
+    let later = s.policy.put_discard_timeout.as_millis() as u64 + 3000;
     let revoked = s.put_start(&k("r"), 1000, &cfg(1), Millis(0)).unwrap();
     s.put_revoke("r", revoked.put_id, Millis(0)).unwrap();
     let forced = s.put_start(&k("f"), 1000, &cfg(1), Millis(0)).unwrap();
