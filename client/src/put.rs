@@ -261,11 +261,11 @@ impl Client {
         loop {
             match self.master.put_revoke(puts).await {
                 Ok(_) => return,
-                Err(e) if unanswered(&e) && tokio::time::Instant::now() + pause < until => {
+                Err(e) if try_again(&e) && tokio::time::Instant::now() + pause < until => {
                     tokio::time::sleep(pause).await;
                     pause *= 2;
                 }
-                Err(e) if unanswered(&e) => {
+                Err(e) if try_again(&e) => {
                     tracing::debug!(error = %e, puts = puts.len(), "a revoke went unanswered; trying again in the background");
                     let owned = puts
                         .iter()
@@ -314,7 +314,7 @@ async fn give_up(master: Arc<dyn MasterApi>, pending: Pending) {
         };
         match answer {
             Ok(()) => return,
-            Err(e) if unanswered(&e) && tokio::time::Instant::now() + pause < until => {
+            Err(e) if try_again(&e) && tokio::time::Instant::now() + pause < until => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
             }
@@ -330,6 +330,14 @@ async fn give_up(master: Arc<dyn MasterApi>, pending: Pending) {
 /// connection broke.
 fn unanswered(e: &ApiError) -> bool {
     matches!(e.code, Code::RpcTimeout | Code::RpcFail)
+}
+
+/// Whether giving a put up (a revoke, an abandoned start) goes again after `e`: unanswered, or
+/// refused unexecuted, which is how a client following an elected master reports a failure
+/// mid-call (the leader may be the same one, still holding the put). Sent again, it is done,
+/// or refused by a master that does not know the put.
+fn try_again(e: &ApiError) -> bool {
+    unanswered(e) || e.code == Code::UnavailableInCurrentStatus
 }
 
 /// Puts started and not yet ended or revoked. Should the put be dropped before (its caller's

@@ -31,6 +31,9 @@ enum Lost {
     End,
     StartAnswer,
     EndAndRevoke,
+    /// The end lost, and the revoke's failure answered as a client following an elected
+    /// master answers it: UNAVAILABLE_IN_CURRENT_STATUS ("the master changed"), not RPC_FAIL.
+    EndAndRevokeWhileFollowing,
 }
 
 impl MasterApi for LosesFirst {
@@ -59,8 +62,17 @@ impl MasterApi for LosesFirst {
         self.inner.put_end(puts)
     }
     fn put_revoke<'a>(&'a self, puts: &'a [(&'a str, u64)]) -> Call<'a, Vec<Result<(), Code>>> {
-        if self.what == Lost::EndAndRevoke && !self.lost_revoke.swap(true, Ordering::SeqCst) {
-            return Box::pin(async { Err(ApiError::new(Code::RpcFail, "lost on its way")) });
+        let lost = matches!(
+            self.what,
+            Lost::EndAndRevoke | Lost::EndAndRevokeWhileFollowing
+        );
+        if lost && !self.lost_revoke.swap(true, Ordering::SeqCst) {
+            let code = if self.what == Lost::EndAndRevoke {
+                Code::RpcFail
+            } else {
+                Code::UnavailableInCurrentStatus
+            };
+            return Box::pin(async move { Err(ApiError::new(code, "lost on its way")) });
         }
         self.inner.put_revoke(puts)
     }
@@ -159,8 +171,16 @@ async fn a_put_whose_start_answer_was_lost_is_abandoned_and_can_be_put_again() {
 /// flight (`Ok(AlreadyExists)`, nothing stored) until the master's discard timeout (30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_whose_end_and_revoke_were_lost_is_revoked_again_and_a_retry_stores_it() {
+    for lost in [Lost::EndAndRevoke, Lost::EndAndRevokeWhileFollowing] {
+        end_and_revoke_lost(lost).await;
+    }
+}
+
+/// The same when the revoke's failure comes as a client following an elected master reports
+/// it (UNAVAILABLE_IN_CURRENT_STATUS): before, that revoke was not tried again.
+async fn end_and_revoke_lost(lost: Lost) {
     let c = Cluster::start(&[16 << 20]).await;
-    let client = losing(&c, Lost::EndAndRevoke).await;
+    let client = losing(&c, lost).await;
     let value = payload("k", 100_000);
     let cfg = ReplicateConfig::default();
     let first = client.put("k", &value, &cfg).await;
