@@ -822,3 +822,39 @@ fn an_owner_dropped_without_a_shutdown_leaves_no_socket_behind() {
     assert!(!path.exists(), "{} was left behind", path.display());
     drop(running);
 }
+
+/// A same-host owner gone for good (stopped, and never called again) is let go of within the
+/// tidy interval (10 s) of the client's next call to anyone: its whole pool stays allocated
+/// while a client maps it. Before, only a new route (or a probe of another owner) let go of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_same_host_owners_pool_is_let_go() {
+    // A size no other test here uses, to tell these pools' mappings apart.
+    const SIZE: u64 = 13 << 20;
+    let (_m, rpc, _) = spawn_master(&[]);
+    let (mut gone, gone_seg) = spawn_owner(&rpc, "13MiB", &[]);
+    let (_stays, stays_seg) = spawn_owner(&rpc, "13MiB", &[]);
+    let shm = client(&rpc, true).await;
+    for (key, seg) in [("gone", &gone_seg), ("stays", &stays_seg)] {
+        let on = ReplicateConfig {
+            preferred_segments: vec![SegmentName::parse(seg).unwrap()],
+            ..ReplicateConfig::default()
+        };
+        shm.put(key, &payload(key, 1 << 20), &on).await.unwrap();
+    }
+    assert_eq!(pool_mappings(SIZE), 2);
+    assert_eq!(shm.transfer_stats().tcp_bytes, 0, "both over shared memory");
+    gone.signal(libc::SIGKILL);
+    gone.wait_exit(Duration::from_secs(15))
+        .expect("the owner dies");
+    let mut buf = vec![0u8; 1 << 20];
+    let until = Instant::now() + Duration::from_secs(30);
+    while pool_mappings(SIZE) > 1 {
+        assert!(
+            Instant::now() < until,
+            "the departed owner's pool is still mapped"
+        );
+        assert_eq!(shm.get("stays", &mut buf).await.unwrap(), 1 << 20);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(buf == payload("stays", 1 << 20));
+}

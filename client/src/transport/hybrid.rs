@@ -31,6 +31,8 @@ use super::{
 
 /// How long the mapping of a forgotten same-host route waits for the route to be made again.
 const RETIRED_FOR: Duration = Duration::from_secs(60);
+/// How often calls look for mappings held for nothing (see `HybridTransport::tidy`).
+const TIDY_EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -57,6 +59,9 @@ pub struct HybridTransport {
     /// next probe of the owner takes its mapping back if the pool is the same (see `probe`).
     /// Kept a minute at most, so the pool of an owner gone for good is not held.
     retired: Mutex<HashMap<SegmentName, (Instant, SharedPool)>>,
+    /// When this transport was made, and (in ms from then) when the next call tidies.
+    born: Instant,
+    next_tidy: AtomicU64,
     local_bytes: AtomicU64,
     tcp_bytes: AtomicU64,
 }
@@ -68,12 +73,15 @@ impl HybridTransport {
             config,
             routes: Mutex::new(HashMap::new()),
             retired: Mutex::new(HashMap::new()),
+            born: Instant::now(),
+            next_tidy: AtomicU64::new(0),
             local_bytes: AtomicU64::new(0),
             tcp_bytes: AtomicU64::new(0),
         }
     }
 
     async fn route(&self, target: &SegmentName) -> Route {
+        self.tidy();
         if let Some(r) = self.routes.lock().get(target) {
             return r.clone();
         }
@@ -84,6 +92,35 @@ impl HybridTransport {
         routes.retain(|_, r| !matches!(r, Route::Local(o) if o.is_gone()));
         routes.insert(target.clone(), route.clone());
         route
+    }
+
+    /// Every `TIDY_EVERY` at most (one atomic load otherwise): lets go of the mappings of
+    /// forgotten routes past `RETIRED_FOR`, and of routes to owners that are surely gone. A
+    /// same-host owner's whole pool stays allocated while a client maps it: an owner gone for
+    /// good (a scale-down) whose segment nothing calls again would otherwise stay mapped for
+    /// the client's life.
+    fn tidy(&self) {
+        let now = self.born.elapsed().as_millis() as u64;
+        let due = self.next_tidy.load(Ordering::Relaxed);
+        if now < due
+            || self
+                .next_tidy
+                .compare_exchange(
+                    due,
+                    now + TIDY_EVERY.as_millis() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        self.retired
+            .lock()
+            .retain(|_, (at, _)| at.elapsed() < RETIRED_FOR);
+        self.routes
+            .lock()
+            .retain(|_, r| !matches!(r, Route::Local(o) if o.is_gone()));
     }
 
     async fn probe(&self, target: &SegmentName) -> Route {
