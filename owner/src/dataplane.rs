@@ -222,6 +222,11 @@ impl Connection {
                     _ = stop.changed() => return Ok(()),
                 }
             } else if stop.has_changed().unwrap_or(true) {
+                // Stopping between two frames of a batch: the answers to the frames handled
+                // (writes recorded, reads done) still go out, so the client does not count
+                // them failed.
+                let flush = self.replies.flush(&mut self.writer);
+                let _ = tokio::time::timeout(FLUSH_BEFORE_CLOSE, flush).await;
                 return Ok(());
             }
             // Once a frame starts, the rest of it must arrive within the frame timeout. A frame
