@@ -5,7 +5,8 @@
 //! definite or the caller's deadline (the RPC timeout) would pass. Lookups (`get_replicas`,
 //! `exists`) are retried: they change nothing, so asking twice is safe. So are removals, but only
 //! what the master answered "not known yet" (it removed nothing of that): the keys of a `remove`
-//! so answered, a `remove_all` refused as a whole. The other calls pass through.
+//! so answered, a `remove_all` refused as a whole; and a put start whose every key was so
+//! answered (it granted nothing). The other calls pass through.
 
 use std::{sync::Arc, time::Duration};
 
@@ -118,7 +119,25 @@ impl MasterApi for Patient {
         config: &'a ReplicateConfig,
         token: u64,
     ) -> Call<'a, Grants> {
-        self.inner.put_start(items, config, token)
+        // Asked again only when every key was answered "not known yet": nothing was granted,
+        // so asking twice starts nothing twice. (A batch partly granted returns as it is: its
+        // other keys fail with the code, to be put again. A broken connection is not asked
+        // again: the start may have been made.)
+        Box::pin(async move {
+            let mut backoff = Backoff::new(self.deadline);
+            loop {
+                let answer = self.inner.put_start(items, config, token).await;
+                let nothing_granted = answer.as_ref().is_ok_and(|g| {
+                    !g.results.is_empty()
+                        && g.results
+                            .iter()
+                            .all(|r| r.as_ref().is_err_and(|e| not_yet(&e.code)))
+                });
+                if !nothing_granted || !backoff.wait().await {
+                    return answer;
+                }
+            }
+        })
     }
 
     fn abandon_put_start(&self, token: u64) -> Call<'_, u32> {
