@@ -25,6 +25,16 @@ pub fn is_not_leading(message: &str) -> bool {
     message.contains(NOT_LEADING)
 }
 
+/// Ends the message of a call that failed before any of it was sent (no connection to the
+/// master could be made, as to a new leader not listening yet): it was not executed, so it may
+/// go again, also to the same master.
+pub const NOT_SENT: &str = "the call was not sent";
+
+/// Whether `message` says its call was not sent (see `NOT_SENT`).
+pub fn was_not_sent(message: &str) -> bool {
+    message.contains(NOT_SENT)
+}
+
 /// The etcd key under which the leader of `cluster_id` publishes its address.
 pub fn leader_key(cluster_id: &str) -> String {
     format!("mooncake-store/{cluster_id}/master_view")

@@ -367,3 +367,57 @@ async fn a_leader_keeps_its_term_through_an_etcd_stall_shorter_than_its_lease() 
     all_exact(&client, &before).await;
     all_exact(&client, &during).await;
 }
+
+/// A new leader named in etcd before it listens (it waits out its predecessor's lease first)
+/// refuses connections meanwhile; a state-changing call is tried on it again until it answers,
+/// within the call's deadline. Before, the first refused connection marked the new leader as
+/// tried, as if the call had reached it, and the call failed with RPC_TIMEOUT at its deadline
+/// though the leader answered seconds earlier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waits_for_a_new_leader_that_is_not_listening_yet() {
+    let etcd = Etcd::start().await;
+    let a = ha_master_with_ttl(&etcd, "9");
+    a.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let b = ha_master_with_ttl(&etcd, "9");
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    // Following A.
+    let client = Client::connect(ClientConfig {
+        rpc_timeout: Duration::from_secs(20),
+        ..client_config(&etcd.master_url())
+    })
+    .await
+    .unwrap();
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    let key = mooncake_common::leader::leader_key("ha-test");
+    c.delete(key.as_str(), None).await.unwrap();
+    // B wins the key, and waits out A's lease (9 s) before it listens.
+    let named = Instant::now();
+    loop {
+        let got = c.get(key.as_str(), None).await.unwrap();
+        if got
+            .kvs()
+            .first()
+            .is_some_and(|kv| String::from_utf8_lossy(kv.value()).contains(&b.addr))
+        {
+            break;
+        }
+        assert!(named.elapsed() < Duration::from_secs(20), "B never won");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A stepped down (it answers nobody; within a keepalive period, 3 s), B still waits.
+    assert!(a
+        .guard
+        .line_within("mooncake_master standby leader=", Duration::from_secs(8))
+        .is_some());
+    let answer = client.remove("never-put", false).await;
+    let e = answer.expect_err("nothing to remove");
+    assert_eq!(
+        e.code(),
+        mooncake_common::Code::ObjectNotFound,
+        "the new leader's answer, not a timeout: {e}"
+    );
+}

@@ -170,8 +170,11 @@ macro_rules! on_leader {
                     Err(e) if leader_trouble(e) && Instant::now() + pause < give_up => {
                         tracing::debug!(error = %e, leader = %leader.address, "master call failed; asking etcd for the leader");
                         $self.forget(&leader);
-                        // Refused unexecuted: as good as never sent.
-                        if e.code != Code::UnavailableInCurrentStatus {
+                        // Refused unexecuted, or never sent (a new leader not listening yet): it
+                        // may go to the same master again.
+                        let unexecuted = e.code == Code::UnavailableInCurrentStatus
+                            || mooncake_common::leader::was_not_sent(&e.message);
+                        if !unexecuted {
                             tried = Some(leader);
                         }
                         tokio::time::sleep(pause).await;

@@ -411,7 +411,10 @@ impl FramedPool {
             .expect("semaphore never closed");
         let mut conn = match self.idle_open() {
             Some(c) => c,
-            None => self.connect().await?,
+            None => self.connect().await.map_err(|mut e| {
+                e.message = format!("{}; {}", e.message, mooncake_common::leader::NOT_SENT);
+                e
+            })?,
         };
         let (status, out) = conn
             .exchange(&self.addr, method, len, encode, self.spin)
