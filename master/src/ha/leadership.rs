@@ -35,8 +35,30 @@ impl Leadership {
         }
     }
 
-    pub fn extend_to(&self, until: Millis) {
-        self.valid_until.fetch_max(until.0, Ordering::SeqCst);
+    /// Moves the lease's end to `until` (an acknowledged keepalive), unless it lapsed by `now`
+    /// (or was revoked): a lapse is final. The term's answers stopped at the lapse, and a call
+    /// refused then as "not the leader" may already be on its way to be asked again (of this
+    /// same master, should etcd still name it): revived by a late acknowledgement, it would run
+    /// that call twice. False when it had lapsed.
+    pub fn extend_to(&self, until: Millis, now: Millis) -> bool {
+        let mut current = self.valid_until.load(Ordering::SeqCst);
+        loop {
+            if current <= now.0 {
+                return false;
+            }
+            if current >= until.0 {
+                return true;
+            }
+            match self.valid_until.compare_exchange(
+                current,
+                until.0,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => return true,
+                Err(actual) => current = actual,
+            }
+        }
     }
 
     /// Stops answering at once (the lease was lost or given up).
@@ -67,10 +89,21 @@ mod tests {
         assert!(Leadership::always().holds(Millis(u64::MAX - 1)));
         let l = Leadership::until(Millis(100));
         assert!(l.holds(Millis(99)) && !l.holds(Millis(100)));
-        l.extend_to(Millis(200));
-        l.extend_to(Millis(150));
+        assert!(l.extend_to(Millis(200), Millis(50)));
+        assert!(l.extend_to(Millis(150), Millis(60)));
         assert!(l.holds(Millis(199)));
         l.revoke();
         assert!(!l.holds(Millis(1)));
+        assert!(!l.extend_to(Millis(300), Millis(2)), "revoked for good");
+    }
+
+    /// A lease that lapsed stays lapsed: a late acknowledgement of a keepalive sent before the
+    /// lapse does not revive it (calls refused meanwhile as "not the leader" may be asked again
+    /// of this master).
+    #[test]
+    fn a_lapse_is_final() {
+        let l = Leadership::until(Millis(100));
+        assert!(!l.extend_to(Millis(190), Millis(120)));
+        assert!(!l.holds(Millis(121)));
     }
 }

@@ -628,8 +628,12 @@ async fn renew(
     keeper.keep_alive().await?;
     match tokio::time::timeout(period, acks.message()).await {
         Ok(Ok(Some(ack))) if ack.ttl() > 0 => {
-            leadership.extend_to(sent.plus(ttl));
-            Ok(())
+            if leadership.extend_to(sent.plus(ttl), clock.now()) {
+                Ok(())
+            } else {
+                // Acknowledged after the lease's local view lapsed: the term is over.
+                Err(LeaseExpired.into())
+            }
         }
         Ok(Ok(Some(_))) => Err(LeaseExpired.into()),
         Ok(Ok(None)) => anyhow::bail!("etcd closed the keepalive stream"),
