@@ -134,6 +134,8 @@ macro_rules! on_leader {
                         tracing::debug!(error = %e, "no leader yet");
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(LONGEST_PAUSE);
+                        // Later lookups, and the call, get what is left of the deadline.
+                        bounded = true;
                         continue;
                     }
                     Err(e) => return Err(e),
