@@ -95,9 +95,12 @@ impl ReplicateConfig {
             );
         }
         if self.group_ids.as_ref().is_some_and(|g| !g.is_empty()) {
-            return Err(
-                "replica groups (group_ids) are not supported by this store; leave None".into(),
-            );
+            // A placement hint in Mooncake (a group's keys on one node): placement here ignores
+            // it, and the put goes on (SGLang sets it on every put when it finds the field).
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!("ReplicateConfig.group_ids is a placement hint this store ignores: keys are placed as without it");
+            });
         }
         if self.data_type > 9 {
             return Err(format!(
@@ -195,6 +198,10 @@ impl SetupArgs {
                     }
                     Some(i) => values[i] = Some(v),
                     None if name == TENANT_ID => tenant_id = Some(v.str()?.extract()?),
+                    None if name == "enable_ssd_offload" && v.is_truthy()? => {
+                        // A caller that asks for SSD offload believes it is on: say where it is.
+                        tracing::warn!("setup(enable_ssd_offload=True) has no effect here: the SSD tier is the owner's (mooncake_ownerd --ssd-path DIR --ssd-size SIZE), and this client's segment offloads nothing");
+                    }
                     None if IGNORED.contains(&name.as_str()) => {}
                     None => {
                         return Err(PyTypeError::new_err(format!(

@@ -54,10 +54,14 @@ def test_replicate_config_has_mooncakes_current_fields(store, cluster):
     assert desc.get_disk_descriptor() is None and desc.get_memory_descriptor() is not None
     # What this store does not have is refused with a code, not ignored.
     for bad in (ReplicateConfig(nof_replica_num=1), ReplicateConfig(preferred_nof_segments=["nvme"]),
-                ReplicateConfig(group_ids=["g"]), ReplicateConfig(data_type=10)):
+                ReplicateConfig(data_type=10)):
         assert store.put("cfg/bad", b"v", config=bad) == INVALID, bad
     assert store.is_exist("cfg/bad") == 0
     assert store.put("cfg/empty-groups", b"v", config=ReplicateConfig(group_ids=[])) == 0
+    # Group ids are a placement hint (SGLang sets one per key on every put when it finds the
+    # field): ignored, with a warning, and the put stores.
+    assert store.put("cfg/groups", b"v", config=ReplicateConfig(group_ids=["g"])) == 0
+    assert store.get("cfg/groups") == b"v"
     # A name that is no segment (a bare host, as Mooncake's etcd mode names segments) places as
     # if absent: it falls back, as a preferred segment that is gone or full does.
     assert store.put("cfg/bare-host", b"v", config=ReplicateConfig(preferred_segment="10.0.0.1")) == 0
