@@ -58,16 +58,20 @@ impl Patient {
 
     /// Runs `call` until `pending` says no answer asks to wait, or until waiting more would
     /// pass the deadline (then the last answer stands). Once a retry's answer replaces one,
-    /// the holds that `hits` names in the replaced answer go back: nobody reads under them.
+    /// the holds that `hits` names in the replaced answer (keys, epoch, lease TTL) go back:
+    /// nobody reads under them. Only within the first half of their TTL from when they were
+    /// asked for, as every release: later, the master may have granted the key to another
+    /// reader, whose hold it would end.
     fn until_definite<'a, T: Send + 'a>(
         &'a self,
         call: impl Fn() -> Call<'a, T> + Send + 'a,
         pending: impl Fn(&T) -> bool + Send + 'a,
-        hits: impl Fn(&T) -> (Vec<&'a str>, u64) + Send + 'a,
+        hits: impl Fn(&T) -> (Vec<&'a str>, u64, Duration) + Send + 'a,
     ) -> Call<'a, T> {
         Box::pin(async move {
             let mut backoff = Backoff::new(self.deadline);
             let give_up = backoff.give_up;
+            let mut asked = std::time::Instant::now();
             let mut answer = call().await;
             loop {
                 let again = match &answer {
@@ -80,17 +84,23 @@ impl Patient {
                 }
                 // A retry gets only what is left of the deadline (each try on its own could take
                 // a whole RPC timeout); past it the last answer stands, with its holds.
+                let next_asked = std::time::Instant::now();
                 let next = match tokio::time::timeout_at(give_up, call()).await {
                     Ok(next) => next,
                     Err(_) => return answer,
                 };
                 let replaced = std::mem::replace(&mut answer, next);
+                let replaced_asked = std::mem::replace(&mut asked, next_asked);
                 // Only once replaced: the caller reads under the new answer's holds.
                 if let Ok(replaced) = &replaced {
-                    let (keys, epoch) = hits(replaced);
-                    if !keys.is_empty() {
+                    let (keys, epoch, ttl) = hits(replaced);
+                    let send_by = replaced_asked + ttl / 2;
+                    if !keys.is_empty() && std::time::Instant::now() < send_by {
                         // Best effort: a hold not handed back ends at its TTL.
-                        let release = self.inner.release_leases(Releases::of(&keys, epoch));
+                        let release = self.inner.release_leases(Releases {
+                            send_by: Some(send_by),
+                            ..Releases::of(&keys, epoch)
+                        });
                         let _ = tokio::time::timeout_at(give_up, release).await;
                     }
                 }
@@ -158,7 +168,13 @@ impl MasterApi for Patient {
         self.until_definite(
             move || self.inner.get_replicas(keys, first_try(&first, release)),
             |l: &Lookup| l.results().iter().any(|r| r.as_ref().is_err_and(not_yet)),
-            move |l: &Lookup| (hits_of(keys, l.results(), Result::is_ok), l.epoch),
+            move |l: &Lookup| {
+                (
+                    hits_of(keys, l.results(), Result::is_ok),
+                    l.epoch,
+                    l.lease_ttl,
+                )
+            },
         )
     }
 
@@ -167,7 +183,13 @@ impl MasterApi for Patient {
         self.until_definite(
             move || self.inner.exists(keys, first_try(&first, release)),
             |e: &Existence| e.found.iter().any(|r| r.as_ref().is_err_and(not_yet)),
-            move |e: &Existence| (hits_of(keys, &e.found, |r| *r == Ok(true)), e.epoch),
+            move |e: &Existence| {
+                (
+                    hits_of(keys, &e.found, |r| *r == Ok(true)),
+                    e.epoch,
+                    e.lease_ttl,
+                )
+            },
         )
     }
 
@@ -255,6 +277,8 @@ mod tests {
         /// Calls answered (not met by the silence).
         answered: std::sync::atomic::AtomicUsize,
         removed: std::sync::Mutex<Vec<String>>,
+        /// The lease its hits get.
+        lease_ttl: Duration,
     }
 
     impl Rebuilding {
@@ -267,6 +291,7 @@ mod tests {
                 released: Default::default(),
                 answered: Default::default(),
                 removed: Default::default(),
+                lease_ttl: Duration::from_secs(10),
             }
         }
     }
@@ -309,7 +334,7 @@ mod tests {
                 };
                 Ok(Existence {
                     found: keys.iter().map(answer).collect(),
-                    lease_ttl: Duration::from_secs(10),
+                    lease_ttl: self.lease_ttl,
                     epoch: 1,
                 })
             })
@@ -432,6 +457,23 @@ mod tests {
         assert_eq!(answer.found, vec![Ok(true), Ok(true)]);
         let released = master.released.lock().unwrap().clone();
         assert_eq!(released, vec![(vec!["a".to_string()], 1); 2]);
+    }
+
+    /// A replaced answer's holds go back only within the first half of their TTL from when
+    /// they were asked for (as every release): later, the master may have leased the key to
+    /// another reader, whose hold the release would end. Here the TTL is 30 ms and each retry
+    /// comes at least 20 ms after the try it replaces: nothing goes back. Before, every
+    /// replaced answer's holds went back whenever the retry was answered.
+    #[tokio::test]
+    async fn a_replaced_answers_holds_go_back_only_in_time() {
+        let master = Arc::new(Rebuilding {
+            lease_ttl: Duration::from_millis(30),
+            ..Rebuilding::new(Duration::from_millis(50), &["a"], false)
+        });
+        let patient = Patient::new(master.clone(), Duration::from_secs(5));
+        let answer = patient.exists(&["a", "b"], Releases::NONE).await.unwrap();
+        assert_eq!(answer.found, vec![Ok(true), Ok(true)]);
+        assert!(master.released.lock().unwrap().is_empty());
     }
 
     /// An answer goes back only once another has replaced it: a retry that meets the deadline
