@@ -354,7 +354,7 @@ impl MasterState {
         if self.grants.exhausted() {
             return Err(MasterError::GrantsExhausted);
         }
-        if self.objects.get(key).is_none() && self.rebuilding(now) {
+        if self.rebuilding(now) && self.objects.get(key).is_none() {
             // An owner yet to report may hold it: a put now would take a written-once key
             // (its value replaced when the report's older version is refused), or lose it
             // should the put then fail. "Not known yet", as for a lookup.
