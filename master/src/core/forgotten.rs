@@ -111,15 +111,15 @@ impl ForgottenSegments {
             .flat_map(|k| k.versions.keys())
     }
 
-    /// Forgets what was dropped longer ago than `KEPT_FOR`, and records all registered. (A pool
-    /// that held nothing still answers its report: everything in it was removed since.)
+    /// Forgets what was dropped longer ago than `KEPT_FOR`. (Kept though empty meanwhile: a
+    /// pool that held nothing still answers its report, everything in it removed since; a
+    /// segment whose records all lived on still takes those of objects that go later, with
+    /// another segment, through `also_on_disk`.)
     pub fn prune(&mut self, now: Millis) {
-        if !self.pools.is_empty() {
-            self.pools.retain(|_, k| now < k.at.plus(KEPT_FOR));
-        }
-        if !self.records.is_empty() {
-            self.records
-                .retain(|_, k| now < k.at.plus(KEPT_FOR) && !k.versions.is_empty());
+        for map in [&mut self.pools, &mut self.records] {
+            if !map.is_empty() {
+                map.retain(|_, k| now < k.at.plus(KEPT_FOR));
+            }
         }
     }
 }

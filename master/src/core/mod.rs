@@ -186,6 +186,9 @@ struct LateNote {
     segment: SegmentId,
     offset: u64,
     put_id: u64,
+    /// The grants' floor when the put went: copies written into the range since (a replica
+    /// task, a promotion, under newer grants) stay.
+    granted_before: u64,
 }
 
 /// The most notes one heartbeat's answer carries (about 0.5 MiB); the rest go with the next.
@@ -260,7 +263,8 @@ pub struct Counters {
     pub promotions: u64,
     pub disk_dropped: u64,
     pub disk_registered: u64,
-    /// Freed-range notes dropped because an owner was `MAX_FREED_NOTES` behind.
+    /// Freed-range notes dropped because an owner was `MAX_FREED_NOTES` behind, or second notes
+    /// of unfinished puts beyond `MAX_LATE_NOTES`.
     pub freed_notes_dropped: u64,
 }
 

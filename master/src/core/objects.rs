@@ -650,15 +650,18 @@ impl MasterState {
     pub(super) fn note_again_later(&mut self, replicas: &[Replica], put_id: u64, now: Millis) {
         const SLACK: std::time::Duration = std::time::Duration::from_secs(3);
         let at = now.plus(self.policy.put_discard_timeout + SLACK);
+        let granted_before = self.grants.next;
         for r in replicas {
             if self.late_notes.len() >= MAX_LATE_NOTES {
                 self.late_notes.pop_front();
+                self.counters.freed_notes_dropped += 1;
             }
             self.late_notes.push_back(LateNote {
                 at,
                 segment: r.segment,
                 offset: r.allocation.offset(),
                 put_id,
+                granted_before,
             });
         }
     }
@@ -667,7 +670,7 @@ impl MasterState {
     pub(super) fn late_notes_due(&mut self, now: Millis) {
         while self.late_notes.front().is_some_and(|n| n.at <= now) {
             let n = self.late_notes.pop_front().expect("checked above");
-            self.note_freed_at(n.segment, n.offset, n.put_id);
+            self.note_freed_at(n.segment, n.offset, n.put_id, n.granted_before);
         }
     }
 

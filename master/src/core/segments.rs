@@ -202,16 +202,22 @@ impl MasterState {
 
     /// Notes that the range `r` held version `put_id` of an object that is gone.
     pub(super) fn note_freed(&mut self, r: &super::objects::Replica, put_id: u64) {
-        self.note_freed_at(r.segment, r.allocation.offset(), put_id);
+        let granted_before = self.grants.next;
+        self.note_freed_at(r.segment, r.allocation.offset(), put_id, granted_before);
     }
 
     /// Notes that the range at `offset` of `segment` held version `put_id` of an object that
-    /// is gone.
-    pub(super) fn note_freed_at(&mut self, segment: SegmentId, offset: u64, put_id: u64) {
+    /// is gone, as written under a grant older than `granted_before`.
+    pub(super) fn note_freed_at(
+        &mut self,
+        segment: SegmentId,
+        offset: u64,
+        put_id: u64,
+        granted_before: u64,
+    ) {
         let Some(seg) = self.segments.get(&segment) else {
             return;
         };
-        let granted_before = self.grants.next;
         if let Some(o) = self.owners.get_mut(&seg.owner) {
             if o.freed.len() >= MAX_FREED_NOTES {
                 o.freed.pop_front();

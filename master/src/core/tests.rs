@@ -230,10 +230,17 @@ fn an_unfinished_puts_range_is_noted_freed_again_later() {
         v
     };
     assert_eq!(s.take_freed(owner(0)).len(), 3);
+    // A put granted meanwhile (its range may be one of those, or hold a copy written since):
+    // the second notes spare what was written under its grant and later ones.
+    let meanwhile = put(&mut s, "meanwhile", 1000, &cfg(1), 10).unwrap();
     s.tick(Millis(later - 1));
     assert!(s.take_freed(owner(0)).is_empty());
     s.tick(Millis(later));
     let again = s.take_freed(owner(0));
+    assert!(
+        again.iter().all(|n| n.granted_before <= meanwhile.put_id),
+        "{again:?}"
+    );
     assert_eq!(versions(again), vec![revoked.put_id, forced.put_id]);
     assert_eq!(
         s.take_freed(owner(0)).len(),

@@ -778,3 +778,70 @@ fn a_removed_key_does_not_come_back_from_a_dropped_segments_disk() {
         s.check_invariants().unwrap();
     }
 }
+
+/// A disk copy on a segment dropped while its object lived on elsewhere, the object then gone
+/// with that other segment: removing the key still keeps the first segment's record from
+/// coming back. Before, the first segment's remembered records (none, then) were forgotten at
+/// the next upkeep, and the record came back.
+#[test]
+fn a_record_whose_object_went_later_with_another_segment_stays_removed() {
+    let policy = Policy {
+        client_ttl: Duration::from_secs(10),
+        ..Policy::default()
+    };
+    let mut s = MasterState::with_seed(policy, 7);
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    let tiered_seg = s.disk_segment(owner(0), &seg(0)).unwrap();
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        2 * MIB,
+        0,
+        MountReport::default(),
+        Millis(0),
+    )
+    .unwrap();
+    let g = s.put_start(&k("a"), 1000, &on(1), Millis(1)).unwrap();
+    s.put_end("a", g.put_id, Millis(1)).unwrap();
+    s.register_disk(tiered_seg, &k("a"), 1000, g.put_id, Millis(2))
+        .unwrap();
+    // Owner 0 goes silent: its segment goes, "a" stays (its memory replica is on seg(1)).
+    let mut now = 0;
+    while now < 15_000 {
+        now += 1_000;
+        s.heartbeat(owner(1), Millis(now));
+        s.tick(Millis(now));
+    }
+    assert_eq!(tiers(&mut s, "a", now), vec![Tier::Memory]);
+    // Then owner 1: "a" goes with seg(1).
+    while now < 30_000 {
+        now += 1_000;
+        s.tick(Millis(now));
+    }
+    assert_eq!(s.key_count(), 0);
+    assert!(s.remove(&k("a"), false, Millis(now)).is_err());
+    s.mount_segment(
+        owner(7),
+        seg(0),
+        2 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(now),
+    )
+    .unwrap();
+    let id = s.disk_segment(owner(7), &seg(0)).unwrap();
+    assert!(
+        s.register_disk(id, &k("a"), 1000, g.put_id, Millis(now + 1))
+            .is_err(),
+        "the removed key came back from disk"
+    );
+    s.check_invariants().unwrap();
+}
