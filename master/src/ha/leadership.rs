@@ -4,7 +4,7 @@
 //! and every request checks it: a leader that was paused past its lease, or cut off from etcd,
 //! refuses to answer from the instant its lease may have lapsed, before it even notices.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::clock::Millis;
 
@@ -12,6 +12,8 @@ use crate::clock::Millis;
 pub struct Leadership {
     /// Master-clock milliseconds until which this process leads; u64::MAX: no election.
     valid_until: AtomicU64,
+    /// Set once the term answers calls: from then on a lapse is final (see `extend_to`).
+    serving: AtomicBool,
 }
 
 impl Default for Leadership {
@@ -25,6 +27,7 @@ impl Leadership {
     pub fn always() -> Self {
         Leadership {
             valid_until: AtomicU64::new(u64::MAX),
+            serving: AtomicBool::new(true),
         }
     }
 
@@ -32,18 +35,26 @@ impl Leadership {
     pub fn until(until: Millis) -> Self {
         Leadership {
             valid_until: AtomicU64::new(until.0),
+            serving: AtomicBool::new(false),
         }
     }
 
+    /// The term starts answering calls.
+    pub fn serve(&self) {
+        self.serving.store(true, Ordering::SeqCst);
+    }
+
     /// Moves the lease's end to `until` (an acknowledged keepalive), unless it lapsed by `now`
-    /// (or was revoked): a lapse is final. The term's answers stopped at the lapse, and a call
-    /// refused then as "not the leader" may already be on its way to be asked again (of this
-    /// same master, should etcd still name it): revived by a late acknowledgement, it would run
-    /// that call twice. False when it had lapsed.
+    /// (or was revoked) once the term answers calls: then a lapse is final. The term's answers
+    /// stopped at the lapse, and a call refused then as "not the leader" may already be on its
+    /// way to be asked again (of this same master, should etcd still name it): revived by a
+    /// late acknowledgement, it would run that call twice. Before the term answers (the new
+    /// leader's start: etcd reads and writes, a predecessor's lease waited out), nothing was
+    /// refused, and the view may lapse and come back. False when it had lapsed for good.
     pub fn extend_to(&self, until: Millis, now: Millis) -> bool {
         let mut current = self.valid_until.load(Ordering::SeqCst);
         loop {
-            if current <= now.0 {
+            if current == 0 || (current <= now.0 && self.serving.load(Ordering::SeqCst)) {
                 return false;
             }
             if current >= until.0 {
@@ -97,13 +108,16 @@ mod tests {
         assert!(!l.extend_to(Millis(300), Millis(2)), "revoked for good");
     }
 
-    /// A lease that lapsed stays lapsed: a late acknowledgement of a keepalive sent before the
-    /// lapse does not revive it (calls refused meanwhile as "not the leader" may be asked again
-    /// of this master).
+    /// A lease that lapsed while the term answered stays lapsed: a late acknowledgement of a
+    /// keepalive sent before the lapse does not revive it (calls refused meanwhile as "not the
+    /// leader" may be asked again of this master). Before the term answers, it may.
     #[test]
-    fn a_lapse_is_final() {
+    fn a_lapse_is_final_once_the_term_answers() {
         let l = Leadership::until(Millis(100));
-        assert!(!l.extend_to(Millis(190), Millis(120)));
-        assert!(!l.holds(Millis(121)));
+        assert!(l.extend_to(Millis(190), Millis(120)), "not answering yet");
+        assert!(l.holds(Millis(150)));
+        l.serve();
+        assert!(!l.extend_to(Millis(290), Millis(200)));
+        assert!(!l.holds(Millis(201)));
     }
 }

@@ -369,6 +369,8 @@ async fn serve_term(
             .filter_map(|n| SegmentName::parse(n).ok())
             .collect(),
     };
+    // From here a lapse of the lease ends the term (see `Leadership::extend_to`).
+    leadership.serve();
     let master = RunningMaster::start_term(config.clone(), clock.clone(), term).await?;
     tracing::info!(term = won.term, rpc = %master.rpc_addr, "elected leader");
     events.leading(&master, won.term);
