@@ -92,6 +92,8 @@ pub struct MasterLink {
     freed_applied: Arc<std::sync::atomic::AtomicU64>,
     /// The records on disk are not all registered at that master yet (a call failed).
     disk_unregistered: Arc<std::sync::atomic::AtomicBool>,
+    /// Registrations of the records begun so far (see `registrations`).
+    registrations: Arc<std::sync::atomic::AtomicU64>,
     /// Set when this owner unmounts to stop: no remount after that (a heartbeat answered
     /// after the unmount landed asks for one).
     unmounting: Arc<std::sync::atomic::AtomicBool>,
@@ -133,6 +135,7 @@ impl MasterLink {
             epoch: Arc::default(),
             freed_applied: Arc::default(),
             disk_unregistered: Arc::default(),
+            registrations: Arc::default(),
             unmounting: Arc::default(),
             credential,
             seals: auth.map(|a| a.seals.clone()),
@@ -463,6 +466,8 @@ impl MasterLink {
     /// rebuilding master stops waiting for them. A failure leaves the registration to the next
     /// heartbeat (`heartbeat_loop`): the records would stay unreadable until then.
     pub async fn register_ssd_records(&self, store: &SsdStore) {
+        self.registrations
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.disk_unregistered
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let records = store.records();
@@ -490,6 +495,7 @@ impl MasterLink {
             };
             // Records an offload took since the snapshot: its word to the master may have come
             // before this registration (and changed nothing), so the master hears it again.
+            // (One it is about to take is told again by the offload, see `registrations`.)
             let mut taken = Vec::new();
             for ((r, code), put_id) in chunk.iter().zip(resp.codes).zip(resp.put_ids) {
                 if code == 0 {
@@ -528,6 +534,18 @@ impl MasterLink {
         if !records.is_empty() {
             tracing::info!(registered, refused, "ssd records registered at the master");
         }
+    }
+
+    /// How many registrations of the records have begun, and whether one is under way: an
+    /// offload that told the master about records it takes tells it again after taking them
+    /// if a registration began since, or is under way (it may have registered them after the
+    /// first word, which then changed nothing).
+    pub fn registrations(&self) -> (u64, bool) {
+        (
+            self.registrations.load(std::sync::atomic::Ordering::SeqCst),
+            self.disk_unregistered
+                .load(std::sync::atomic::Ordering::SeqCst),
+        )
     }
 
     /// The epoch of the master this owner is mounted at (0: none yet).

@@ -298,6 +298,7 @@ impl Worker {
         key: &ObjectKey,
         t: &pb::OwnerTask,
     ) -> Result<(), Failure> {
+        let (registrations, _) = self.link.registrations();
         let mut r = store.reserve(key, t.size)?;
         if !r.victims.is_empty() {
             let records = r.victims.iter().map(|v| (&v.key, v.put_id));
@@ -309,6 +310,14 @@ impl Worker {
                 ));
             }
             store.evict_victims(&mut r);
+            // A registration since the reservation may have brought them back at the master
+            // (see `MasterLink::registrations`): told again, now that they are gone here.
+            if self.link.registrations() != (registrations, false) {
+                let records = r.victims.iter().map(|v| (&v.key, v.put_id));
+                if let Err(e) = self.link.disk_dropped(records).await {
+                    tracing::warn!(error = %e, "cannot tell the master again about records taken during a registration; it learns so at the first read of each");
+                }
+            }
         }
         let encoded = match self.pool.read_range(t.offset, t.size) {
             Ok(guard) if self.catalog.holds(t.offset, t.size, key, t.put_id) => {

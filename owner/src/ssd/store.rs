@@ -772,13 +772,14 @@ impl SsdStore {
         lost
     }
 
-    /// Whether version `put_id` of `key` has a record here that no reservation under way is
-    /// about to take (a victim's record is gone as soon as its offload tells the master).
+    /// Whether version `put_id` of `key` has a record here (one a reservation under way is
+    /// about to take still counts: the reservation may be given up without taking it).
     pub fn keeps(&self, key: &ObjectKey, put_id: u64) -> bool {
-        let ring = self.ring.lock();
-        ring.by_key.get(key).is_some_and(|l| {
-            l.put_id == put_id && !overlaps(&ring.inflight, l.offset, l.len, |len| *len)
-        })
+        self.ring
+            .lock()
+            .by_key
+            .get(key)
+            .is_some_and(|l| l.put_id == put_id)
     }
 
     /// Every indexed record (for registering them at the master).

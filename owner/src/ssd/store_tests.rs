@@ -561,10 +561,11 @@ async fn a_failed_record_write_does_not_bring_its_victims_back_at_a_restart() {
     assert_eq!(&v[..], &value(3, 65536)[..]);
 }
 
-/// A record is kept until a reservation takes it as a victim: from then on its offload tells
-/// the master it is gone (a registration racing that word checks `keeps` after it).
+/// A record is kept until a reservation under way evicts it (given up without evicting, the
+/// reservation leaves it readable); a registration racing an offload checks `keeps` after each
+/// chunk, and the offload tells the master again after it evicts.
 #[tokio::test]
-async fn a_victim_of_a_reservation_under_way_is_not_kept() {
+async fn a_record_is_kept_until_evicted() {
     let dir = TempDir::new();
     let cap = (4 << 16) + 4096;
     let (s, _) = open(&dir, cap, EngineKind::Pread).await;
@@ -573,15 +574,22 @@ async fn a_victim_of_a_reservation_under_way_is_not_kept() {
     }
     assert!(s.keeps(&k("k0"), 100));
     assert!(!s.keeps(&k("k0"), 99), "another version");
-    let mut r = s.reserve(&k("new"), 60_000).unwrap();
+    let r = s.reserve(&k("new"), 60_000).unwrap();
     assert_eq!(r.victims[0].key, k("k0"));
-    assert!(!s.keeps(&k("k0"), 100), "taken by the reservation");
-    assert!(s.keeps(&k("k1"), 101));
-    s.evict_victims(&mut r);
-    assert!(!s.keeps(&k("k0"), 100));
+    assert!(s.keeps(&k("k0"), 100), "not taken yet");
     s.abandon(r).await;
-    assert!(!s.keeps(&k("k0"), 100), "evicted");
-    assert!(s.keeps(&k("k1"), 101));
+    assert!(
+        s.keeps(&k("k0"), 100),
+        "given up without evicting: still readable"
+    );
+    // The next reservation starts after the one given up: it takes k1.
+    let mut r = s.reserve(&k("new"), 60_000).unwrap();
+    assert_eq!(r.victims[0].key, k("k1"));
+    s.evict_victims(&mut r);
+    assert!(!s.keeps(&k("k1"), 101));
+    s.abandon(r).await;
+    assert!(!s.keeps(&k("k1"), 101), "evicted");
+    assert!(s.keeps(&k("k0"), 100) && s.keeps(&k("k2"), 102));
 }
 
 /// A reservation that starts inside a live record (an earlier one there was given up without
