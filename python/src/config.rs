@@ -9,9 +9,10 @@ use pyo3::{
 };
 
 /// Mooncake's fields. `prefer_alloc_in_same_node` is what this client does anyway (the node's
-/// own segment first); `data_type` is a hint it stores nothing for; NVMe-oF replicas
-/// (`nof_replica_num`, `preferred_nof_segments`) and replica groups (`group_ids`) do not exist
-/// here, and a put that asks for them answers INVALID_PARAMS.
+/// own segment first); `data_type` is a hint it stores nothing for, and so are replica groups
+/// (`group_ids`, a placement hint: ignored, with a warning once); NVMe-oF replicas
+/// (`nof_replica_num`, `preferred_nof_segments`) do not exist here, and a put that asks for
+/// them answers INVALID_PARAMS.
 #[pyclass(module = "mooncake_rs._native", get_all, set_all)]
 #[derive(Clone, Debug, Default)]
 pub struct ReplicateConfig {

@@ -342,7 +342,8 @@ fn the_readiness_limit_is_configurable() {
             .unwrap();
         (out, started.elapsed())
     };
-    let (out, took) = run("2");
+    // (Leading zeros are decimal: 02 is two seconds.)
+    let (out, took) = run("02");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("within 2s"), "{err}");
@@ -351,7 +352,7 @@ fn the_readiness_limit_is_configurable() {
     // ten seconds).
     assert!(took < Duration::from_secs(30), "{took:?}");
 
-    for bad in ["soon", "0", "-5"] {
+    for bad in ["soon", "0", "00", "-5"] {
         let (out, _) = run(bad);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{bad:?}: {err}");

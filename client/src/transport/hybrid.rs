@@ -115,12 +115,26 @@ impl HybridTransport {
         {
             return;
         }
-        self.retired
-            .lock()
-            .retain(|_, (at, _)| at.elapsed() < RETIRED_FOR);
-        self.routes
-            .lock()
-            .retain(|_, r| !matches!(r, Route::Local(o) if o.is_gone()));
+        // Unmapped (a large pool takes a while) once the locks are let go.
+        let expired: Vec<_> = {
+            let mut retired = self.retired.lock();
+            let names: Vec<_> = retired
+                .iter()
+                .filter(|(_, (at, _))| at.elapsed() >= RETIRED_FOR)
+                .map(|(name, _)| name.clone())
+                .collect();
+            names.iter().filter_map(|n| retired.remove(n)).collect()
+        };
+        let gone: Vec<_> = {
+            let mut routes = self.routes.lock();
+            let names: Vec<_> = routes
+                .iter()
+                .filter(|(_, r)| matches!(r, Route::Local(o) if o.is_gone()))
+                .map(|(name, _)| name.clone())
+                .collect();
+            names.iter().filter_map(|n| routes.remove(n)).collect()
+        };
+        drop((expired, gone));
     }
 
     async fn probe(&self, target: &SegmentName) -> Route {
