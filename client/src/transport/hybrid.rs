@@ -116,24 +116,16 @@ impl HybridTransport {
             return;
         }
         // Unmapped (a large pool takes a while) once the locks are let go.
-        let expired: Vec<_> = {
-            let mut retired = self.retired.lock();
-            let names: Vec<_> = retired
-                .iter()
-                .filter(|(_, (at, _))| at.elapsed() >= RETIRED_FOR)
-                .map(|(name, _)| name.clone())
-                .collect();
-            names.iter().filter_map(|n| retired.remove(n)).collect()
-        };
-        let gone: Vec<_> = {
-            let mut routes = self.routes.lock();
-            let names: Vec<_> = routes
-                .iter()
-                .filter(|(_, r)| matches!(r, Route::Local(o) if o.is_gone()))
-                .map(|(name, _)| name.clone())
-                .collect();
-            names.iter().filter_map(|n| routes.remove(n)).collect()
-        };
+        let expired: Vec<_> = self
+            .retired
+            .lock()
+            .extract_if(|_, (at, _)| at.elapsed() >= RETIRED_FOR)
+            .collect();
+        let gone: Vec<_> = self
+            .routes
+            .lock()
+            .extract_if(|_, r| matches!(r, Route::Local(o) if o.is_gone()))
+            .collect();
         drop((expired, gone));
     }
 
