@@ -29,6 +29,12 @@ pub(super) struct Replica {
     pub allocation: Allocation,
 }
 
+impl Replica {
+    pub fn is_at(&self, segment: SegmentId, offset: u64) -> bool {
+        self.segment == segment && self.allocation.offset() == offset
+    }
+}
+
 /// PROCESSING since an instant, or COMPLETE; a word, not an enum's two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Phase(u64);
@@ -907,6 +913,38 @@ impl MasterState {
                 seg.allocator.free(r.allocation);
             }
         }
+    }
+
+    /// Whether version `put_id` of `key` has a replica at `offset` of `segment`.
+    pub(super) fn lists_replica(
+        &self,
+        key: &ObjectKey,
+        put_id: u64,
+        segment: SegmentId,
+        offset: u64,
+    ) -> bool {
+        self.objects.get(key).is_some_and(|o| {
+            o.put_id == put_id && o.replicas.iter().any(|r| r.is_at(segment, offset))
+        })
+    }
+
+    /// Ranges an owner was told to write version `put_id` into (a copy, a promotion) whose
+    /// report did not come: their owner may have recorded the version there, or may yet, and
+    /// must forget it, or a later master would adopt it from the owner's report (a removed key
+    /// coming back). It is told at once, again once such a write has surely ended, and once more
+    /// as the ranges are freed at `at` (the longest a writer may take).
+    pub(super) fn abandon_write(
+        &mut self,
+        replicas: Vec<Replica>,
+        put_id: u64,
+        now: Millis,
+        at: Millis,
+    ) {
+        for r in &replicas {
+            self.note_freed(r, put_id);
+        }
+        self.note_again_later(&replicas, put_id, now);
+        self.defer_drop(replicas, put_id, at);
     }
 
     /// Frees the ranges of `replicas` at `at` (a write that may still be under way).

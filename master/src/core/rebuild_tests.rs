@@ -199,6 +199,52 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
     ));
 }
 
+/// A copy or promotion the previous master asked for, whose report reaches the new master only
+/// after the owner's mount report (which listed the range) was adopted: the owner is told to
+/// keep it, not to forget a range the master counts as a replica. One naming a range the
+/// master does not count is refused as before.
+#[test]
+fn a_late_report_of_work_for_an_earlier_master_keeps_what_was_adopted() {
+    let mut s = fresh();
+    s.mount_segment(
+        owner(0),
+        seg(0),
+        4 * MIB,
+        0,
+        returning(1900, 1),
+        Millis(100),
+    )
+    .unwrap();
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("a", 4096, 1000, 700, 1)],
+        true,
+        Millis(200),
+    )
+    .unwrap()
+    .unwrap();
+    let id = s.segment_id(&seg(0)).unwrap();
+    let a = ObjectKey::new("a").unwrap();
+    s.report_copy(id, 12345, &a, 700, 4096, None, Millis(300))
+        .unwrap();
+    s.report_promotion(id, &a, 700, 4096, true).unwrap();
+    for wrong in [
+        s.report_copy(id, 12345, &a, 700, 0, None, Millis(300)),
+        s.report_copy(id, 12345, &a, 699, 4096, None, Millis(300)),
+        s.report_copy(id, 12345, &a, 700, 4096, Some("failed"), Millis(300)),
+        s.report_promotion(id, &a, 700, 8192, true),
+        s.report_promotion(id, &a, 700, 4096, false),
+    ] {
+        assert!(
+            matches!(wrong, Err(MasterError::StalePut { .. })),
+            "{wrong:?}"
+        );
+    }
+    assert_eq!(lookup(&mut s, "a", 400), Ok(1));
+    s.check_invariants().unwrap();
+}
+
 /// An owner keeps an upsert's old range while readers are leased on it, so a rebuild may hear
 /// of both versions of a key, the older first: the newer one wins, and the older one's owner is
 /// told to forget it.

@@ -345,14 +345,17 @@ impl MasterState {
         })
     }
 
-    /// The owner of `segment` reports its copy for task `id`. An error answer means the master
-    /// does not want the copy (the object went or changed): the owner forgets it.
+    /// The owner of `segment` reports its copy for task `id` into the range at `offset`. An
+    /// error answer means the master does not want the copy (the object went or changed): the
+    /// owner forgets it.
+    #[allow(clippy::too_many_arguments)]
     pub fn report_copy(
         &mut self,
         segment: SegmentId,
         id: u64,
         key: &ObjectKey,
         put_id: u64,
+        offset: u64,
         failure: Option<&str>,
         now: Millis,
     ) -> Result<(), MasterError> {
@@ -360,18 +363,27 @@ impl MasterState {
             key: key.clone(),
             put_id,
         };
+        // A task this master does not know (one of an earlier master, reported late) whose
+        // copy this master adopted from the owner's report when it mounted: the owner keeps it.
+        let unknown = |s: &Self| {
+            if failure.is_none() && s.lists_replica(key, put_id, segment, offset) {
+                Ok(())
+            } else {
+                Err(stale())
+            }
+        };
         let Some(task) = self.replica_tasks.tasks.get_mut(&id) else {
-            return Err(stale());
+            return unknown(self);
         };
         if &task.key != key || task.put_id != put_id {
-            return Err(stale());
+            return unknown(self);
         }
         let Some(at) = task
             .targets
             .iter()
             .position(|x| x.segment == segment && matches!(x.step, Step::Queued | Step::Taken))
         else {
-            return Err(stale());
+            return unknown(self);
         };
         let target = &mut task.targets[at];
         let allocation = target.allocation.take().expect("a copy under way has room");
@@ -442,8 +454,9 @@ impl MasterState {
                 }
             }
             task.updated = now;
+            let put_id = task.put_id;
             let at = now.plus(self.policy.put_release_timeout);
-            self.defer_release(abandoned, at);
+            self.abandon_write(abandoned, put_id, now, at);
             self.settle_task(id, now);
         }
     }

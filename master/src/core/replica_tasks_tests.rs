@@ -80,7 +80,15 @@ fn copies(
         .iter()
         .map(|t| {
             assert_eq!(t.kind, TaskKind::Copy);
-            s.report_copy(id, t.task_id, &t.key, t.put_id, failure, Millis(now))
+            s.report_copy(
+                id,
+                t.task_id,
+                &t.key,
+                t.put_id,
+                t.offset,
+                failure,
+                Millis(now),
+            )
         })
         .collect();
     s.check_invariants().unwrap();
@@ -116,7 +124,8 @@ fn a_copy_adds_a_replica_once_the_owner_reports_it() {
         "the copy is fenced by a fresh grant"
     );
     assert_eq!(status(&s, id), ReplicaTaskStatus::Processing);
-    s.report_copy(seg1, id, &k("a"), put_id, None, Millis(3))
+    let at = tasks[0].offset;
+    s.report_copy(seg1, id, &k("a"), put_id, at, None, Millis(3))
         .unwrap();
     assert_eq!(holders(&mut s, "a", 3).len(), 2);
     assert_eq!(status(&s, id), ReplicaTaskStatus::Processing);
@@ -126,10 +135,16 @@ fn a_copy_adds_a_replica_once_the_owner_reports_it() {
     assert_eq!(info.kind, ReplicaTaskType::Copy);
     assert_eq!(info.assigned, vec![seg(1), seg(2)]);
     assert_eq!(holders(&mut s, "a", 4).len(), 3);
-    // A repeated report changes nothing.
+    // A repeated report (a retry whose first answer was lost) changes nothing, and the owner
+    // keeps the copy the master counts; one naming another range is refused.
+    let allocated = s.allocated();
+    s.report_copy(seg1, id, &k("a"), put_id, at, None, Millis(5))
+        .unwrap();
     assert!(s
-        .report_copy(seg1, id, &k("a"), put_id, None, Millis(5))
+        .report_copy(seg1, id, &k("a"), put_id, at + MIB, None, Millis(5))
         .is_err());
+    assert_eq!(holders(&mut s, "a", 5).len(), 3);
+    assert_eq!(s.allocated(), allocated);
     s.check_invariants().unwrap();
 }
 
@@ -309,6 +324,9 @@ fn silent_owners_and_lost_targets_fail_tasks_without_leaking_room() {
     let lost = s
         .create_replica_task(&k("a"), TaskRequest::Copy { targets: &[seg(2)] }, Millis(0))
         .unwrap();
+    let seg1 = s.segment_id(&seg(1)).unwrap();
+    let task = s.take_tasks(seg1, 10, Millis(0));
+    let (at, put_id) = (task[0].offset, task[0].put_id);
     s.unmount_segment(owner(2), &seg(2)).unwrap();
     s.check_invariants().unwrap();
     assert_eq!(status(&s, lost), ReplicaTaskStatus::Failed);
@@ -321,21 +339,34 @@ fn silent_owners_and_lost_targets_fail_tasks_without_leaking_room() {
         .unwrap()
         .detail
         .contains("did not report"));
+    // The owner is told at once to forget what the copy may have recorded (a report lost on
+    // its way would otherwise leave it for a later master to adopt, after a removal too),
+    // again once the copy has surely ended, and once more as its room is freed.
+    let notes = |s: &mut MasterState| {
+        s.take_freed(owner(1))
+            .iter()
+            .map(|f| (f.offset, f.put_id))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(notes(&mut s), vec![(at, put_id)]);
+    let discard = s.policy().put_discard_timeout.as_millis() as u64;
+    s.tick(Millis(timeout + discard + 3_002));
+    assert_eq!(notes(&mut s), vec![(at, put_id)]);
     // The late copy's room waits out the longest a writer may take, then comes back.
     assert_eq!(s.allocated(), 2 * MIB);
     let release = s.policy().put_release_timeout.as_millis() as u64;
     s.tick(Millis(timeout + release + 2));
     s.check_invariants().unwrap();
     assert_eq!(s.allocated(), MIB);
+    assert_eq!(notes(&mut s), vec![(at, put_id)]);
     // The owner that wakes up late is told its copy is not wanted.
-    let seg1 = s.segment_id(&seg(1)).unwrap();
-    let put_id = s.objects.get(&k("a")).unwrap().put_id;
     assert!(s
         .report_copy(
             seg1,
             late,
             &k("a"),
             put_id,
+            at,
             None,
             Millis(timeout + release + 3)
         )

@@ -862,7 +862,7 @@ proptest! {
                         for t in s.take_tasks(id, 16, Millis(now)) {
                             if t.kind == TaskKind::Copy {
                                 let failure = (!ok).then_some("copy failed");
-                                let _ = s.report_copy(id, t.task_id, &t.key, t.put_id, failure, Millis(now));
+                                let _ = s.report_copy(id, t.task_id, &t.key, t.put_id, t.offset, failure, Millis(now));
                             } else {
                                 let _ = match t.kind {
                                     TaskKind::Promote => s.report_promotion(id, &t.key, t.put_id, t.offset, ok),

@@ -719,8 +719,16 @@ fn a_promotion_and_a_copy_to_one_segment_leave_one_replica_there() {
         .unwrap();
     let copy = s.take_tasks(id, 10, Millis(5));
     assert_eq!(copy.len(), 1);
-    s.report_copy(id, task, &k("a"), copy[0].put_id, None, Millis(6))
-        .unwrap();
+    s.report_copy(
+        id,
+        task,
+        &k("a"),
+        copy[0].put_id,
+        copy[0].offset,
+        None,
+        Millis(6),
+    )
+    .unwrap();
     s.report_promotion(id, &k("a"), promote[0].put_id, promote[0].offset, true)
         .unwrap();
     s.check_invariants().unwrap();

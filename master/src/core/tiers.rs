@@ -135,7 +135,7 @@ impl MasterState {
             self.add_tombstone(name, key.clone(), obj.put_id);
         }
         if let Some(p) = tier.promoting {
-            self.abandon_promotion(p, now);
+            self.abandon_promotion(p, obj.put_id, now);
         }
         if !obj.phase.is_complete() {
             // Removed by force, or abandoned: a write of it may still land.
@@ -152,10 +152,12 @@ impl MasterState {
         }
     }
 
-    /// A promotion's memory is given back only after the longest a writer may take.
-    pub(super) fn abandon_promotion(&mut self, p: Promotion, now: Millis) {
+    /// A promotion of version `put_id` is given up: its memory is given back only after the
+    /// longest a writer may take, and its owner is told to forget what it may have written
+    /// there (see `abandon_write`).
+    pub(super) fn abandon_promotion(&mut self, p: Promotion, put_id: u64, now: Millis) {
         let at = p.since.plus(self.policy.put_release_timeout).max(now);
-        self.defer_release(vec![p.replica], at);
+        self.abandon_write(vec![p.replica], put_id, now, at);
     }
 
     fn add_tombstone(
@@ -489,6 +491,9 @@ impl MasterState {
             Some(p) if p.replica.segment == segment && p.replica.allocation.offset() == offset => {
                 obj.tier_mut().promoting.take()
             }
+            // One of an earlier master, reported late, whose range this master adopted from the
+            // owner's report when it mounted: the owner keeps it.
+            _ if ok && obj.replicas.iter().any(|r| r.is_at(segment, offset)) => return Ok(()),
             _ => return Err(stale_put(key, put_id)),
         };
         let reserved = reserved.expect("matched above").replica;
@@ -738,7 +743,8 @@ impl MasterState {
             }
             match obj.promoting() {
                 Some(p) if p.since.plus(timeout) <= now => {
-                    promotions.push(obj.tier_mut().promoting.take().expect("checked"));
+                    let put_id = obj.put_id;
+                    promotions.push((obj.tier_mut().promoting.take().expect("checked"), put_id));
                 }
                 Some(p) => under_way(p.since),
                 None => {}
@@ -754,8 +760,8 @@ impl MasterState {
             self.counters.offloads_failed += 1;
             self.forget_offload(&pending);
         }
-        for p in promotions {
-            self.abandon_promotion(p, now);
+        for (p, put_id) in promotions {
+            self.abandon_promotion(p, put_id, now);
         }
     }
 }

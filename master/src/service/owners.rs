@@ -180,7 +180,9 @@ impl MasterService {
                         .and_then(|k| match t.kind {
                             TaskKind::Copy => {
                                 let failure = (!t.done).then_some(t.message);
-                                state.report_copy(id, t.task_id, &k, t.put_id, failure, now)
+                                state.report_copy(
+                                    id, t.task_id, &k, t.put_id, t.offset, failure, now,
+                                )
                             }
                             TaskKind::Promote => {
                                 state.report_promotion(id, &k, t.put_id, t.offset, t.done)

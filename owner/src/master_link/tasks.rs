@@ -188,8 +188,9 @@ impl Worker {
         let codes = match self.link.report_tasks(results).await {
             Ok(c) => c,
             Err(e) => {
-                // The master gives the offloads up after its timeout; records written stay
-                // indexed here and are dropped when the master asks or overwritten in time.
+                // The master gives the work up after its timeout: records written stay indexed
+                // here and are dropped when the master asks or overwritten in time; copies and
+                // promotions it gave up are forgotten as its freed-range notes say.
                 tracing::warn!(error = %e, "reporting ssd work failed");
                 return;
             }
