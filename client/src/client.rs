@@ -112,7 +112,18 @@ impl Client {
         config.validate()?;
         let tenant = config.tenant()?;
         let master = crate::master::connect(&config)?;
-        let mut client = Self::with_master(master, preferred, transport).await?;
+        master.list_segments().await?;
+        let idle_between_calls = config.dedicated_runtime
+            && tokio::runtime::Handle::current().runtime_flavor()
+                == tokio::runtime::RuntimeFlavor::CurrentThread;
+        let leases = if idle_between_calls {
+            let c = config.clone();
+            let connect = move || crate::master::connect(&c);
+            crate::leases::Leases::start_on_thread(connect, master.clone())
+        } else {
+            crate::leases::Leases::start(master.clone())
+        };
+        let mut client = Self::assemble(master, preferred, transport, leases);
         client.tenant = tenant;
         Ok(client)
     }
@@ -125,14 +136,24 @@ impl Client {
         transport: Arc<dyn DataTransport>,
     ) -> Result<Client, ClientError> {
         master.list_segments().await?;
-        Ok(Client {
+        let leases = crate::leases::Leases::start(master.clone());
+        Ok(Self::assemble(master, preferred, transport, leases))
+    }
+
+    fn assemble(
+        master: Arc<dyn MasterApi>,
+        preferred: Option<SegmentName>,
+        transport: Arc<dyn DataTransport>,
+        leases: Arc<crate::leases::Leases>,
+    ) -> Client {
+        Client {
             tiers: TierCounters::default(),
-            leases: crate::leases::Leases::start(master.clone()),
+            leases,
             master,
             transport,
             preferred,
             tenant: Tenant::default(),
-        })
+        }
     }
 
     /// The tenant whose keys this client reads and writes.

@@ -138,15 +138,68 @@ pub(crate) struct Leases {
     newest: AtomicU64,
     wake: Notify,
     closed: AtomicBool,
-    /// The task that sends releases (see `finish`).
-    sender: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// What sends releases (see `finish`).
+    sender: Mutex<Option<Sender>>,
+}
+
+/// The sender of releases: a task of the client's runtime, or a thread of its own.
+enum Sender {
+    Task(tokio::task::JoinHandle<()>),
+    /// Tells when the thread's sender ended.
+    Thread(tokio::sync::oneshot::Receiver<()>),
 }
 
 impl Leases {
     /// Starts the task that sends releases to `master`; it ends after `close`.
     pub fn start(master: Arc<dyn MasterApi>) -> Arc<Leases> {
         let leases = Arc::new(Leases::default());
-        *leases.sender.lock() = Some(tokio::spawn(leases.clone().run(master)));
+        *leases.sender.lock() = Some(Sender::Task(tokio::spawn(leases.clone().run(master))));
+        leases
+    }
+
+    /// Starts the sender on a thread of its own, with a master connection of its own from
+    /// `connect`, for a client whose calls run on a current-thread runtime nothing drives
+    /// between them (the Python binding's): a task there would send nothing until the next
+    /// call, leaving finished reads leased (unremovable, unevictable) while the caller is idle.
+    /// Falls back to `start` on `master` if the thread cannot start.
+    pub fn start_on_thread(
+        connect: impl FnOnce() -> Result<Arc<dyn MasterApi>, crate::error::ClientError> + Send + 'static,
+        master: Arc<dyn MasterApi>,
+    ) -> Arc<Leases> {
+        let leases = Arc::new(Leases::default());
+        let (done, ended) = tokio::sync::oneshot::channel();
+        let on_thread = leases.clone();
+        let started = std::thread::Builder::new()
+            .name("mooncake-releases".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot start the read-lease sender; leases end with the next call or at their TTL");
+                        return;
+                    }
+                };
+                rt.block_on(async {
+                    match connect() {
+                        Ok(master) => on_thread.run(master).await,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the read-lease sender cannot reach the master; leases end with the next call or at their TTL")
+                        }
+                    }
+                });
+                let _ = done.send(());
+            });
+        match started {
+            Ok(_) => *leases.sender.lock() = Some(Sender::Thread(ended)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a thread for the read-lease sender; it runs on the client's runtime");
+                *leases.sender.lock() =
+                    Some(Sender::Task(tokio::spawn(leases.clone().run(master))));
+            }
+        }
         leases
     }
 
@@ -157,7 +210,13 @@ impl Leases {
         self.close();
         let sender = self.sender.lock().take();
         if let Some(sender) = sender {
-            if tokio::time::timeout(within, sender).await.is_err() {
+            let ended = async {
+                match sender {
+                    Sender::Task(t) => drop(t.await),
+                    Sender::Thread(ended) => drop(ended.await),
+                }
+            };
+            if tokio::time::timeout(within, ended).await.is_err() {
                 tracing::debug!(
                     "read holds not handed back within {within:?}; they end at their TTL"
                 );

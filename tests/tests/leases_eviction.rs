@@ -319,3 +319,67 @@ async fn a_put_dropped_mid_write_is_revoked() {
     assert!(buf == value, "the value read is the second put's");
     master.shutdown().await;
 }
+
+/// A client whose calls run on a current-thread runtime that nothing drives between them (the
+/// Python binding's default): a finished read's hold still goes back while the caller is idle,
+/// so the object is removable (and evictable) at once, not only after the caller's next call
+/// or the lease's TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_read_of_an_idle_current_thread_client_pins_nothing() {
+    let c = Cluster::start(&[8 * MIB]).await;
+    let other = c.client().await;
+    let config = ClientConfig {
+        dedicated_runtime: true,
+        ..c.client_config()
+    };
+    let (read, idle) = std::sync::mpsc::channel();
+    let (done, finish) = std::sync::mpsc::channel::<()>();
+    let reader = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let client = rt
+            .block_on(Client::connect_with(
+                config.clone(),
+                None,
+                mooncake_tests::transport(&config),
+            ))
+            .unwrap();
+        let value = payload("k", MIB as usize);
+        rt.block_on(client.put("k", &value, &ReplicateConfig::default()))
+            .unwrap();
+        let mut buf = vec![0u8; MIB as usize];
+        rt.block_on(client.get("k", &mut buf)).unwrap();
+        assert!(buf == value);
+        read.send(()).unwrap();
+        // Idle: nothing drives this runtime until the test is done.
+        let _ = finish.recv();
+        rt.block_on(client.close(Duration::from_secs(1)));
+    });
+    tokio::task::spawn_blocking(move || idle.recv().unwrap())
+        .await
+        .unwrap();
+    let mut removed = None;
+    for _ in 0..50 {
+        match other.remove("k", false).await {
+            Ok(()) => {
+                removed = Some(());
+                break;
+            }
+            Err(e) if e.code() == Code::ObjectHasLease => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("remove: {e}"),
+        }
+    }
+    done.send(()).unwrap();
+    tokio::task::spawn_blocking(move || reader.join().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        removed.is_some(),
+        "the idle reader's lease was not handed back within 1 s"
+    );
+    c.shutdown().await;
+}
