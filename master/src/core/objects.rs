@@ -832,6 +832,11 @@ impl MasterState {
             }
             return Err(MasterError::NotFound(key.clone()));
         };
+        if self.rebuilding(now) {
+            // Known from one owner's report, it may yet come in another's (a second replica, a
+            // disk record), which would bring it back: asked again once the owners reported.
+            return Err(MasterError::Rebuilding(key.clone()));
+        }
         if !force {
             if !obj.phase.is_complete() {
                 return Err(MasterError::NotReady(key.clone()));

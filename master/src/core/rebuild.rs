@@ -296,8 +296,8 @@ impl MasterState {
             }
             tracing::info!(key = %r.key, older = obj.put_id, newer = r.stamp.put_id,
                 "a newer version was reported: the older one adopted before goes");
-            self.remove(&r.key, true, now)
-                .expect("an adopted object can be removed by force");
+            let older = self.objects.remove(&r.key).expect("found above");
+            self.discard(*older, now);
         }
         let mut replicas = Replicas::new();
         replicas.push(replica);

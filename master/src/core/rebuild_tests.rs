@@ -199,6 +199,64 @@ fn a_restarted_master_adopts_what_owners_report_and_waits_for_the_reports() {
     ));
 }
 
+/// A key removed while owners still report would come back with the next report that holds it
+/// (a second replica): the removal is refused as "not known yet" (the client asks again)
+/// until the rebuild is over, and then holds.
+#[test]
+fn a_removal_waits_for_the_rebuild_so_a_later_report_cannot_bring_the_key_back() {
+    let mut s = fresh();
+    for i in 0..2 {
+        s.mount_segment(
+            owner(i),
+            seg(i),
+            4 * MIB,
+            0,
+            returning(1900, 1),
+            Millis(100),
+        )
+        .unwrap();
+    }
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("a", 0, 1000, 700, 2)],
+        true,
+        Millis(200),
+    )
+    .unwrap()
+    .unwrap();
+    let a = ObjectKey::new("a").unwrap();
+    assert!(matches!(
+        s.remove(&a, false, Millis(300)),
+        Err(MasterError::Rebuilding(_))
+    ));
+    s.catalog_reported(
+        owner(1),
+        &seg(1),
+        vec![item("a", 64, 1000, 700, 2)],
+        true,
+        Millis(400),
+    )
+    .unwrap()
+    .unwrap();
+    let over = Millis(s.policy().rebuild_grace.as_millis() as u64 + 500);
+    assert!(!s.rebuilding(over));
+    s.remove(&a, false, over).unwrap();
+    assert!(matches!(
+        lookup(&mut s, "a", over.0 + 1),
+        Err(MasterError::NotFound(_))
+    ));
+    let notes = |s: &mut MasterState, i| {
+        s.take_freed(owner(i))
+            .iter()
+            .map(|f| (f.offset, f.put_id))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(notes(&mut s, 0), vec![(0, 700)]);
+    assert_eq!(notes(&mut s, 1), vec![(64, 700)]);
+    s.check_invariants().unwrap();
+}
+
 /// A copy or promotion the previous master asked for, whose report reaches the new master only
 /// after the owner's mount report (which listed the range) was adopted: the owner is told to
 /// keep it, not to forget a range the master counts as a replica. One naming a range the
