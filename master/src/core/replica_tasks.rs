@@ -402,11 +402,14 @@ impl MasterState {
             (None, Some(obj)) => {
                 obj.replicas.push(replica);
                 self.objects.link(key);
+                // A disk-only object in memory again is something eviction can take.
+                self.evictable_changed();
                 (Step::Done, None, Ok(()))
             }
             (None, None) => {
-                // The owner is done with the range: it goes back at once.
-                self.free_replicas([replica]);
+                // The owner is done with the range: it goes back at once, and the owner is told
+                // to forget the copy also by a note (should this answer be lost).
+                self.drop_replicas([replica], put_id);
                 let why = format!("{key} was removed or rewritten while it was copied to {name}");
                 (Step::Failed, Some(why), Err(stale()))
             }
@@ -580,7 +583,7 @@ impl MasterState {
                     return self.remove(key, false, now);
                 }
                 let (replica, put_id) = (obj.replicas.remove(at), obj.put_id);
-                self.drop_replicas([replica], put_id);
+                self.free_replicas([replica]);
                 Ok(())
             })
             .collect()

@@ -172,12 +172,23 @@ fn a_copy_of_a_removed_version_is_thrown_away() {
         .unwrap();
     s.remove(&k("a"), true, Millis(1)).unwrap();
     put_on(&mut s, "a", MIB, 2);
-    // The owner copied the old version: the master refuses it, so the owner forgets it.
-    let answers = copies(&mut s, 1, None, 2);
-    assert!(matches!(answers[..], [Err(MasterError::StalePut { .. })]));
+    // The owner copied the old version: the master refuses it, so the owner forgets it; a note
+    // says so too, should the refusal be lost on its way.
+    let seg1 = s.segment_id(&seg(1)).unwrap();
+    let task = s.take_tasks(seg1, 10, Millis(2)).pop().unwrap();
+    s.take_freed(owner(1));
+    let answer = s.report_copy(seg1, id, &k("a"), task.put_id, task.offset, None, Millis(2));
+    assert!(matches!(answer, Err(MasterError::StalePut { .. })));
+    let notes: Vec<(u64, u64)> = s
+        .take_freed(owner(1))
+        .iter()
+        .map(|f| (f.offset, f.put_id))
+        .collect();
+    assert_eq!(notes, vec![(task.offset, task.put_id)]);
     assert_eq!(status(&s, id), ReplicaTaskStatus::Failed);
     assert_eq!(holders(&mut s, "a", 3), vec![seg(2)]);
     assert_eq!(s.allocated(), MIB);
+    s.check_invariants().unwrap();
 }
 
 #[test]

@@ -40,6 +40,10 @@ pub enum Mounted {
     Ready,
 }
 
+/// The largest memory or disk tier a segment may have (64 PiB): the cluster's totals, summed
+/// over thousands of segments, stay far below `u64::MAX`.
+const MAX_CAPACITY: u64 = 1 << 56;
+
 impl MasterState {
     /// Mounts `name` for `owner`, with an SSD tier of `disk_capacity` bytes (0: none). Mounting a
     /// name already held by another owner replaces it: the new owner is bound to that host:port,
@@ -68,6 +72,11 @@ impl MasterState {
         if size < GRANULE {
             return Err(MasterError::Invalid(format!(
                 "segment {name} has {size} bytes; at least {GRANULE} are needed"
+            )));
+        }
+        if size > MAX_CAPACITY || disk_capacity > MAX_CAPACITY {
+            return Err(MasterError::Invalid(format!(
+                "segment {name} has {size} bytes of memory and {disk_capacity} of disk; at most {MAX_CAPACITY} each (the cluster's totals must stay countable)"
             )));
         }
         if let Some(&id) = self.by_name.get(&name) {

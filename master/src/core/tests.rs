@@ -761,6 +761,29 @@ fn remount_by_new_incarnation_drops_old_replicas() {
     assert_eq!(s.capacity(), 0);
 }
 
+/// Sizes no machine has are refused at the mount: summed over segments they would overflow
+/// the cluster's totals (the watermark's arithmetic).
+#[test]
+fn mounts_of_impossible_sizes_are_refused() {
+    let mut s = state_with(&[4 * MIB]);
+    for (size, disk) in [(u64::MAX / 2, 0), (4 * MIB, u64::MAX / 2)] {
+        assert!(matches!(
+            s.mount_segment(
+                owner(1),
+                seg(1),
+                size,
+                disk,
+                MountReport::default(),
+                Millis(0)
+            ),
+            Err(MasterError::Invalid(_))
+        ));
+    }
+    s.tick(Millis(1));
+    assert_eq!(s.capacity(), 4 * MIB);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn remove_all_skips_leased_unless_forced() {
     let mut s = state_with(&[8 * MIB]);

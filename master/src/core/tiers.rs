@@ -672,6 +672,8 @@ impl MasterState {
                 put_id,
             });
         }
+        // Ids issued from here on are above it, as above the grants owners report at mounts.
+        self.grants.saw(put_id);
         // Tracked again from here on, whichever way it goes below.
         self.forgotten.registered(&id.0, key.as_str(), put_id);
         if let Some(obj) = self.objects.get_mut(key) {
@@ -690,8 +692,8 @@ impl MasterState {
             }
             tracing::info!(%key, older = obj.put_id, newer = put_id,
                 "a newer version was found on disk: the older one in the catalog goes");
-            self.remove(key, true, now)
-                .expect("a complete object can be removed by force");
+            let older = self.objects.remove(key).expect("found above");
+            self.discard(*older, now);
         }
         let mut obj = Object::new(
             key.clone(),
