@@ -178,6 +178,13 @@ impl MasterState {
                 self.objects.keep(c);
                 continue;
             }
+            if self.kept_while_disk_behind(o, now) {
+                // Passed over where it stands, like a leased one: it is no more recent or
+                // frequent for it, and the round looks at each such object once.
+                self.counters.kept_disk_behind += 1;
+                self.objects.keep(c);
+                continue;
+            }
             passed[l] = 0;
             exhausted[l] = false;
             self.objects.evicted(c);
@@ -222,6 +229,26 @@ impl MasterState {
     /// Whether `o`'s memory can go only once an offload gave it a disk copy.
     fn needs_offload(&self, o: &super::objects::Object) -> bool {
         o.disk().is_empty() && self.has_disk_tier(o)
+    }
+
+    /// Whether eviction keeps `o` for now: its memory can go only by an offload, none can
+    /// start (its last one failed lately, or the queues of its replicas' tiers are full), and
+    /// the policy keeps such objects rather than drop them.
+    fn kept_while_disk_behind(&self, o: &super::objects::Object, now: Millis) -> bool {
+        if self.policy.when_disk_behind != WhenDiskBehind::Keep || !self.needs_offload(o) {
+            return false;
+        }
+        match o.offload() {
+            Offload::Failed { at } if now < at.plus(self.policy.offload_timeout) => true,
+            Offload::Idle | Offload::Failed { .. } => !o.replicas.iter().any(|r| {
+                self.segments.get(&r.segment).is_some_and(|s| {
+                    s.disk
+                        .as_ref()
+                        .is_some_and(|d| d.offloads < self.policy.offload_queue_limit)
+                })
+            }),
+            Offload::Pending { .. } => false,
+        }
     }
 
     /// Something that may make an object evictable happened (a put ended, a hold went back, an

@@ -210,12 +210,19 @@ fn when_the_disk_is_behind_eviction_keeps_or_drops_by_policy() {
             put(&mut s, &format!("k{i}"), MIB, i).unwrap();
         }
         // Needs two objects' worth; the queue takes one offload, the second is behind.
+        let kept_before = s.counters().kept_disk_behind;
         s.evict(Millis(10), 2 * MIB);
         s.check_invariants().unwrap();
         assert_eq!(s.key_count() == 4, kept, "{when:?}");
         let c = s.counters();
         assert_eq!(c.kept_disk_behind > 0, kept);
         assert_eq!(c.dropped_disk_behind > 0, !kept);
+        if kept {
+            // The three left behind are each passed over once, where they stand: not moved
+            // to the frequent list (before: the round met each twice, relinking it there).
+            assert_eq!(c.kept_disk_behind - kept_before, 3);
+            assert_eq!(s.eviction_stats().recent, 3);
+        }
     }
 }
 
