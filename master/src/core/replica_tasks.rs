@@ -583,7 +583,7 @@ impl MasterState {
                     return self.remove(key, false, now);
                 }
                 let (replica, put_id) = (obj.replicas.remove(at), obj.put_id);
-                self.free_replicas([replica]);
+                self.drop_replicas([replica], put_id);
                 Ok(())
             })
             .collect()

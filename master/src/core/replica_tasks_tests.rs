@@ -397,11 +397,20 @@ fn replica_clear_drops_one_segment_or_whole_objects_but_not_leased_ones() {
     put_on(&mut s, "one", MIB, 0);
     put_on(&mut s, "leased", MIB, 0);
     let first = g.replicas[0].segment.clone();
+    let first_owner = (0..3).find(|&i| seg(i) == first).map(owner).unwrap();
+    s.take_freed(first_owner);
     holders(&mut s, "leased", 1);
     let res = s.replica_clear(&[k("two"), k("leased"), k("nope")], Some(&first), Millis(2));
     assert_eq!(res[0], Ok(()));
     assert!(matches!(res[1], Err(MasterError::HasLease(_))));
     assert!(matches!(res[2], Err(MasterError::NotFound(_))));
+    // Its owner is told to forget the cleared replica (or a later master would adopt it).
+    let notes: Vec<(u64, u64)> = s
+        .take_freed(first_owner)
+        .iter()
+        .map(|f| (f.offset, f.put_id))
+        .collect();
+    assert_eq!(notes, vec![(g.replicas[0].offset, g.put_id)]);
     s.check_invariants().unwrap();
     let after = holders(&mut s, "two", 3);
     assert_eq!(after.len(), 1);
