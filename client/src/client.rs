@@ -163,7 +163,10 @@ impl Client {
 
     /// `key` as stored (see `mooncake_common::tenant`), checked.
     pub(crate) fn object_key(&self, key: &str) -> Result<ObjectKey, ClientError> {
-        ObjectKey::new(&self.tenant.scope(key)).map_err(|e| ClientError::Invalid(e.to_string()))
+        // Checked before scoping: a tenant's scoped empty key is not empty.
+        ObjectKey::validate(key)
+            .and_then(|()| ObjectKey::new(&self.tenant.scope(key)))
+            .map_err(|e| ClientError::Invalid(e.to_string()))
     }
 
     /// `keys` as stored: None where they are stored as they are (the default tenant).

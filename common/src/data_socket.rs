@@ -48,13 +48,7 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
     let sock = SockRef::from(stream);
     sock.set_send_buffer_size(SEND_BUFFER)?;
-    let (idle, interval, probes) = KEEPALIVE;
-    sock.set_tcp_keepalive(
-        &socket2::TcpKeepalive::new()
-            .with_time(idle)
-            .with_interval(interval)
-            .with_retries(probes),
-    )?;
+    keepalive(stream)?;
     if same_host(stream) {
         if let Err(e) = sock.set_tcp_congestion(SAME_HOST_CONGESTION) {
             // Not built or not allowed here: the default serves, only slower.
@@ -62,6 +56,18 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Turns on TCP keepalive (`KEEPALIVE`) on a connection a server waits on without a deadline:
+/// data connections, and the master's RPC connections (see the module docs).
+pub fn keepalive(stream: &TcpStream) -> io::Result<()> {
+    let (idle, interval, probes) = KEEPALIVE;
+    SockRef::from(stream).set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(interval)
+            .with_retries(probes),
+    )
 }
 
 /// Whether an idle connection is still usable: its peer has not closed it and sent nothing

@@ -328,6 +328,11 @@ async fn split_connections(listener: TcpListener, routes: Routes, mut stop: watc
             _ = stop.changed() => return,
         };
         let _ = stream.set_nodelay(true);
+        // A client waits between calls without a deadline: one whose host died keeps its
+        // connection (a task, its buffers) only until keepalive ends it.
+        if let Err(e) = mooncake_common::data_socket::keepalive(&stream) {
+            tracing::debug!(error = %e, "RPC connection without keepalive");
+        }
         let (routes, stop) = (routes.clone(), stop.clone());
         tokio::spawn(async move {
             if let Err(e) = route(stream, &routes, stop).await {

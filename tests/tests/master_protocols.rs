@@ -142,3 +142,63 @@ async fn a_stopping_master_answers_long_polls_at_once() {
         assert!(a.into_inner().tasks.is_empty());
     }
 }
+
+/// A call naming more keys than the master takes in one call is refused whole, over both
+/// protocols, before any of it is done: nothing is leased (the key stays removable). Before, a
+/// request of a million tiny keys asked for an answer twenty times its size, all built (and
+/// leased) before the frame limit refused it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_over_the_key_limit_is_refused_whole() {
+    use mooncake_client::Code;
+    let c = Cluster::start(&[8 << 20]).await;
+    let too_many = vec!["k"; mooncake_master::wire::MAX_BATCH_KEYS + 1];
+    for protocol in [MasterProtocol::Framed, MasterProtocol::Grpc] {
+        let mut cfg = c.client_config();
+        cfg.master_protocol = protocol;
+        let client = Client::connect_with(cfg.clone(), None, transport(&cfg))
+            .await
+            .unwrap();
+        client
+            .put("k", b"v", &ReplicateConfig::default())
+            .await
+            .unwrap();
+        let err = client.batch_exists(&too_many).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidParams, "{protocol:?}: {err}");
+        assert!(err.to_string().contains("split the batch"), "{err}");
+        let err = client.batch_remove(&too_many, false).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidParams, "{protocol:?}: {err}");
+        client.remove("k", false).await.unwrap();
+    }
+    c.shutdown().await;
+}
+
+/// The master's end of an RPC connection has TCP keepalive on: a client whose host died while
+/// idle (the master waits for its next call without a deadline) is found out, instead of its
+/// connection, task and buffers being kept for ever. Read from the kernel's socket table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_masters_rpc_connections_have_keepalive() {
+    let c = Cluster::start(&[8 << 20]).await;
+    let port = c.master.rpc_addr.port();
+    let mut s = tokio::net::TcpStream::connect(c.master.rpc_addr)
+        .await
+        .unwrap();
+    s.write_all(&rpc_wire::hello()).await.unwrap();
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b).await.unwrap();
+    let out = std::process::Command::new("ss")
+        .args([
+            "-tnoH",
+            "state",
+            "established",
+            &format!("( sport = :{port} )"),
+        ])
+        .output()
+        .expect("ss (iproute2) runs");
+    let table = String::from_utf8_lossy(&out.stdout);
+    let ours = table
+        .lines()
+        .find(|l| l.contains(&s.local_addr().unwrap().to_string()))
+        .unwrap_or_else(|| panic!("the connection is not in the table:\n{table}"));
+    assert!(ours.contains("timer:(keepalive"), "{ours}");
+    c.shutdown().await;
+}

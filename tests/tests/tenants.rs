@@ -142,6 +142,9 @@ async fn tenants_cannot_see_read_overwrite_or_remove_each_others_keys() {
         put_ok(b.put(&shared, b"value of b", &rc).await);
         assert_eq!(read(&a, &shared).await.unwrap(), b"value of a");
         assert_eq!(read(&b, &shared).await.unwrap(), b"value of b");
+        // A tenant's empty key is refused as the default tenant's is (it was stored).
+        let empty = a.put("", b"v", &rc).await.unwrap_err();
+        assert_eq!(empty.code().as_i32(), -600, "{empty}");
         // A tenant's token gets no same-host mapping of the pool (all tenants' bytes are in
         // it): its transfers went over TCP. The cluster's token may map it.
         let (ta, tb) = (a.transfer_stats(), b.transfer_stats());

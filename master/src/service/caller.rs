@@ -62,6 +62,10 @@ impl Caller {
         if !self.tenant.owns(key) {
             return Err(self.foreign(key));
         }
+        // A tenant's empty key is refused as the default tenant's is.
+        if mooncake_common::tenant::split(key).1.is_empty() {
+            return Err(mooncake_common::IdError::EmptyKey.into());
+        }
         Ok(key)
     }
 
@@ -131,5 +135,9 @@ mod tests {
         assert_eq!(d.key(&ka).unwrap_err().code(), Code::PermissionDenied);
         assert_eq!(d.key("k").unwrap(), "k");
         assert_eq!(d.key("").unwrap_err().code(), Code::InvalidParams);
+        // A tenant's empty key (its namespace's marks and nothing after) too; before, a raw
+        // client's put of it was stored.
+        let empty = Tenant::parse("a").unwrap().scope("").into_owned();
+        assert_eq!(a.key(&empty).unwrap_err().code(), Code::InvalidParams);
     }
 }

@@ -237,7 +237,7 @@ impl MasterService {
                     .zip(&results)
                     .filter(|(_, x)| x.as_ref().is_some_and(short_of_memory))
                     .map(|(&(_, size), _)| size)
-                    .sum();
+                    .fold(0, u64::saturating_add);
                 let freed_now = match stage {
                     _ if short == 0 || retried => 0,
                     // Without an SSD tier each put's start evicted what could help already.

@@ -210,6 +210,9 @@ fn by_refs(
     answer: impl FnOnce(&[(&str, u64)]) -> Vec<Result<(), crate::error::MasterError>>,
 ) -> (i32, Vec<u8>) {
     match keys::decode_keyed(body, fields::PUT_REFS, &[], |_, _| Ok(())) {
+        Ok(refs) if refs.len() > super::MAX_BATCH_KEYS => {
+            bad_request(super::batch_size(refs.len(), "puts").unwrap_err().0)
+        }
         Ok(refs) => {
             // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
             let codes = answer(&refs).iter().map(code).collect();
@@ -244,6 +247,9 @@ async fn put_start(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, V
         Ok(items) => items,
         Err(e) => return bad_request(e),
     };
+    if let Err(e) = super::batch_size(items.len(), "puts") {
+        return bad_request(e.0);
+    }
     let token = match keys::decode_u64(body, fields::put_start_request::TOKEN) {
         Ok(t) => t,
         Err(e) => return bad_request(e),
@@ -284,24 +290,37 @@ fn get_replicas(svc: &MasterService, caller: &Caller, body: &[u8]) -> (i32, Vec<
     };
     let release = Releases::of(&release, release_epoch);
     let mut enc = Encoder::with_capacity(keys.len() * 48);
+    // The keys found (each leased), in case the answer cannot go out.
+    let mut leased_keys = Vec::new();
+    let mut next = keys.iter();
     let leased = svc.get_replicas(caller, &keys, release, |found| {
         let code = code(&found);
+        let key = next.next().expect("one answer per key");
         match found {
-            Ok((size, replicas)) => enc.result(code, size, replicas.iter().map(replica_ref)),
+            Ok((size, replicas)) => {
+                leased_keys.push(*key);
+                enc.result(code, size, replicas.iter().map(replica_ref))
+            }
             Err(_) => enc.result(code, 0, std::iter::empty()),
         }
     });
-    (
-        rpc_wire::STATUS_OK,
-        enc.finish(grpc::millis(leased.ttl), leased.epoch),
-    )
+    let out = enc.finish(grpc::millis(leased.ttl), leased.epoch);
+    if out.len() > rpc_wire::MAX_BODY {
+        // Refused for its size (see `serve`): nobody reads these keys, so their holds go back.
+        svc.release_leases(caller, Releases::of(&leased_keys, leased.epoch));
+    }
+    (rpc_wire::STATUS_OK, out)
 }
 
 /// A lookup's or existence check's keys, the holds it hands back, and their epoch.
 fn keys_and_release(body: &[u8]) -> Result<(Vec<&str>, Vec<&str>, u64), String> {
+    let keys = keys::decode_strings(body, fields::KEYS)?;
+    let release = keys::decode_strings(body, fields::RELEASE)?;
+    super::batch_size(keys.len(), "keys").map_err(|e| e.0)?;
+    super::batch_size(release.len(), "holds handed back").map_err(|e| e.0)?;
     Ok((
-        keys::decode_strings(body, fields::KEYS)?,
-        keys::decode_strings(body, fields::RELEASE)?,
+        keys,
+        release,
         keys::decode_u64(body, fields::RELEASE_EPOCH)?,
     ))
 }

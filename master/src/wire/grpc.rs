@@ -9,8 +9,8 @@ use mooncake_proto::master as pb;
 use tonic::{Request, Response, Status};
 
 use super::{
-    client_id, code, code_and_message, replica_pb, replicate_config, segment, tier_number,
-    BadRequest,
+    batch_size, client_id, code, code_and_message, replica_pb, replicate_config, segment,
+    tier_number, BadRequest,
 };
 use crate::{
     core::{HeartbeatReply, MountReport, Mounted, OwnerTask, Reported, TaskKind, TaskRequest},
@@ -174,6 +174,7 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchPutStartResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.items.len(), "puts")?;
         let items: Vec<(&str, u64)> = r.items.iter().map(|i| (i.key.as_str(), i.size)).collect();
         let results = match replicate_config(r.config) {
             Ok(config) => self.0.put_start(&caller, &items, &config, r.token).await,
@@ -203,9 +204,9 @@ impl pb::master_server::Master for GrpcMaster {
         req: Request<pb::BatchPutEndRequest>,
     ) -> Reply<pb::BatchPutEndResponse> {
         let caller = caller_of(&req)?;
-        let codes = by_refs(&req.into_inner().items, |puts| {
-            self.0.put_end(&caller, puts)
-        });
+        let r = req.into_inner();
+        batch_size(r.items.len(), "puts")?;
+        let codes = by_refs(&r.items, |puts| self.0.put_end(&caller, puts));
         Ok(Response::new(pb::BatchPutEndResponse { codes }))
     }
 
@@ -214,9 +215,9 @@ impl pb::master_server::Master for GrpcMaster {
         req: Request<pb::BatchPutRevokeRequest>,
     ) -> Reply<pb::BatchPutRevokeResponse> {
         let caller = caller_of(&req)?;
-        let codes = by_refs(&req.into_inner().items, |puts| {
-            self.0.put_revoke(&caller, puts)
-        });
+        let r = req.into_inner();
+        batch_size(r.items.len(), "puts")?;
+        let codes = by_refs(&r.items, |puts| self.0.put_revoke(&caller, puts));
         Ok(Response::new(pb::BatchPutRevokeResponse { codes }))
     }
 
@@ -226,6 +227,8 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchGetReplicasResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.keys.len(), "keys")?;
+        batch_size(r.release.len(), "holds handed back")?;
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
         let release = Releases::of(&release, r.release_epoch);
@@ -252,6 +255,8 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchExistsResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.keys.len(), "keys")?;
+        batch_size(r.release.len(), "holds handed back")?;
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release: Vec<&str> = r.release.iter().map(String::as_str).collect();
         let release = Releases::of(&release, r.release_epoch);
@@ -264,6 +269,7 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchRemoveResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.keys.len(), "keys")?;
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let codes = self
             .0
@@ -362,6 +368,7 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchReplicaClearResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.keys.len(), "keys")?;
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let name = match r.segment.as_str() {
             "" => None,
@@ -396,6 +403,7 @@ impl pb::master_server::Master for GrpcMaster {
     ) -> Reply<pb::BatchReleaseLeasesResponse> {
         let caller = caller_of(&req)?;
         let r = req.into_inner();
+        batch_size(r.keys.len(), "holds handed back")?;
         let keys: Vec<&str> = r.keys.iter().map(String::as_str).collect();
         let release = Releases::of(&keys, r.epoch);
         self.0.release_leases(&caller, release);

@@ -35,6 +35,22 @@ pub fn code_and_message<T>(r: &Result<T, MasterError>) -> (i32, String) {
 #[derive(Debug)]
 pub struct BadRequest(pub String);
 
+/// Keys one call may name, in its batch and in the holds it hands back: far above what a
+/// serving engine's connector sends (a request's blocks), and low enough that a call's answer
+/// and the master's work under its lock stay bounded (a request of tiny keys otherwise asks
+/// for an answer twenty times its size, and all of it is built before it can be refused).
+pub const MAX_BATCH_KEYS: usize = 1 << 20;
+
+/// Refuses a call naming more than `MAX_BATCH_KEYS` keys (`what` says which list).
+pub fn batch_size(n: usize, what: &str) -> Result<(), BadRequest> {
+    if n > MAX_BATCH_KEYS {
+        return Err(BadRequest(format!(
+            "{n} {what} in one call, above the limit of {MAX_BATCH_KEYS}: split the batch"
+        )));
+    }
+    Ok(())
+}
+
 pub fn client_id(s: &str) -> Result<ClientId, BadRequest> {
     ClientId::parse(s).map_err(|e| BadRequest(e.to_string()))
 }
