@@ -75,7 +75,7 @@ pub fn keepalive(stream: &TcpStream) -> io::Result<()> {
 /// itself: tokio's `try_read` answers "would block" without a system call while the runtime has
 /// not yet seen the connection readable, and a close the I/O driver has not processed yet
 /// passed as open.
-pub fn idle_and_open(stream: &TcpStream) -> bool {
+pub fn idle_and_open(stream: &impl std::os::fd::AsFd) -> bool {
     let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
     match SockRef::from(stream).peek(&mut byte) {
         Ok(_) => false,
@@ -93,6 +93,8 @@ pub fn same_host(stream: &TcpStream) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+
     use super::*;
 
     /// A close is seen at once, even before the runtime's I/O driver ran (a current-thread
@@ -108,6 +110,25 @@ mod tests {
         // No await between the close and the check: the driver has not run.
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert!(!idle_and_open(&client), "the peer closed it");
+    }
+
+    /// The same for the same-host path's Unix sockets, where tokio's `try_read` (used before)
+    /// answered "would block" for a socket its driver had not seen readable since its last
+    /// check, so a connection the owner closed passed as open.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_unix_socket_close_is_seen_at_once() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        assert!(idle_and_open(&ours));
+        let mut byte = [0u8; 1];
+        assert!(ours.try_read(&mut byte).is_err(), "would block");
+        drop(theirs);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!idle_and_open(&ours), "the peer closed it");
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let std_theirs = theirs.into_std().unwrap();
+        (&std_theirs).write_all(b"x").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        assert!(!idle_and_open(&ours), "bytes nobody asked for");
     }
 
     /// (And keepalive: a dead peer's connection ends instead of being held for ever.)

@@ -16,6 +16,7 @@ use std::{
 
 use mooncake_common::{
     auth::{authenticate_blocking, AuthError, Credential, AUTH_REQUIRED},
+    data_socket::idle_and_open,
     local::{self, frame_header, FrameReader, FrameWriter, Item, LocalOp},
     transport::{parts_len, ReadItem, TransferError, WriteItem},
     Code, SegmentName,
@@ -224,10 +225,7 @@ impl LocalOwner {
     /// (or holds bytes nobody asked for). Its pool's mapping is then only memory held for
     /// nothing. False while every connection is in use.
     pub fn is_gone(&self) -> bool {
-        self.idle.lock().iter().any(|s| {
-            let mut byte = [0u8; 1];
-            !matches!(s.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-        })
+        self.idle.lock().iter().any(|s| !idle_and_open(s))
     }
 
     fn io_err(&self, source: io::Error) -> TransferError {
@@ -242,9 +240,10 @@ impl LocalOwner {
     fn idle_open(&self) -> Option<UnixStream> {
         let mut idle = self.idle.lock();
         while let Some(s) = idle.pop() {
-            let mut byte = [0u8; 1];
-            // Nothing to read (would block): open and in step; end of stream or stray bytes: not.
-            if matches!(s.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
+            // Asked of the socket itself: tokio's `try_read` answers "would block" without a
+            // system call while the runtime has not seen the socket readable, so a close not
+            // processed yet passed as open (and the batch it carried failed).
+            if idle_and_open(&s) {
                 return Some(s);
             }
         }
