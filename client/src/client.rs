@@ -100,6 +100,7 @@ impl Client {
             shared_memory: config.shared_memory,
             socket_dir: config.socket_dir.clone(),
             copy_threads: config.copy_threads,
+            probe_again_after: crate::transport::hybrid::PROBE_AGAIN_AFTER,
         })))
     }
 

@@ -57,6 +57,11 @@ fn unsealed<'a>(key: &'a ObjectKey, parts: &'a [&'a [u8]]) -> WriteItem<'a> {
 /// A client transport that takes the same-host path to the owners whose sockets are in `dir`,
 /// one connection each, with short deadlines.
 fn hybrid(dir: std::path::PathBuf) -> HybridTransport {
+    hybrid_probing_after(dir, Duration::from_secs(10))
+}
+
+/// `hybrid`, probing an owner the same-host path did not reach again after `again`.
+fn hybrid_probing_after(dir: std::path::PathBuf, again: Duration) -> HybridTransport {
     HybridTransport::new(HybridConfig {
         tcp: TcpConfig {
             connect_timeout: Duration::from_secs(1),
@@ -69,6 +74,7 @@ fn hybrid(dir: std::path::PathBuf) -> HybridTransport {
         shared_memory: true,
         socket_dir: dir,
         copy_threads: 1,
+        probe_again_after: again,
     })
 }
 
@@ -292,6 +298,38 @@ fn fixed_port_owner(rpc: &str, port: &str) -> (ChildGuard, SegmentName) {
     let seg = SegmentName::parse(line.rsplit("segment=").next().unwrap()).unwrap();
     o.remove_on_drop(socket_path(&socket_dir(), &seg));
     (o, seg)
+}
+
+/// An owner the same-host path did not reach (not started yet, stopped, restarting) is probed
+/// again after a while: once it is back its calls take the same-host path again. Before, the
+/// first verdict stood for the client's life, and every call to it went over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_reached_over_tcp_is_probed_again_for_the_same_host_path() {
+    let (_m, rpc, _) = spawn_master(&[]);
+    let port = free_port().to_string();
+    let (_owner, segment) = fixed_port_owner(&rpc, &port);
+    let t = hybrid_probing_after(socket_dir(), Duration::from_secs(2));
+    let key = ObjectKey::new("k").unwrap();
+    let value = payload("k", 64 << 10);
+    let parts = [&value[..]];
+    let write = || async { t.write_batch(&segment, &[unsealed(&key, &parts)]).await };
+    // The owner's socket is away (as while an owner restarts): TCP.
+    let path = socket_path(&socket_dir(), &segment);
+    let away = path.with_extension("away");
+    std::fs::rename(&path, &away).unwrap();
+    let started = Instant::now();
+    write().await[0].as_ref().unwrap();
+    std::fs::rename(&away, &path).unwrap();
+    // Within the wait the verdict stands.
+    write().await[0].as_ref().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "too slow to tell"
+    );
+    assert_eq!(t.stats().local_bytes, 0);
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    write().await[0].as_ref().unwrap();
+    assert_eq!(t.stats().local_bytes, 64 << 10, "probed again");
 }
 
 /// The first calls after a same-host owner restarted (on a fixed port) succeed: the client's

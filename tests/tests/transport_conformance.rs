@@ -53,6 +53,7 @@ fn transports() -> Vec<(&'static str, Arc<dyn DataTransport>)> {
                 shared_memory: true,
                 socket_dir: mooncake_tests::socket_dir(),
                 copy_threads: 2,
+                probe_again_after: mooncake_client::transport::hybrid::PROBE_AGAIN_AFTER,
             })),
         ),
     ]

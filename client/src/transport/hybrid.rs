@@ -1,6 +1,6 @@
 //! The transport clients use: the same-host path for owners on this host that offer it (and
-//! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided once per owner without the
-//! caller being told. A same-host connection that fails is forgotten, so the next call probes
+//! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided per owner without the
+//! caller being told (a TCP verdict is probed again after a while: the owner may be back). A same-host connection that fails is forgotten, so the next call probes
 //! again (an owner restart, for instance), and a batch that finds none (the owner's socket gone
 //! or taken by a restarted owner) goes over TCP instead of failing; the pool's mapping is kept for that probe, which
 //! takes it back when the owner's pool is the same.
@@ -33,6 +33,10 @@ use super::{
 const RETIRED_FOR: Duration = Duration::from_secs(60);
 /// How often calls look for mappings held for nothing (see `HybridTransport::tidy`).
 const TIDY_EVERY: Duration = Duration::from_secs(10);
+/// How long an owner found unreachable by the same-host path goes over TCP before the path is
+/// probed again (`HybridConfig::probe_again_after`): a same-host owner stopped (its socket
+/// gone, or refusing) may come back.
+pub const PROBE_AGAIN_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -43,6 +47,9 @@ pub struct HybridConfig {
     pub socket_dir: PathBuf,
     /// Threads a large same-host batch's copies may use (1: the calling thread only).
     pub copy_threads: usize,
+    /// How long an owner the same-host path did not reach goes over TCP before it is probed
+    /// again (`PROBE_AGAIN_AFTER`).
+    pub probe_again_after: Duration,
 }
 
 #[derive(Clone)]
@@ -51,10 +58,22 @@ enum Route {
     Tcp,
 }
 
+/// What `HybridTransport::cached` found.
+enum Cached {
+    Route(Route),
+    /// A route due to be probed again, by this caller.
+    Due,
+    None,
+}
+
 pub struct HybridTransport {
     config: HybridConfig,
     tcp: TcpTransport,
-    routes: Mutex<HashMap<SegmentName, Route>>,
+    /// Each owner's route, and when to probe it again (a TCP verdict the owner may outlive).
+    routes: Mutex<HashMap<SegmentName, (Route, Option<Instant>)>>,
+    /// One probe per owner at a time: callers of an owner being probed wait for its verdict
+    /// instead of each connecting and mapping its whole pool.
+    probing: Mutex<HashMap<SegmentName, Arc<tokio::sync::Mutex<()>>>>,
     /// The mappings of same-host routes forgotten after a broken connection, with when: the
     /// next probe of the owner takes its mapping back if the pool is the same (see `probe`).
     /// Kept a minute at most, so the pool of an owner gone for good is not held.
@@ -72,6 +91,7 @@ impl HybridTransport {
             tcp: TcpTransport::new(config.tcp.clone()),
             config,
             routes: Mutex::new(HashMap::new()),
+            probing: Mutex::new(HashMap::new()),
             retired: Mutex::new(HashMap::new()),
             born: Instant::now(),
             next_tidy: AtomicU64::new(0),
@@ -82,16 +102,54 @@ impl HybridTransport {
 
     async fn route(&self, target: &SegmentName) -> Route {
         self.tidy();
-        if let Some(r) = self.routes.lock().get(target) {
-            return r.clone();
+        match self.cached(target) {
+            Cached::Route(r) => return r,
+            Cached::Due => {
+                // This caller probes again; the others keep the old route meanwhile.
+                let (route, again) = self.probe(target).await;
+                self.routes
+                    .lock()
+                    .insert(target.clone(), (route.clone(), again));
+                return route;
+            }
+            Cached::None => {}
         }
-        let route = self.probe(target).await;
-        let mut routes = self.routes.lock();
-        // A new owner is often an old one restarted under another name (port 0): drop the
-        // mappings of owners that are gone, which nothing would call again.
-        routes.retain(|_, r| !matches!(r, Route::Local(o) if o.is_gone()));
-        routes.insert(target.clone(), route.clone());
+        let gate = self
+            .probing
+            .lock()
+            .entry(target.clone())
+            .or_default()
+            .clone();
+        let probing = gate.lock().await;
+        if let Cached::Route(r) = self.cached(target) {
+            return r;
+        }
+        let (route, again) = self.probe(target).await;
+        {
+            let mut routes = self.routes.lock();
+            // A new owner is often an old one restarted under another name (port 0): drop the
+            // mappings of owners that are gone, which nothing would call again.
+            routes.retain(|_, (r, _)| !matches!(r, Route::Local(o) if o.is_gone()));
+            routes.insert(target.clone(), (route.clone(), again));
+        }
+        drop(probing);
+        self.probing.lock().remove(target);
         route
+    }
+
+    /// The route to `target`; `Due` to the one caller that is to probe it again (the time of
+    /// the next probe moves on at once, so the others keep the route meanwhile).
+    fn cached(&self, target: &SegmentName) -> Cached {
+        let mut routes = self.routes.lock();
+        let Some((route, again)) = routes.get_mut(target) else {
+            return Cached::None;
+        };
+        let now = Instant::now();
+        if again.is_some_and(|at| now >= at) {
+            *again = Some(now + self.config.probe_again_after);
+            return Cached::Due;
+        }
+        Cached::Route(route.clone())
     }
 
     /// Every `TIDY_EVERY` at most (one atomic load otherwise): lets go of the mappings of
@@ -124,18 +182,22 @@ impl HybridTransport {
         let gone: Vec<_> = self
             .routes
             .lock()
-            .extract_if(|_, r| matches!(r, Route::Local(o) if o.is_gone()))
+            .extract_if(|_, (r, _)| matches!(r, Route::Local(o) if o.is_gone()))
             .collect();
         drop((expired, gone));
     }
 
-    async fn probe(&self, target: &SegmentName) -> Route {
+    /// The route to `target`, and when to probe again: never for the same-host path, nor with
+    /// it turned off, nor for an owner whose pool this client cannot use; after
+    /// `PROBE_AGAIN_AFTER` for TCP otherwise (the owner may come back, or be remote).
+    async fn probe(&self, target: &SegmentName) -> (Route, Option<Instant>) {
         if !self.config.shared_memory {
-            return Route::Tcp;
+            return (Route::Tcp, None);
         }
+        let again = Some(Instant::now() + self.config.probe_again_after);
         let path = socket_path(&self.config.socket_dir, target);
         if !path.exists() {
-            return Route::Tcp;
+            return (Route::Tcp, again);
         }
         let timeout = self.config.tcp.connect_timeout;
         let deadlines = Deadlines {
@@ -161,31 +223,31 @@ impl HybridTransport {
         });
         let Ok(connected) = tokio::time::timeout(timeout, connecting).await else {
             tracing::warn!(segment = %target, ?timeout, "the same-host owner did not answer a connection in time; using TCP");
-            return Route::Tcp;
+            return (Route::Tcp, again);
         };
         match connected {
             Ok(Ok(owner)) => {
                 tracing::debug!(segment = %target, "using the same-host path");
-                Route::Local(Arc::new(owner))
+                (Route::Local(Arc::new(owner)), None)
             }
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
                 // A socket at the owner's path that cannot prove the secret: not the owner.
                 tracing::warn!(segment = %target, error = %e, "refused the same-host socket; using TCP");
-                Route::Tcp
+                (Route::Tcp, again)
             }
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
                 // An owner that answered what this client cannot use: a pool it cannot map
                 // safely (not sealed: an older build), no pool, a malformed hello.
                 tracing::warn!(segment = %target, error = %e, "refused the same-host pool; using TCP");
-                Route::Tcp
+                (Route::Tcp, None)
             }
             Ok(Err(e)) => {
                 tracing::debug!(segment = %target, error = %e, "same-host path unavailable; using TCP");
-                Route::Tcp
+                (Route::Tcp, again)
             }
             Err(e) => {
                 tracing::warn!(segment = %target, error = %e, "same-host probe failed; using TCP");
-                Route::Tcp
+                (Route::Tcp, again)
             }
         }
     }
@@ -223,7 +285,7 @@ impl HybridTransport {
     /// Forgets the same-host route to `target` (the next call probes again), keeping its
     /// mapping for a while.
     fn forget(&self, target: &SegmentName) {
-        if let Some(Route::Local(owner)) = self.routes.lock().remove(target) {
+        if let Some((Route::Local(owner), _)) = self.routes.lock().remove(target) {
             let pool = owner.pool().clone();
             self.retired
                 .lock()
