@@ -186,7 +186,9 @@ impl RunningOwner {
             pool: pool.clone(),
             catalog: catalog.clone(),
             concurrency: config.ssd_concurrency,
-            copy_timeout: config.frame_timeout,
+            // Two thirds of the frame timeout (20 s of 30 by default), well inside the
+            // master's task timeout (30 s by default).
+            copy_timeout: config.frame_timeout * 2 / 3,
         });
         let (tx, rx) = watch::channel(false);
         let heartbeats = tokio::spawn(

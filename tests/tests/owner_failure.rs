@@ -397,3 +397,63 @@ fn an_owner_stopped_while_starting_exits_in_order() {
         "{status:?}: an exit, not a death by signal"
     );
 }
+
+/// A copy from an owner that does not answer (stopped) fails on the copying owner within its
+/// budget (two thirds of its frame timeout, counted from the poll that brought it), before the
+/// master gives the task up: the task says why, and the copy's room is back at once. Before,
+/// the budget was the whole frame timeout, which the master's task timeout (the same 30 s by
+/// default, counted earlier) always beat: the room was then held for the release timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_from_a_silent_owner_fails_on_the_copier_before_the_master_gives_it_up() {
+    use mooncake_common::ReplicaTaskStatus;
+    // The copier's old budget (its frame timeout, 5 s from taking a slot) lost to the master's
+    // task timeout (4 s from the task's creation); its new one (3.3 s from the poll) wins.
+    let master = mooncake_master::RunningMaster::start(mooncake_master::MasterConfig {
+        offload_timeout: Duration::from_secs(4),
+        ..mooncake_tests::master_config()
+    })
+    .await
+    .unwrap();
+    let rpc = master.rpc_addr.to_string();
+    let (source, seg_a) = spawn_owner(&rpc, "16MiB", &[]);
+    let copier = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
+        frame_timeout: Duration::from_secs(5),
+        ..mooncake_tests::owner_config(&rpc, 16 << 20)
+    })
+    .await
+    .unwrap();
+    let seg_b = copier.segment.clone();
+    let client = client_preferring(&rpc, &seg_a).await;
+    client
+        .put(
+            "copied",
+            &payload("copied", 1 << 20),
+            &ReplicateConfig::default(),
+        )
+        .await
+        .unwrap();
+    source.stop();
+    let id = client
+        .create_copy_task("copied", &[seg_b.as_str()])
+        .await
+        .unwrap();
+    let failed = eventually(Duration::from_secs(10), async || {
+        client.query_task(id).await.unwrap().status == ReplicaTaskStatus::Failed
+    })
+    .await;
+    assert!(failed, "the copy did not fail");
+    let detail = client.query_task(id).await.unwrap().detail;
+    assert!(!detail.contains("did not report"), "{detail}");
+    let allocated = client
+        .list_segments()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == seg_b)
+        .unwrap()
+        .allocated;
+    assert_eq!(allocated, 0, "the copy's room is back ({detail})");
+    source.signal(libc::SIGCONT);
+    copier.shutdown().await;
+    master.shutdown().await;
+}

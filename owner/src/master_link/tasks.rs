@@ -33,6 +33,9 @@ const POLL_WAIT: Duration = Duration::from_secs(2);
 const POLL_MAX: u32 = 256;
 /// Results sent in one report at most.
 const REPORT_MAX: usize = 1024;
+/// How long a promotion or a copy waits for its range to be free (a reader still on it, a
+/// superseded write draining) before it fails.
+const FILL_PATIENCE: Duration = Duration::from_secs(2);
 
 /// What the loop needs to do its work.
 pub struct Worker {
@@ -43,7 +46,10 @@ pub struct Worker {
     pub catalog: Arc<Catalog>,
     /// Tasks executed at once (disk queue depth for offloads and promotions).
     pub concurrency: usize,
-    /// The longest a copy's read from another owner may take.
+    /// The longest a copy may take from the poll that brought it, its wait for a free task
+    /// slot and its read from the other owner included: within the master's task timeout, so
+    /// a copy that cannot finish is reported failed (its room given back at once) before the
+    /// master gives it up.
     pub copy_timeout: Duration,
 }
 
@@ -99,6 +105,8 @@ impl Worker {
                 Ok(resp) => {
                     backoff = Duration::from_millis(100);
                     while running.try_join_next().is_some() {}
+                    // A copy's time counts from here, its wait for a free slot included.
+                    let polled = tokio::time::Instant::now();
                     for t in resp.tasks {
                         let permit = tokio::select! {
                             p = permits.clone().acquire_owned() => p.expect("never closed"),
@@ -106,7 +114,7 @@ impl Worker {
                         };
                         let (w, tx) = (self.clone(), tx.clone());
                         running.spawn(async move {
-                            let (code, message) = w.execute(&t).await;
+                            let (code, message) = w.execute(&t, polled).await;
                             drop(permit);
                             let _ = tx.send((t, code, message));
                         });
@@ -149,8 +157,8 @@ impl Worker {
         }
     }
 
-    async fn execute(&self, t: &pb::OwnerTask) -> (i32, String) {
-        match self.one(t).await {
+    async fn execute(&self, t: &pb::OwnerTask, polled: tokio::time::Instant) -> (i32, String) {
+        match self.one(t, polled).await {
             Ok(()) => (0, String::new()),
             Err(Failure(code, message)) => {
                 tracing::warn!(key = %t.key, kind = ?t.kind(), %message, "owner task failed");
@@ -221,11 +229,22 @@ impl Worker {
         }
     }
 
-    async fn one(&self, t: &pb::OwnerTask) -> Result<(), Failure> {
+    async fn one(&self, t: &pb::OwnerTask, polled: tokio::time::Instant) -> Result<(), Failure> {
         let key =
             ObjectKey::new(&t.key).map_err(|e| Failure(Code::InvalidParams, e.to_string()))?;
+        // A kind this build does not know (a newer master's) is refused, not taken for another
+        // (prost reads an unknown value as the first, an offload).
+        if pb::TaskKind::try_from(t.kind).is_err() {
+            return Err(Failure(
+                Code::InvalidParams,
+                format!(
+                    "unknown task kind {}: this owner is older than its master",
+                    t.kind
+                ),
+            ));
+        }
         if t.kind() == pb::TaskKind::Copy {
-            return self.copy(&key, t).await;
+            return self.copy(&key, t, polled + self.copy_timeout).await;
         }
         let Some(store) = &self.store else {
             return Err(Failure(
@@ -258,10 +277,26 @@ impl Worker {
         }
     }
 
-    /// Copies a replica from another owner into the range the master reserved here.
-    async fn copy(&self, key: &ObjectKey, t: &pb::OwnerTask) -> Result<(), Failure> {
+    /// Copies a replica from another owner into the range the master reserved here, by
+    /// `deadline` (see `TaskWorker::copy_timeout`).
+    async fn copy(
+        &self,
+        key: &ObjectKey,
+        t: &pb::OwnerTask,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), Failure> {
         let source = mooncake_common::SegmentName::parse(&t.source)
             .map_err(|e| Failure(Code::InvalidParams, format!("copy source: {e}")))?;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(Failure(
+                Code::TransferFail,
+                format!(
+                    "waited {:?} for a free task slot before reading {key} from {source}",
+                    self.copy_timeout
+                ),
+            ));
+        }
         let from_disk = t.source_tier == pb::ReplicaTier::Disk as i32;
         // A disk read names no offset (the record is found by key), as a client's does.
         let offset = if from_disk { 0 } else { t.source_offset };
@@ -275,7 +310,7 @@ impl Worker {
                 length: t.size,
                 put_id: t.put_id,
             },
-            self.copy_timeout,
+            left,
         );
         let read = PeerRead {
             segment: &source,
@@ -287,7 +322,7 @@ impl Worker {
             credential: self.link.credential(),
             seal,
         };
-        let value = peer_read::read(read, self.copy_timeout)
+        let value = peer_read::read(read, left)
             .await
             .map_err(|(code, message)| Failure(code, message))?;
         self.fill(key, t, &value).await
@@ -355,7 +390,7 @@ impl Worker {
         // grant's bytes in the range win), and keeps the object's put id as its version.
         let mut guard = self
             .pool
-            .write_range_granted(t.offset, t.size, t.grant, Duration::ZERO)
+            .write_range_granted(t.offset, t.size, t.grant, FILL_PATIENCE)
             .await
             .map_err(|e| Failure(e.code(), e.to_string()))?;
         if let Some(newer) = self.catalog.claim(t.offset, t.size, t.grant) {
