@@ -196,16 +196,7 @@ impl RunningOwner {
                 .heartbeat_loop(config.heartbeat_interval, rx.clone()),
         );
         let worker = (tx, tokio::spawn(w.run(rx)));
-        if let Some(path) = &config.ready_file {
-            write_ready_file(path, &segment).map_err(|source| OwnerError::ReadyFile {
-                path: path.display().to_string(),
-                source,
-            })?;
-        }
-        tracing::info!(%segment, size, locked = pool.is_locked(), %client_id,
-            local_socket = ?local_socket,
-            ssd = ?ssd.as_ref().map(|s| s.path().display().to_string()), "owner serving");
-        Ok(RunningOwner {
+        let owner = RunningOwner {
             segment,
             data_addr,
             client_id,
@@ -217,7 +208,22 @@ impl RunningOwner {
             heartbeats,
             stop,
             tasks,
-        })
+        };
+        if let Some(path) = &config.ready_file {
+            if let Err(source) = write_ready_file(path, &owner.segment) {
+                // Mounted already: stopped in order (unmounted), not left for the master to
+                // place puts on until it expires this owner.
+                owner.shutdown().await;
+                return Err(OwnerError::ReadyFile {
+                    path: path.display().to_string(),
+                    source,
+                });
+            }
+        }
+        tracing::info!(segment = %owner.segment, size, locked = owner.pool.is_locked(), %client_id,
+            local_socket = ?local_socket,
+            ssd = ?owner.ssd.as_ref().map(|s| s.path().display().to_string()), "owner serving");
+        Ok(owner)
     }
 
     pub fn pool(&self) -> &Arc<MemoryPool> {

@@ -457,3 +457,20 @@ async fn a_copy_from_a_silent_owner_fails_on_the_copier_before_the_master_gives_
     copier.shutdown().await;
     master.shutdown().await;
 }
+
+/// An owner whose start fails after it mounted (here: its ready file cannot be written) stops
+/// in order and unmounts: before, its segment stayed mounted until the master expired it, and
+/// puts were placed on an owner that had exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_fails_to_start_after_mounting_unmounts() {
+    let c = mooncake_tests::Cluster::start(&[]).await;
+    let started = mooncake_owner::RunningOwner::start(mooncake_owner::OwnerConfig {
+        ready_file: Some("/nonexistent-mooncake-dir/ready".into()),
+        ..mooncake_tests::owner_config(&c.master_addr(), 4 << 20)
+    })
+    .await;
+    assert!(started.is_err());
+    let client = c.client().await;
+    assert!(client.list_segments().await.unwrap().is_empty());
+    c.shutdown().await;
+}

@@ -14,6 +14,9 @@ use tokio::{
     net::TcpStream,
 };
 
+/// The longest refusal message read from a peer.
+const MAX_REFUSAL: u64 = 64 << 10;
+
 /// What a copy reads: `size` bytes of version `put_id` of `key`, from memory at `offset` of the
 /// owner at `segment`, or from that owner's SSD tier.
 pub struct PeerRead<'a> {
@@ -75,7 +78,9 @@ async fn exchange(r: &PeerRead<'_>) -> Result<Vec<u8>, PeerError> {
     let answer = ResponseHeader::decode(&head)
         .map_err(|e| (Code::TransferFail, format!("{}: {e}", r.segment)))?;
     if answer.status != 0 {
-        let mut message = vec![0u8; answer.length as usize];
+        // A refusal's message is a line of text: a peer claiming more is not trusted with an
+        // allocation of its size (the connection is dropped after this read anyway).
+        let mut message = vec![0u8; answer.length.min(MAX_REFUSAL) as usize];
         stream.read_exact(&mut message).await.map_err(io)?;
         return Err((
             answer.code(),
