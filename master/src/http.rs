@@ -17,8 +17,10 @@ pub fn router(shared: Arc<Shared>) -> Router {
 async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     // Render under the lock into a string, then release it before the response is written.
     let body = {
+        let now = shared.clock.now();
+        let leading = shared.leadership.holds(now);
         let state = shared.state.lock();
-        shared.metrics.render(&state)
+        shared.metrics.render(&state, now, leading)
     };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }

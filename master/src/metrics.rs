@@ -4,7 +4,10 @@
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::core::{Counters, MasterState, SegmentStat};
+use crate::{
+    clock::Millis,
+    core::{Counters, MasterState, SegmentStat},
+};
 
 /// Operations counted per item (a batch of 32 keys counts 32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,10 +29,20 @@ pub enum Op {
     QueryTask,
     ReplicaClear,
     ReleaseLeases,
+    /// Put starts whose caller never got the answer (counted per revoked put; the call itself
+    /// when it revoked none).
+    AbandonPutStart,
+    /// Owners' reports of SSD work and copies, per result (a failure: the work failed, or the
+    /// master no longer wanted it).
+    ReportTasks,
+    /// Disk records owners registered after a restart, per record (a failure: refused).
+    RegisterDisk,
+    /// Disk records owners said they lost or are about to lose, per record.
+    DiskDropped,
 }
 
 impl Op {
-    const ALL: [Op; 16] = [
+    const ALL: [Op; 20] = [
         Op::MountSegment,
         Op::UnmountSegment,
         Op::Heartbeat,
@@ -46,6 +59,10 @@ impl Op {
         Op::QueryTask,
         Op::ReplicaClear,
         Op::ReleaseLeases,
+        Op::AbandonPutStart,
+        Op::ReportTasks,
+        Op::RegisterDisk,
+        Op::DiskDropped,
     ];
 
     fn name(self) -> &'static str {
@@ -66,6 +83,10 @@ impl Op {
             Op::QueryTask => "query_task",
             Op::ReplicaClear => "batch_replica_clear",
             Op::ReleaseLeases => "release_leases",
+            Op::AbandonPutStart => "abandon_put_start",
+            Op::ReportTasks => "report_tasks",
+            Op::RegisterDisk => "register_disk",
+            Op::DiskDropped => "disk_dropped",
         }
     }
 }
@@ -84,9 +105,29 @@ impl Metrics {
         }
     }
 
-    pub fn render(&self, state: &MasterState) -> String {
+    /// The metrics at `now`, of a master that `leading` says leads (or serves alone).
+    pub fn render(&self, state: &MasterState, now: Millis, leading: bool) -> String {
         let mut out = String::with_capacity(4096);
         render_state(&mut out, state);
+        for (name, help, v) in [
+            (
+                "master_leading",
+                "1 while this master serves (it leads, or runs without HA), else 0.",
+                u64::from(leading),
+            ),
+            (
+                "master_rebuilding",
+                "1 while owners still report what they hold (unknown keys answer \"not known yet\", removals wait), else 0.",
+                u64::from(state.rebuilding(now)),
+            ),
+            (
+                "master_puts_in_flight",
+                "Puts started and not yet ended, revoked or discarded.",
+                state.puts_in_flight() as u64,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
         let segs = state.segment_stats();
         render_segments(&mut out, &segs);
         if segs.iter().any(|s| s.disk.is_some()) {

@@ -40,6 +40,18 @@ async fn metrics_health_and_segments() {
         assert!(m.contains(&line), "{line} missing");
     }
     assert!(m.contains("master_evicted_keys_total"));
+    // What an operator needs to tell a master's state: serving, rebuilding, puts open.
+    assert_eq!(metric(&m, "master_leading"), 1);
+    assert_eq!(metric(&m, "master_puts_in_flight"), 0);
+    assert!(m.contains("\nmaster_rebuilding "));
+    for op in [
+        "abandon_put_start",
+        "report_tasks",
+        "register_disk",
+        "disk_dropped",
+    ] {
+        assert_eq!(metric(&m, &format!("master_{op}_requests_total")), 0);
+    }
 
     let (status, segs) = http_get(&addr.to_string(), "/get_all_segments").await;
     assert_eq!(status, 200);

@@ -99,7 +99,13 @@ async fn objects_spill_to_ssd_and_read_back_exactly_and_a_corrupt_record_is_refu
     assert_eq!(st.disk_bytes, st.disk_keys * SIZE as u64);
 
     // Metrics show the tier.
-    let metrics = master.with_state(|s| mooncake_master::metrics::Metrics::default().render(s));
+    let metrics = master.with_state(|s| {
+        mooncake_master::metrics::Metrics::default().render(
+            s,
+            mooncake_master::clock::Millis(0),
+            true,
+        )
+    });
     assert!(
         metrics.contains("segment_ssd_capacity_bytes{segment="),
         "{metrics}"

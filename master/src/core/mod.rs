@@ -461,6 +461,11 @@ impl MasterState {
         self.objects.order_bytes()
     }
 
+    /// Puts started and not yet ended, revoked or discarded.
+    pub fn puts_in_flight(&self) -> usize {
+        self.unfinished.len()
+    }
+
     pub fn active_owners(&self) -> usize {
         self.owners.len()
     }

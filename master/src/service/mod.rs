@@ -307,6 +307,9 @@ impl MasterService {
             revoked,
             "a client abandoned a put start it got no answer to"
         );
+        self.shared
+            .metrics
+            .record(Op::AbandonPutStart, (revoked as usize).max(1), 0);
         revoked
     }
 

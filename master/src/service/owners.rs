@@ -172,7 +172,7 @@ impl MasterService {
             // between would leave them naming a segment that is gone.
             let mut state = self.shared.state.lock();
             let id = state.owned_segment(owner, segment)?;
-            let results = reports
+            let results: Vec<Result<(), MasterError>> = reports
                 .iter()
                 .map(|t| {
                     ObjectKey::new(t.key)
@@ -194,6 +194,14 @@ impl MasterService {
             self.shared.wake_owners(&mut state);
             results
         };
+        let failed = reports
+            .iter()
+            .zip(&results)
+            .filter(|(t, r)| !t.done || r.is_err())
+            .count();
+        self.shared
+            .metrics
+            .record(Op::ReportTasks, results.len(), failed);
         self.shared.offload_progress.notify_waiters();
         Ok(results)
     }
@@ -214,6 +222,9 @@ impl MasterService {
             }
         }
         self.shared.wake_owners(&mut state);
+        self.shared
+            .metrics
+            .record(Op::DiskDropped, records.len(), 0);
         Ok(())
     }
 
@@ -230,7 +241,7 @@ impl MasterService {
         let mut state = self.shared.state.lock();
         let id = state.disk_segment(owner, segment)?;
         state.touch(owner, now);
-        let registered = records
+        let registered: Vec<_> = records
             .iter()
             .map(|&(key, size, put_id)| {
                 ObjectKey::new(key)
@@ -238,6 +249,10 @@ impl MasterService {
                     .and_then(|k| state.register_disk(id, &k, size, put_id, now))
             })
             .collect();
+        let refused = registered.iter().filter(|r| r.is_err()).count();
+        self.shared
+            .metrics
+            .record(Op::RegisterDisk, registered.len(), refused);
         if done {
             state.disk_registered(id);
         }
