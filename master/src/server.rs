@@ -21,7 +21,7 @@ use crate::{
     ha::Leadership,
     service::{Caller, MasterService, Shared},
     wire::{
-        admitted::{Admitted, Identity, Io, Prefixed, Rpc},
+        admitted::{Admitted, Expiring, Identity, Io, Prefixed, Rpc},
         grpc::GrpcMaster,
         in_process::InProcessMaster,
     },
@@ -310,6 +310,9 @@ struct Routes {
 
 /// How long a connection may take to authenticate and to show which protocol it speaks.
 const OPENING_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a gRPC connection that did not authenticate (where the master requires it) is
+/// served its refusals before it is closed.
+const REFUSED_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Accepts RPC connections, admits each (see `mooncake_common::auth`) and routes it by its
 /// first bytes: the framed RPC is served here, anything else (HTTP/2) goes to the gRPC server.
@@ -419,7 +422,9 @@ async fn serve_rpc(
         }
         (false, false) => {
             let identity = Identity(None);
-            let stream: Box<dyn Io> = Box::new(stream);
+            // Answered UNAUTHENTICATED, call after call: closed after a while, so that
+            // connections nothing will ever let in do not pile up (file descriptors, tasks).
+            let stream: Box<dyn Io> = Box::new(Expiring::new(stream, REFUSED_FOR));
             let _ = routes.refused.send(Admitted { stream, identity }).await;
             Ok(())
         }

@@ -387,3 +387,22 @@ async fn an_open_cluster_serves_peers_without_a_token_and_those_with_one_refuse_
     .expect("no same-host path to a socket that proves nothing");
     assert!(err.to_string().contains("runs open"), "{err}");
 }
+
+/// A gRPC connection that did not authenticate is answered UNAUTHENTICATED call after call,
+/// and closed after a while: before, the master kept it (HTTP/2 keepalive answered) for as long
+/// as the peer did, so such connections could pile up until the port ran out of descriptors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_grpc_connection_is_closed_after_a_while() {
+    let dir = TempDir::new("auth-refused");
+    let token = token_file(&dir, "token", SECRET);
+    let (_master, rpc, _) = spawn_master(&["--auth_token_file", &token]);
+    let mut s = tokio::net::TcpStream::connect(&rpc).await.unwrap();
+    // An HTTP/2 client's preface and an empty SETTINGS frame: the gRPC side of the port.
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(9), s.read_to_end(&mut sink)).await;
+    assert!(closed.is_ok(), "still open after 9 s");
+    assert!(!sink.is_empty(), "the server spoke HTTP/2 first");
+}

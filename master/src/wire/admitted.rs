@@ -4,6 +4,7 @@
 //! extensions, see `Identity`).
 
 use std::{
+    future::Future,
     io,
     pin::Pin,
     sync::Arc,
@@ -90,6 +91,68 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
 
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A stream that ends at a deadline: reads then see its end and writes fail, so the server
+/// serving it lets go (tonic keeps an HTTP/2 connection for as long as its peer does, and
+/// answers its keepalive pings). For connections that are only ever refused.
+pub struct Expiring<S> {
+    inner: S,
+    at: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<S> Expiring<S> {
+    pub fn new(inner: S, after: std::time::Duration) -> Expiring<S> {
+        Expiring {
+            inner,
+            at: Box::pin(tokio::time::sleep(after)),
+        }
+    }
+
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        self.at.as_mut().poll(cx).is_ready()
+    }
+}
+
+fn ended() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "a refused connection is closed after a while",
+    )
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Expiring<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.expired(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Expiring<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.expired(cx) {
+            return Poll::Ready(Err(ended()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
