@@ -105,6 +105,9 @@ pub struct MasterService {
     seals: Option<SealKey>,
 }
 
+/// The longest a key regex is matched (`remove_all` with a pattern) before the call gives up.
+const MATCH_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Why `remove_all` is refused while a rebuild lasts.
 const REBUILDING: &str = "the master is rebuilding its catalog from the owners' reports, and \
      objects not reported yet cannot be removed: retry shortly";
@@ -525,19 +528,38 @@ impl MasterService {
                 let scope = tenant.clone();
                 let wanted = StopOnDrop::default();
                 let go_on = wanted.0.clone();
+                let n = keys.len();
                 let matching = tokio::task::spawn_blocking(move || {
-                    keys.into_iter()
-                        .take_while(|_| go_on.load(std::sync::atomic::Ordering::Relaxed))
-                        .filter(|k| {
-                            // A search that gives up (backtracking limit) matches nothing.
-                            scope
-                                .unscope(k.as_str())
-                                .is_some_and(|k| r.is_match(k).unwrap_or(false))
-                        })
-                        .collect::<Vec<ObjectKey>>()
+                    // A framed call is not dropped when its caller leaves: the pattern also
+                    // stops at its budget, so one caller's pattern cannot hold the slot (and a
+                    // blocking thread) for long after nobody waits for it.
+                    let until = std::time::Instant::now() + MATCH_BUDGET;
+                    let mut matched = Vec::new();
+                    for (i, k) in keys.into_iter().enumerate() {
+                        if !go_on.load(std::sync::atomic::Ordering::Relaxed) {
+                            break;
+                        }
+                        if i % 64 == 0 && std::time::Instant::now() >= until {
+                            return None;
+                        }
+                        // A search that gives up (backtracking limit) matches nothing.
+                        if scope
+                            .unscope(k.as_str())
+                            .is_some_and(|k| r.is_match(k).unwrap_or(false))
+                        {
+                            matched.push(k);
+                        }
+                    }
+                    Some(matched)
                 });
                 match matching.await {
-                    Ok(keys) => Some(keys),
+                    Ok(Some(keys)) => Some(keys),
+                    Ok(None) => {
+                        self.shared.metrics.record(Op::RemoveAll, 1, 1);
+                        return Err(MasterError::Busy(format!(
+                            "matching the key regex over {n} keys took longer than {MATCH_BUDGET:?}; nothing was removed: use a simpler pattern (a prefix such as ^tmp/)"
+                        )));
+                    }
                     Err(e) => {
                         self.shared.metrics.record(Op::RemoveAll, 1, 1);
                         return Err(MasterError::Busy(format!(
