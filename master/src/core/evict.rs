@@ -57,18 +57,11 @@ impl MasterState {
         }
     }
 
-    /// Releases what is due. Called at every eviction round: the list (releases wait up to the
-    /// put release timeout, 600 s) is walked only once something in it is due.
+    /// Releases what is due. Called at every eviction round: the earliest release is on top
+    /// of the heap, so a round with nothing due costs one look.
     fn release_due(&mut self, now: Millis) {
-        if self.pending.is_empty() || now < self.pending_due {
-            return;
-        }
-        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
-            .into_iter()
-            .partition(|p| p.at <= now);
-        self.pending_due = keep.iter().map(|p| p.at).min().unwrap_or(Millis(u64::MAX));
-        self.pending = keep;
-        for p in due {
+        while self.pending.peek().is_some_and(|p| p.at <= now) {
+            let p = self.pending.pop().expect("peeked");
             match p.version {
                 Some(put_id) => self.drop_replicas([p.replica], put_id),
                 None => self.free_replicas([p.replica]),

@@ -244,6 +244,27 @@ struct PendingRelease {
     version: Option<u64>,
 }
 
+// Ordered by `at` alone, the earliest first in `MasterState::pending` (a max-heap).
+impl PartialEq for PendingRelease {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl Eq for PendingRelease {}
+
+impl PartialOrd for PendingRelease {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for PendingRelease {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.at.cmp(&self.at)
+    }
+}
+
 /// Counters the metrics endpoint reads.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Counters {
@@ -292,11 +313,11 @@ pub struct MasterState {
     by_name: HashMap<SegmentName, SegmentId>,
     owners: HashMap<ClientId, Owner>,
     objects: table::ObjectTable,
-    pending: Vec<PendingRelease>,
+    /// Space to free later, the earliest due on top: each release costs O(log n) as it comes
+    /// due (a list walked whole for each was O(n²) over a burst of them).
+    pending: std::collections::BinaryHeap<PendingRelease>,
     /// Freed-range notes to send again, in the order they are due.
     late_notes: std::collections::VecDeque<LateNote>,
-    /// No pending release is due before this (eviction looks at the list only from then).
-    pending_due: Millis,
     next_segment: u64,
     grants: Grants,
     rng: StdRng,
@@ -376,9 +397,8 @@ impl MasterState {
             by_name: HashMap::new(),
             owners: HashMap::new(),
             objects: table::ObjectTable::new(eviction_policy),
-            pending: Vec::new(),
+            pending: std::collections::BinaryHeap::new(),
             late_notes: Default::default(),
-            pending_due: Millis(0),
             next_segment: 1,
             grants: Grants {
                 next: 1,

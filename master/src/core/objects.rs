@@ -978,7 +978,6 @@ impl MasterState {
         at: Millis,
         version: Option<u64>,
     ) {
-        self.pending_due = self.pending_due.min(at);
         self.pending
             .extend(replicas.into_iter().map(|replica| PendingRelease {
                 at,

@@ -784,6 +784,27 @@ fn mounts_of_impossible_sizes_are_refused() {
     s.check_invariants().unwrap();
 }
 
+/// Space freed later (the old versions of objects rewritten while leased) comes back as each
+/// release is due, whatever order the releases were made in.
+#[test]
+fn deferred_releases_come_due_in_time_order() {
+    let mut s = state_with(&[8 * MIB]);
+    let ttl = s.policy().lease_ttl.as_millis() as u64;
+    for (key, leased_at) in [("a", 0), ("b", 100), ("c", 50)] {
+        put(&mut s, key, MIB, &cfg(1), 0).unwrap();
+        s.get_replicas(&k(key), Millis(leased_at)).unwrap();
+    }
+    for key in ["b", "a", "c"] {
+        put(&mut s, key, MIB, &upsert(), 200).unwrap();
+    }
+    assert_eq!(s.allocated(), 6 * MIB, "the old versions are still leased");
+    for (at, left) in [(ttl + 1, 5), (ttl + 51, 4), (ttl + 101, 3)] {
+        s.tick(Millis(at));
+        assert_eq!(s.allocated(), left * MIB, "at {at}");
+        s.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn remove_all_skips_leased_unless_forced() {
     let mut s = state_with(&[8 * MIB]);
