@@ -4,7 +4,9 @@
 //! before (a timeout, a `select!`); the holds of an existence check
 //! or a descriptor lookup, which a get of the same keys usually follows, go back when this
 //! client's next call ends. Releases ride on this client's next lookup or existence check (no
-//! call of their own); when none comes within a moment, a background task sends them. A
+//! call of their own); when none comes within a moment, a background sender sends them (a task
+//! of the client's runtime, or a thread of its own where nothing drives that runtime between
+//! calls). A
 //! release that fails is only logged, never sent again (a hold handed back twice would take
 //! another reader's): the lease then ends at its TTL, as it would have without.
 //!

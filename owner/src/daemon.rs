@@ -186,8 +186,9 @@ impl RunningOwner {
             pool: pool.clone(),
             catalog: catalog.clone(),
             concurrency: config.ssd_concurrency,
-            // Two thirds of the frame timeout (20 s of 30 by default), well inside the
-            // master's task timeout (30 s by default).
+            // Two thirds of the frame timeout (20 s of 30 by default): with the defaults, well
+            // inside the master's task timeout (30 s); keep frame_timeout at most 1.5 times
+            // the master's offload_timeout where either is changed.
             copy_timeout: config.frame_timeout * 2 / 3,
         });
         let (tx, rx) = watch::channel(false);

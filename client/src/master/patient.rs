@@ -250,12 +250,36 @@ impl MasterApi for Patient {
         self.inner.query_task(id)
     }
 
+    // As `remove`: only the keys answered "not known yet" are asked again.
     fn replica_clear<'a>(
         &'a self,
         keys: &'a [&'a str],
         segment: Option<&'a str>,
     ) -> Call<'a, Vec<Result<(), Code>>> {
-        self.inner.replica_clear(keys, segment)
+        Box::pin(async move {
+            let mut backoff = Backoff::new(self.deadline);
+            let mut answers = self.inner.replica_clear(keys, segment).await?;
+            loop {
+                let waiting: Vec<usize> = (0..answers.len())
+                    .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
+                    .collect();
+                if waiting.is_empty() || !backoff.wait().await {
+                    return Ok(answers);
+                }
+                let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
+                let Ok(Ok(next)) = tokio::time::timeout_at(
+                    backoff.give_up,
+                    self.inner.replica_clear(&again, segment),
+                )
+                .await
+                else {
+                    return Ok(answers);
+                };
+                for (i, a) in waiting.into_iter().zip(next) {
+                    answers[i] = a;
+                }
+            }
+        })
     }
 }
 
@@ -386,12 +410,13 @@ mod tests {
         fn query_task(&self, _: u64) -> Call<'_, ReplicaTaskState> {
             unreachable!("only lookups are asked")
         }
+        // A whole object's clear is its removal.
         fn replica_clear<'a>(
             &'a self,
-            _: &'a [&'a str],
+            keys: &'a [&'a str],
             _: Option<&'a str>,
         ) -> Call<'a, Vec<Result<(), Code>>> {
-            unreachable!("only lookups are asked")
+            self.remove(keys, false)
         }
     }
 
@@ -406,6 +431,17 @@ mod tests {
         assert_eq!(*master.removed.lock().unwrap(), vec!["a", "b"]);
         let answer = patient.remove(&["a"], false).await.unwrap();
         assert_eq!(answer, vec![Err(Code::ObjectNotFound)]);
+    }
+
+    /// The same for a replica clear (refused for every key while the master rebuilds): asked
+    /// again for the keys not known yet. Before, "not known yet" went back to the caller.
+    #[tokio::test]
+    async fn a_replica_clear_asks_again_for_keys_not_known_yet() {
+        let master = Arc::new(Rebuilding::new(Duration::from_millis(50), &["a"], false));
+        let patient = Patient::new(master.clone(), Duration::from_secs(5));
+        let answer = patient.replica_clear(&["a", "b"], None).await.unwrap();
+        assert_eq!(answer, vec![Ok(()), Ok(())]);
+        assert_eq!(*master.removed.lock().unwrap(), vec!["a", "b"]);
     }
 
     /// A removal of everything refused while the master rebuilds is asked again; past the

@@ -62,7 +62,7 @@ enum Route {
 enum Cached {
     Route(Route),
     /// A route due to be probed again, by this caller.
-    Due,
+    Due(Route),
     None,
 }
 
@@ -71,8 +71,10 @@ pub struct HybridTransport {
     tcp: TcpTransport,
     /// Each owner's route, and when to probe it again (a TCP verdict the owner may outlive).
     routes: Mutex<HashMap<SegmentName, (Route, Option<Instant>)>>,
-    /// One probe per owner at a time: callers of an owner being probed wait for its verdict
-    /// instead of each connecting and mapping its whole pool.
+    /// One probe per owner at a time (its gate is held until its connect returns, even past
+    /// the probe's timeout): callers of an owner being probed wait for its verdict instead of
+    /// each connecting and mapping its whole pool, and a probe again is skipped while one is
+    /// under way. A gate per owner ever probed (a few bytes each).
     probing: Mutex<HashMap<SegmentName, Arc<tokio::sync::Mutex<()>>>>,
     /// The mappings of same-host routes forgotten after a broken connection, with when: the
     /// next probe of the owner takes its mapping back if the pool is the same (see `probe`).
@@ -102,43 +104,51 @@ impl HybridTransport {
 
     async fn route(&self, target: &SegmentName) -> Route {
         self.tidy();
-        match self.cached(target) {
+        let stale = match self.cached(target) {
             Cached::Route(r) => return r,
-            Cached::Due => {
-                // This caller probes again; the others keep the old route meanwhile.
-                let (route, again) = self.probe(target).await;
-                self.routes
-                    .lock()
-                    .insert(target.clone(), (route.clone(), again));
-                return route;
-            }
-            Cached::None => {}
-        }
+            Cached::Due(r) => Some(r),
+            Cached::None => None,
+        };
         let gate = self
             .probing
             .lock()
             .entry(target.clone())
             .or_default()
             .clone();
-        let probing = gate.lock().await;
-        if let Cached::Route(r) = self.cached(target) {
-            return r;
+        let probing = match &stale {
+            // Probed again by this caller, unless a probe is under way (or still stuck in its
+            // connect): the route stands meanwhile.
+            Some(r) => match gate.try_lock_owned() {
+                Ok(g) => g,
+                Err(_) => return r.clone(),
+            },
+            // The first probe: callers wait for its verdict, up to the connect timeout (a probe
+            // stuck in its connect holds the gate); this call goes over TCP after that.
+            None => {
+                let timeout = self.config.tcp.connect_timeout;
+                match tokio::time::timeout(timeout, gate.lock_owned()).await {
+                    Ok(g) => g,
+                    Err(_) => return Route::Tcp,
+                }
+            }
+        };
+        if stale.is_none() {
+            if let Cached::Route(r) = self.cached(target) {
+                return r;
+            }
         }
-        let (route, again) = self.probe(target).await;
-        {
-            let mut routes = self.routes.lock();
-            // A new owner is often an old one restarted under another name (port 0): drop the
-            // mappings of owners that are gone, which nothing would call again.
-            routes.retain(|_, (r, _)| !matches!(r, Route::Local(o) if o.is_gone()));
-            routes.insert(target.clone(), (route.clone(), again));
-        }
-        drop(probing);
-        self.probing.lock().remove(target);
+        let (route, again) = self.probe(target, probing).await;
+        let mut routes = self.routes.lock();
+        // A new owner is often an old one restarted under another name (port 0): drop the
+        // mappings of owners that are gone, which nothing would call again.
+        routes.retain(|_, (r, _)| !matches!(r, Route::Local(o) if o.is_gone()));
+        routes.insert(target.clone(), (route.clone(), again));
         route
     }
 
-    /// The route to `target`; `Due` to the one caller that is to probe it again (the time of
-    /// the next probe moves on at once, so the others keep the route meanwhile).
+    /// The route to `target`; `Due` (with the route as it stands) to the one caller that is to
+    /// probe it again (the time of the next probe moves on at once, so the others keep the
+    /// route meanwhile).
     fn cached(&self, target: &SegmentName) -> Cached {
         let mut routes = self.routes.lock();
         let Some((route, again)) = routes.get_mut(target) else {
@@ -147,7 +157,7 @@ impl HybridTransport {
         let now = Instant::now();
         if again.is_some_and(|at| now >= at) {
             *again = Some(now + self.config.probe_again_after);
-            return Cached::Due;
+            return Cached::Due(route.clone());
         }
         Cached::Route(route.clone())
     }
@@ -190,7 +200,11 @@ impl HybridTransport {
     /// The route to `target`, and when to probe again: never for the same-host path, nor with
     /// it turned off, nor for an owner whose pool this client cannot use; after
     /// `PROBE_AGAIN_AFTER` for TCP otherwise (the owner may come back, or be remote).
-    async fn probe(&self, target: &SegmentName) -> (Route, Option<Instant>) {
+    async fn probe(
+        &self,
+        target: &SegmentName,
+        gate: tokio::sync::OwnedMutexGuard<()>,
+    ) -> (Route, Option<Instant>) {
         if !self.config.shared_memory {
             return (Route::Tcp, None);
         }
@@ -219,6 +233,7 @@ impl HybridTransport {
         // past any socket timeout: the probe gives up after the connect timeout (its thread
         // ends when the connect does).
         let connecting = tokio::task::spawn_blocking(move || {
+            let _gate = gate;
             LocalOwner::connect_mapped(&path, &seg, deadlines, conns, threads, credential, mapped)
         });
         let Ok(connected) = tokio::time::timeout(timeout, connecting).await else {
@@ -231,9 +246,11 @@ impl HybridTransport {
                 (Route::Local(Arc::new(owner)), None)
             }
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                // A socket at the owner's path that cannot prove the secret: not the owner.
-                tracing::warn!(segment = %target, error = %e, "refused the same-host socket; using TCP");
-                (Route::Tcp, again)
+                // A socket at the owner's path that cannot prove the secret (not the owner), or
+                // an owner that does not share its pool with this client (another tenant's, or
+                // one without the token): so it stays, no use asking again.
+                tracing::warn!(segment = %target, error = %e, "refused the same-host path; using TCP");
+                (Route::Tcp, None)
             }
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
                 // An owner that answered what this client cannot use: a pool it cannot map

@@ -821,8 +821,10 @@ impl MasterState {
     /// it the space is free at once: a reader still inside its lease cannot get another key's
     /// bytes, because owners refuse a read of a range being rewritten or no longer holding the
     /// key (the reader gets an error instead).
-    /// A key not known while owners may still report it is "not known yet", as for a lookup:
-    /// answered "not found", the caller would take it as gone, and the report bring it back.
+    /// While owners may still report (a rebuild), every removal is "not known yet", as a lookup
+    /// of an unknown key is: an unknown key answered "not found" would be taken as gone and come
+    /// back with the report, and a known one removed now would come back with a later report
+    /// that holds it too (a second replica, a disk record). Clients ask again.
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
         let Some(obj) = self.objects.get(key) else {
             // Gone with a dropped segment: its owner's copy must not come back either.

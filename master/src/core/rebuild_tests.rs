@@ -230,6 +230,14 @@ fn a_removal_waits_for_the_rebuild_so_a_later_report_cannot_bring_the_key_back()
         s.remove(&a, false, Millis(300)),
         Err(MasterError::Rebuilding(_))
     ));
+    // A replica clear likewise, for a known key and one not known yet.
+    let unknown = ObjectKey::new("not-yet").unwrap();
+    for cleared in s.replica_clear(&[a.clone(), unknown], None, Millis(300)) {
+        assert!(
+            matches!(cleared, Err(MasterError::Rebuilding(_))),
+            "{cleared:?}"
+        );
+    }
     s.catalog_reported(
         owner(1),
         &seg(1),

@@ -558,6 +558,14 @@ impl MasterState {
             Some(Ok(id)) => Some(id),
             None => None,
         };
+        if self.rebuilding(now) {
+            // As a removal: an unknown key may yet be reported, and a cleared replica or
+            // object may come back with a later report (asked again once owners reported).
+            return keys
+                .iter()
+                .map(|k| Err(MasterError::Rebuilding(k.clone())))
+                .collect();
+        }
         keys.iter()
             .map(|key| {
                 let obj = self

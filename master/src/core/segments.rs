@@ -343,6 +343,7 @@ impl MasterState {
         let mut held = HashMap::new();
         let mut on_disk = HashMap::new();
         let mut elsewhere = Vec::new();
+        let mut unfinished_gone = Vec::new();
         self.objects.retain(|obj| {
             let before = obj.replicas.len();
             obj.replicas.retain(|r| r.segment != id);
@@ -393,9 +394,16 @@ impl MasterState {
                 // has none; should one remain, its space waits like any abandoned writer's.
                 abandoned.extend(obj.tier_mut().promoting.take());
             }
+            if let (false, Some(started)) = (keep, obj.phase.started()) {
+                unfinished_gone.push((started, obj.put_id));
+            }
             obj.tidy_tier();
             keep
         });
+        // Puts gone with the segment are no longer in flight.
+        for entry in unfinished_gone {
+            self.unfinished.remove(&entry);
+        }
         self.forgotten
             .remember(seg.name.clone(), held, on_disk, now);
         for (other, key, put_id) in elsewhere {

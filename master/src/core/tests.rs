@@ -784,6 +784,25 @@ fn mounts_of_impossible_sizes_are_refused() {
     s.check_invariants().unwrap();
 }
 
+/// A put removed by force before it ended is no longer in flight (the metric said so until its
+/// release timeout), nor one gone with its segment.
+#[test]
+fn puts_in_flight_count_only_puts_still_open() {
+    let mut s = state_with(&[8 * MIB, 8 * MIB]);
+    s.put_start(&k("a"), MIB, &cfg(1), Millis(0)).unwrap();
+    let on_1 = ReplicateConfig {
+        preferred_segments: vec![seg(1)],
+        ..cfg(1)
+    };
+    s.put_start(&k("b"), MIB, &on_1, Millis(0)).unwrap();
+    assert_eq!(s.puts_in_flight(), 2);
+    s.remove(&k("a"), true, Millis(1)).unwrap();
+    assert_eq!(s.puts_in_flight(), 1);
+    s.unmount_segment(owner(1), &seg(1)).unwrap();
+    assert_eq!(s.puts_in_flight(), 0);
+    s.check_invariants().unwrap();
+}
+
 /// Space freed later (the old versions of objects rewritten while leased) comes back as each
 /// release is due, whatever order the releases were made in.
 #[test]

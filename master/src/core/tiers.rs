@@ -104,6 +104,10 @@ impl MasterState {
     /// a disk copy are told to drop it, and until they confirm, a tombstone keeps that record
     /// from being registered again after a restart.
     pub(super) fn discard(&mut self, mut obj: Object, now: Millis) {
+        if let Some(started) = obj.phase.started() {
+            // No longer in flight (see `puts_in_flight`); its space is handled below.
+            self.unfinished.remove(&(started, obj.put_id));
+        }
         let tier = obj.take_tier();
         let key = obj.key();
         self.removed_from_dropped(key);

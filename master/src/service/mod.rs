@@ -556,7 +556,9 @@ impl MasterService {
                     Ok(Some(keys)) => Some(keys),
                     Ok(None) => {
                         self.shared.metrics.record(Op::RemoveAll, 1, 1);
-                        return Err(MasterError::Busy(format!(
+                        // Not "busy": a client would run the same pattern again until its
+                        // deadline, holding the slot each time.
+                        return Err(MasterError::Invalid(format!(
                             "matching the key regex over {n} keys took longer than {MATCH_BUDGET:?}; nothing was removed: use a simpler pattern (a prefix such as ^tmp/)"
                         )));
                     }

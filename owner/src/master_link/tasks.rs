@@ -47,9 +47,9 @@ pub struct Worker {
     /// Tasks executed at once (disk queue depth for offloads and promotions).
     pub concurrency: usize,
     /// The longest a copy may take from the poll that brought it, its wait for a free task
-    /// slot and its read from the other owner included: within the master's task timeout, so
-    /// a copy that cannot finish is reported failed (its room given back at once) before the
-    /// master gives it up.
+    /// slot and its read from the other owner included: set within the master's task timeout
+    /// (see `daemon`), so a copy that cannot finish is reported failed (its room given back at
+    /// once) before the master gives it up.
     pub copy_timeout: Duration,
 }
 

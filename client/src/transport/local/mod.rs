@@ -615,6 +615,15 @@ fn hello(
             format!("owner at {}: {AUTH_REQUIRED}", path.display()),
         ));
     }
+    if op == LocalOp::Hello && status == Code::PermissionDenied.as_i32() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "owner at {} does not share its pool with this client's tenant",
+                path.display()
+            ),
+        ));
+    }
     if op != LocalOp::Hello || status != 0 {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
