@@ -32,6 +32,10 @@ struct Args {
     /// MC_STORE_CLUSTER_ID). Without it: an embedded master and owner on loopback.
     #[arg(long)]
     master: Option<String>,
+    /// Client settings from a TOML file (config/client.toml's format), under the environment
+    /// and the flags; its master is run against unless --master names another.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
     /// Value sizes, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "4KiB,256KiB,1MiB,4MiB")]
     value_size: Vec<ByteSize>,
@@ -155,17 +159,33 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let (Some(path), true) = (&args.trace, args.simulate_only) {
         return simulate(&args, path);
     }
-    let embedded = match &args.master {
+    let file: Option<ClientConfig> = match &args.config {
+        Some(path) => Some(mooncake_common::config::load_toml(path)?),
+        None => None,
+    };
+    let remote = args
+        .master
+        .clone()
+        .or_else(|| file.as_ref().map(|c| c.master.clone()));
+    let embedded = match &remote {
         Some(_) => None,
         None => Some(Embedded::start(&args).await?),
     };
-    let master = match (&args.master, &embedded) {
+    let master = match (&remote, &embedded) {
         (Some(m), _) => m.clone(),
         (None, Some(e)) => e.master.rpc_addr.to_string(),
         (None, None) => unreachable!(),
     };
-    // Defaults, then the environment (MOONCAKE_SHM, MOONCAKE_TRANSFER_THREADS, ...), then flags.
-    let mut config = ClientConfig::new(master.clone()).with_process_env()?;
+    // Defaults (or the file), then the environment (MOONCAKE_SHM, MOONCAKE_TRANSFER_THREADS,
+    // ...), then flags.
+    let base = match file {
+        Some(c) => ClientConfig {
+            master: master.clone(),
+            ..c
+        },
+        None => ClientConfig::new(master.clone()),
+    };
+    let mut config = base.with_process_env()?;
     if let Some(p) = &args.preferred_segment {
         config.preferred_segment = Some(p.clone());
     }

@@ -148,6 +148,17 @@ fn parsed<T: std::str::FromStr>(name: &str, value: &str) -> Result<T, ClientErro
         .map_err(|_| ClientError::Config(format!("{name}={value:?} is not a valid number")))
 }
 
+/// A switch from the environment: 1/true/on/yes or 0/false/off/no, any case.
+pub fn switch(name: &str, value: &str) -> Result<bool, ClientError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => Err(ClientError::Config(format!(
+            "{name}={value:?}: expected 1 or 0 (true/false, on/off, yes/no)"
+        ))),
+    }
+}
+
 impl ClientConfig {
     pub fn new(master: impl Into<String>) -> Self {
         ClientConfig {
@@ -178,9 +189,10 @@ impl ClientConfig {
             self.copy_threads = parsed(COPY_THREADS_ENV, &v)?;
         }
         if let Some(v) = env(SHM_ENV) {
-            self.shared_memory = v.trim() != "0";
+            self.shared_memory = switch(SHM_ENV, &v)?;
         }
-        if let Some(v) = env(SOCKET_DIR_ENV) {
+        // Set but empty is unset: an empty directory would be the working directory.
+        if let Some(v) = env(SOCKET_DIR_ENV).filter(|v| !v.trim().is_empty()) {
             self.socket_dir = PathBuf::from(v);
         }
         // Set but empty is unset (`export MC_STORE_CLUSTER_ID=${CLUSTER:-}`): an empty id names
@@ -400,6 +412,29 @@ mod tests {
             .with_env(env(&[(CLUSTER_ID_ENV, "prod")]))
             .unwrap();
         assert_eq!(c.cluster_id, "prod");
+        // The same-host switch reads the usual spellings and names anything else (before, only
+        // "0" turned it off: "false" left it on); an empty socket directory is unset.
+        for (v, on) in [
+            ("false", false),
+            ("OFF", false),
+            ("no", false),
+            ("1", true),
+            ("yes", true),
+        ] {
+            let c = ClientConfig::new("m:1")
+                .with_env(env(&[(SHM_ENV, v)]))
+                .unwrap();
+            assert_eq!(c.shared_memory, on, "{v}");
+        }
+        let err = ClientConfig::new("m:1")
+            .with_env(env(&[(SHM_ENV, "nope")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(SHM_ENV), "{err}");
+        let c = ClientConfig::new("m:1")
+            .with_env(env(&[(SOCKET_DIR_ENV, "")]))
+            .unwrap();
+        assert_eq!(c.socket_dir, ClientConfig::default().socket_dir);
     }
 
     #[test]

@@ -149,6 +149,9 @@ impl Default for MasterConfig {
     }
 }
 
+/// The longest any of the master's durations may be.
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 impl MasterConfig {
     pub fn validate(&self) -> Result<(), String> {
         let ratio_ok = |v: f64| v > 0.0 && v <= 1.0;
@@ -175,6 +178,30 @@ impl MasterConfig {
             if d.is_zero() {
                 return Err(format!("{name} must be greater than zero"));
             }
+        }
+        for (name, d) in [
+            ("default_kv_lease_ttl", self.default_kv_lease_ttl),
+            ("client_ttl", self.client_ttl),
+            ("put_start_discard_timeout", self.put_start_discard_timeout),
+            ("put_start_release_timeout", self.put_start_release_timeout),
+            ("upkeep_interval", self.upkeep_interval),
+            ("offload_timeout", self.offload_timeout),
+            ("rebuild_grace", self.rebuild_grace),
+            ("rebuild_window", self.rebuild_window),
+            ("ha_lease_ttl", self.ha_lease_ttl),
+        ] {
+            // Far beyond any use, and far from overflowing the instants computed from it.
+            if d > MAX_DURATION {
+                return Err(format!(
+                    "{name} {d:?} is above the limit of {MAX_DURATION:?} (a year)"
+                ));
+            }
+        }
+        if self.rebuild_window < self.rebuild_grace {
+            return Err(format!(
+                "rebuild_window ({:?}) must not be shorter than rebuild_grace ({:?}): the window bounds how long a new master waits for the owners it expects",
+                self.rebuild_window, self.rebuild_grace
+            ));
         }
         if self.put_start_release_timeout < self.put_start_discard_timeout {
             return Err(format!(
@@ -217,8 +244,6 @@ impl MasterConfig {
         Ok(())
     }
 
-    /// The HA settings, checked: endpoints that parse, a whole-second lease of at least 2 s, and
-    /// an address others can reach.
     /// The RPC port's TLS acceptor, if TLS is configured.
     pub fn tls(&self) -> Result<Option<mooncake_common::tls::TlsAcceptor>, String> {
         match (&self.tls_cert, &self.tls_key) {
@@ -230,6 +255,8 @@ impl MasterConfig {
         }
     }
 
+    /// The HA settings, checked: endpoints that parse, a whole-second lease of at least 2 s, and
+    /// an address others can reach.
     pub fn ha(&self) -> Result<crate::ha::HaConfig, String> {
         let endpoints = mooncake_common::leader::parse_endpoints(&self.etcd_endpoints)
             .map_err(|e| format!("etcd_endpoints: {e}"))?;
@@ -244,6 +271,9 @@ impl MasterConfig {
                 "ha_lease_ttl {:?} must be whole seconds, at least 2",
                 self.ha_lease_ttl
             ));
+        }
+        if !self.advertise_address.is_empty() {
+            check_advertised(&self.advertise_address, self.rpc_port)?;
         }
         let advertise = if self.advertise_address.is_empty() {
             let unspecified = self
@@ -296,6 +326,35 @@ impl MasterConfig {
     }
 }
 
+/// An advertised address others can reach: HOST:PORT with a port, not the unspecified address,
+/// and a fixed RPC port behind it (a port picked at random would differ at every start).
+fn check_advertised(address: &str, rpc_port: u16) -> Result<(), String> {
+    let bad = |why: &str| {
+        Err(format!(
+            "advertise_address {address:?} {why}: it is what clients and owners are sent to"
+        ))
+    };
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return bad("has no port (HOST:PORT)");
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return bad("is not HOST:PORT with a port above 0");
+    }
+    if host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+    {
+        return bad("is the unspecified address, which nobody can reach");
+    }
+    if rpc_port == 0 {
+        return bad(
+            "names a port, but rpc_port is 0 (a different free port at every start); set rpc_port",
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,6 +375,50 @@ mod tests {
             .validate()
             .unwrap_err()
             .contains("put_start_release_timeout"));
+    }
+
+    /// A window shorter than the grace (the expected owners were not waited for, and unknown
+    /// keys answered "not found" during the rebuild), and durations that overflow the instants
+    /// computed from them (the upkeep panicked), are refused by name.
+    #[test]
+    fn rebuild_window_and_huge_durations_are_checked() {
+        let c = MasterConfig {
+            rebuild_window: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(c.validate().unwrap_err().contains("rebuild_window"));
+        let huge = Duration::from_secs(u64::MAX);
+        let c = MasterConfig {
+            put_start_discard_timeout: huge,
+            put_start_release_timeout: huge,
+            ..Default::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .contains("put_start_discard_timeout"));
+    }
+
+    /// With HA, the advertised address must be one others can reach, at a fixed port.
+    #[test]
+    fn the_advertised_address_is_checked() {
+        let ha = |advertise: &str, rpc_port: u16| MasterConfig {
+            enable_ha: true,
+            etcd_endpoints: "127.0.0.1:2379".into(),
+            advertise_address: advertise.into(),
+            rpc_port,
+            ..Default::default()
+        };
+        ha("10.0.0.7:50051", 50051).validate().unwrap();
+        for (bad, port) in [
+            ("10.0.0.7", 50051),
+            ("0.0.0.0:50051", 50051),
+            ("10.0.0.7:0", 50051),
+            ("10.0.0.7:50051", 0),
+        ] {
+            let e = ha(bad, port).validate().unwrap_err();
+            assert!(e.contains("advertise_address"), "{bad} {port}: {e}");
+        }
     }
 
     #[test]

@@ -75,6 +75,24 @@ impl RunningMaster {
         Self::start_term(config, clock, Term::default()).await
     }
 
+    /// Checks what a term's start would, without serving: the config, the token and TLS files,
+    /// and that the configured ports can be bound. A master that campaigns (HA) checks first,
+    /// so a bad file or a busy port ends the process instead of every term it wins.
+    pub async fn check_can_serve(config: &MasterConfig) -> std::io::Result<()> {
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        config.validate().map_err(invalid)?;
+        if let Some(path) = &config.auth_token_file {
+            server_auth(path, &config.tenants).map_err(invalid)?;
+        }
+        config.tls().map_err(invalid)?;
+        for port in [config.rpc_port, config.metrics_port] {
+            if port != 0 {
+                drop(bind(&config.bind_address, port).await?);
+            }
+        }
+        Ok(())
+    }
+
     /// Starts serving one leadership term (see `ha`): answers only while `term.leadership`
     /// holds, and issues put ids from `term.grant_floor` up to `term.grant_ceiling`.
     pub async fn start_term(

@@ -105,7 +105,11 @@ impl OwnerConfig {
     /// `MOONCAKE_AUTH_TOKEN_FILE`, which clients read too). Binaries apply it between the config
     /// file and their flags.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Self {
-        if let Some(dir) = env(mooncake_common::local::SOCKET_DIR_ENV) {
+        // Set but empty is unset (an empty directory would be the working directory), as
+        // clients read it.
+        if let Some(dir) =
+            env(mooncake_common::local::SOCKET_DIR_ENV).filter(|v| !v.trim().is_empty())
+        {
             self.socket_dir = PathBuf::from(dir);
         }
         // Set but empty is unset (`export MC_STORE_CLUSTER_ID=${CLUSTER:-}`), as clients read it.

@@ -260,7 +260,16 @@ impl NativeEngine {
             local_hostname: local_hostname.to_string(),
             transfer_timeout: transfer_timeout(),
             // Peers on this host are copied with directly unless MOONCAKE_SHM=0.
-            same_host: std::env::var("MOONCAKE_SHM").map_or(true, |v| v.trim() != "0"),
+            same_host: match std::env::var("MOONCAKE_SHM") {
+                Err(_) => true,
+                Ok(v) => match mooncake_client::config::switch("MOONCAKE_SHM", &v) {
+                    Ok(on) => on,
+                    Err(e) => {
+                        tracing::warn!("transfer engine: {e}");
+                        return -1;
+                    }
+                },
+            },
             metadata,
             // GPU memory registered is recognised and staged through host memory.
             devices: Devices(

@@ -153,3 +153,43 @@ fn the_bench_replays_a_trace_and_reports_hits_next_to_lru_and_min() {
     );
     assert!(min > lru, "MIN {min} must beat LRU {lru} here");
 }
+
+/// `--config` takes the client's settings from a TOML file (config/client.toml's format), its
+/// master included: the bench runs against that master instead of an embedded one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_reads_client_settings_from_a_config_file() {
+    let c = mooncake_tests::Cluster::start(&[16 << 20]).await;
+    let dir = TempDir::new("bench-config");
+    let path = dir.path().join("client.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "master = \"{}\"\nrpc_timeout = \"4s\"\nshared_memory = false\n",
+            c.master_addr()
+        ),
+    )
+    .unwrap();
+    let config = path.display().to_string();
+    let rows = tokio::task::spawn_blocking(move || {
+        run_json(&[
+            "--config",
+            &config,
+            "--value-size",
+            "4KiB",
+            "--keys",
+            "20",
+            "--batch",
+            "10",
+            "--json",
+        ])
+    })
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r["errors"] == 0));
+    // The puts went to the file's master (and were removed by the bench after).
+    let (_, m) = mooncake_tests::http_get(&c.master.http_addr.to_string(), "/metrics").await;
+    let puts = mooncake_tests::metric(&m, "master_put_start_requests_total");
+    assert!(puts >= 20, "{puts}");
+    c.shutdown().await;
+}

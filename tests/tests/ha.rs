@@ -421,3 +421,42 @@ async fn a_call_waits_for_a_new_leader_that_is_not_listening_yet() {
         "the new leader's answer, not a timeout: {e}"
     );
 }
+
+/// A master that campaigns with a setting every term would fail on (here: a token file that is
+/// not there) exits at once and says why, before it campaigns. Before, it won the election,
+/// failed to start its term, gave the key up and campaigned again for ever, sending clients to
+/// an address nobody served. No etcd is needed: the check comes first.
+#[test]
+fn an_ha_master_that_cannot_serve_exits_before_it_campaigns() {
+    let port = free_port().to_string();
+    let mut args = vec![
+        "--enable_ha",
+        "--etcd_endpoints",
+        "127.0.0.1:1",
+        "--auth_token_file",
+        "/nonexistent/mooncake-token",
+    ];
+    args.extend(loopback_master_args(&port));
+    let mut child = std::process::Command::new(mooncake_tests::bin_path("mooncake_master"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("mooncake-token"), "{err}");
+}

@@ -81,6 +81,8 @@ pub async fn run(
     events: &dyn Events,
     stop: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // What would fail every term it wins fails the process now, before it campaigns.
+    crate::RunningMaster::check_can_serve(&config).await?;
     let (stopping, stopped) = watch::channel(false);
     let terms = campaign_and_lead(config, ha, events, stopped);
     tokio::pin!(stop, terms);
