@@ -184,11 +184,22 @@ impl LocalServer {
         mut stop: watch::Receiver<bool>,
     ) -> io::Result<()> {
         let mut body = Vec::new();
+        // Since when this client has held ranges without a break.
+        let mut holding_since: Option<tokio::time::Instant> = None;
         loop {
             let mut h = [0u8; 5];
-            // A client holding ranges has the frame timeout to send its next frame (the end of
-            // its exchange): one that stalls (stopped, stuck) is told its exchange failed.
-            let limit = (!held.is_empty()).then_some(self.frame_timeout);
+            // A client holding ranges has the frame timeout, from when it took them, to let
+            // them all go (the end of its exchange): one that stalls (stopped, stuck) is told
+            // its exchange failed. Counted from the first range taken, not re-armed by each
+            // frame: a client sending other frames would otherwise keep its ranges for ever.
+            holding_since = match (held.is_empty(), holding_since) {
+                (true, _) => None,
+                (false, None) => Some(tokio::time::Instant::now()),
+                (false, since) => since,
+            };
+            let limit = holding_since.map(|since| {
+                (since + self.frame_timeout).saturating_duration_since(tokio::time::Instant::now())
+            });
             let next = tokio::select! {
                 r = stream.read_exact(&mut h[..1]) => r.map(|_| true).unwrap_or(false),
                 _ = stop.changed() => false,

@@ -697,32 +697,18 @@ async fn a_reader_that_stops(items: u32, read_reply: bool) {
 }
 
 /// A same-host begin of many writes, each waiting on a range a reader holds, is answered within
-/// one frame timeout (1 s): the frame has one deadline, not one per item (8 s here). The reader
-/// keeps its connection alive meanwhile, so its range stays held.
+/// one frame timeout (1 s): the frame has one deadline, not one per item (8 s here). The range is
+/// held for the whole time (a read guard of the owner's pool, as a reader's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_same_host_begin_write_has_one_deadline_for_all_its_items() {
     use mooncake_common::local::LocalOp;
     let one = OneObject::start().await;
-    let mut reader = one.connect();
     let put_id = one.at.put_id;
-    let begun = exchange(
-        &mut reader,
-        &one.begin(LocalOp::BeginRead, 1, "first", "", |_| put_id),
-    );
-    assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the read began");
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let alive = {
-        let stop = stop.clone();
-        let empty = one.begin(LocalOp::BeginRead, 0, "", "", |_| 0);
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                exchange(&mut reader, &empty);
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            reader
-        })
-    };
-
+    let held = one
+        .owner
+        .pool()
+        .read_range_owned(one.at.offset, one.at.size)
+        .unwrap();
     let mut writer = one.connect();
     let items = 8;
     let begin = one.begin(LocalOp::BeginWrite, items, "w", "w", |i| {
@@ -733,14 +719,67 @@ async fn a_same_host_begin_write_has_one_deadline_for_all_its_items() {
         .await
         .unwrap();
     let took = started.elapsed();
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    drop(alive.join().unwrap());
+    drop(held);
     assert_eq!(answer.len(), 4 + 4 * items as usize);
     assert!(
         answer[4..].chunks(4).all(|c| c != [0, 0, 0, 0]),
         "no write began under the reader: {answer:?}"
     );
     assert!(took < Duration::from_secs(4), "answered after {took:?}");
+    one.shutdown().await;
+}
+
+/// A reader that holds a range and keeps sending frames that let nothing go (empty begins)
+/// still loses the range one frame timeout (1 s) after it took it: the limit counts from the
+/// hold, not from its last frame. Before, any frame re-armed it, so such a peer kept the range
+/// (and every put placed there failed Busy) for as long as it liked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_reader_sending_other_frames_still_loses_its_range() {
+    use mooncake_common::local::LocalOp;
+    let one = OneObject::start().await;
+    let mut reader = one.connect();
+    let put_id = one.at.put_id;
+    let begun = exchange(
+        &mut reader,
+        &one.begin(LocalOp::BeginRead, 1, "first", "", |_| put_id),
+    );
+    assert_eq!(&begun[..], &[1, 0, 0, 0, 0, 0, 0, 0], "the read began");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let chatter = {
+        let stop = stop.clone();
+        let empty = one.begin(LocalOp::BeginRead, 0, "", "", |_| 0);
+        std::thread::spawn(move || {
+            use std::io::Write;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if reader.write_all(&empty).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let c = &one.client;
+    c.remove("first", true).await.unwrap();
+    let size = one.size as usize;
+    let second = payload("second", size);
+    let given_up = Instant::now() + Duration::from_secs(10);
+    let mut stored = false;
+    while Instant::now() < given_up {
+        if c.put("second", &second, &ReplicateConfig::default())
+            .await
+            .is_ok()
+        {
+            stored = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    chatter.join().unwrap();
+    assert!(stored, "the chattering reader kept its range");
+    let mut buf = vec![0u8; size];
+    assert_eq!(c.get("second", &mut buf).await.unwrap(), size);
+    assert!(buf == second);
     one.shutdown().await;
 }
 
