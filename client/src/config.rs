@@ -125,6 +125,8 @@ impl Default for ClientConfig {
 
 /// Sets `master_spin`, in microseconds.
 pub const MASTER_SPIN_ENV: &str = "MOONCAKE_MASTER_SPIN_US";
+/// A master call's deadline, in milliseconds (`rpc_timeout`).
+pub const RPC_TIMEOUT_ENV: &str = "MOONCAKE_RPC_TIMEOUT_MS";
 /// Sets `transfer_threads`.
 pub const TRANSFER_THREADS_ENV: &str = "MOONCAKE_TRANSFER_THREADS";
 /// Sets `copy_threads`.
@@ -181,6 +183,9 @@ impl ClientConfig {
         }
         if let Some(v) = env(MASTER_SPIN_ENV) {
             self.master_spin = Duration::from_micros(parsed(MASTER_SPIN_ENV, &v)?);
+        }
+        if let Some(v) = env(RPC_TIMEOUT_ENV) {
+            self.rpc_timeout = Duration::from_millis(parsed(RPC_TIMEOUT_ENV, &v)?);
         }
         if let Some(v) = env(TRANSFER_THREADS_ENV) {
             self.transfer_threads = parsed(TRANSFER_THREADS_ENV, &v)?;
@@ -387,9 +392,11 @@ mod tests {
                 (COPY_THREADS_ENV, "1"),
                 (SHM_ENV, "0"),
                 (SOCKET_DIR_ENV, "/run/mc"),
+                (RPC_TIMEOUT_ENV, "12000"),
             ]))
             .unwrap();
         assert_eq!(c.master_spin, Duration::from_micros(7));
+        assert_eq!(c.rpc_timeout, Duration::from_secs(12));
         assert_eq!((c.transfer_threads, c.copy_threads), (3, 1));
         assert!(!c.shared_memory);
         assert_eq!(c.socket_dir, PathBuf::from("/run/mc"));

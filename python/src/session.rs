@@ -108,13 +108,15 @@ impl Session {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(threads);
         let rt = runtime(threads, "mooncake-io")?;
+        // The binding's deadlines, under the environment (MOONCAKE_RPC_TIMEOUT_MS, ...).
         let mut config = ClientConfig {
             connect_timeout: Duration::from_secs(2),
             rpc_timeout: Duration::from_secs(5),
             // The runtime exists only for this client's calls.
             dedicated_runtime: true,
-            ..ClientConfig::new(args.master_server_addr.trim()).with_env(env)?
-        };
+            ..ClientConfig::new(args.master_server_addr.trim())
+        }
+        .with_env(env)?;
         if let Some(t) = args
             .tenant_id
             .as_deref()
