@@ -167,29 +167,29 @@ impl MasterConfig {
                 self.eviction_ratio
             ));
         }
-        for (name, d) in [
-            ("default_kv_lease_ttl", self.default_kv_lease_ttl),
-            ("client_ttl", self.client_ttl),
-            ("put_start_discard_timeout", self.put_start_discard_timeout),
-            ("put_start_release_timeout", self.put_start_release_timeout),
-            ("upkeep_interval", self.upkeep_interval),
-            ("offload_timeout", self.offload_timeout),
+        // (name, value, whether zero is allowed)
+        for (name, d, zero_ok) in [
+            ("default_kv_lease_ttl", self.default_kv_lease_ttl, false),
+            ("client_ttl", self.client_ttl, false),
+            (
+                "put_start_discard_timeout",
+                self.put_start_discard_timeout,
+                false,
+            ),
+            (
+                "put_start_release_timeout",
+                self.put_start_release_timeout,
+                false,
+            ),
+            ("upkeep_interval", self.upkeep_interval, false),
+            ("offload_timeout", self.offload_timeout, false),
+            ("rebuild_grace", self.rebuild_grace, true),
+            ("rebuild_window", self.rebuild_window, true),
+            ("ha_lease_ttl", self.ha_lease_ttl, true),
         ] {
-            if d.is_zero() {
+            if d.is_zero() && !zero_ok {
                 return Err(format!("{name} must be greater than zero"));
             }
-        }
-        for (name, d) in [
-            ("default_kv_lease_ttl", self.default_kv_lease_ttl),
-            ("client_ttl", self.client_ttl),
-            ("put_start_discard_timeout", self.put_start_discard_timeout),
-            ("put_start_release_timeout", self.put_start_release_timeout),
-            ("upkeep_interval", self.upkeep_interval),
-            ("offload_timeout", self.offload_timeout),
-            ("rebuild_grace", self.rebuild_grace),
-            ("rebuild_window", self.rebuild_window),
-            ("ha_lease_ttl", self.ha_lease_ttl),
-        ] {
             // Far beyond any use, and far from overflowing the instants computed from it.
             if d > MAX_DURATION {
                 return Err(format!(

@@ -196,28 +196,7 @@ impl MasterApi for Patient {
     // Only the keys answered "not known yet" are asked again: the others' answers stand (a
     // removed key asked again would read "not found").
     fn remove<'a>(&'a self, keys: &'a [&'a str], force: bool) -> Call<'a, Vec<Result<(), Code>>> {
-        Box::pin(async move {
-            let mut backoff = Backoff::new(self.deadline);
-            let mut answers = self.inner.remove(keys, force).await?;
-            loop {
-                let waiting: Vec<usize> = (0..answers.len())
-                    .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
-                    .collect();
-                if waiting.is_empty() || !backoff.wait().await {
-                    return Ok(answers);
-                }
-                let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
-                let Ok(Ok(next)) =
-                    tokio::time::timeout_at(backoff.give_up, self.inner.remove(&again, force))
-                        .await
-                else {
-                    return Ok(answers);
-                };
-                for (i, a) in waiting.into_iter().zip(next) {
-                    answers[i] = a;
-                }
-            }
-        })
+        Box::pin(self.per_key_until_known(keys, PerKey::Remove(force)))
     }
 
     // Refused as a whole while the master rebuilds (nothing was removed): asked again.
@@ -256,30 +235,55 @@ impl MasterApi for Patient {
         keys: &'a [&'a str],
         segment: Option<&'a str>,
     ) -> Call<'a, Vec<Result<(), Code>>> {
-        Box::pin(async move {
-            let mut backoff = Backoff::new(self.deadline);
-            let mut answers = self.inner.replica_clear(keys, segment).await?;
-            loop {
-                let waiting: Vec<usize> = (0..answers.len())
-                    .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
-                    .collect();
-                if waiting.is_empty() || !backoff.wait().await {
-                    return Ok(answers);
-                }
-                let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
-                let Ok(Ok(next)) = tokio::time::timeout_at(
-                    backoff.give_up,
-                    self.inner.replica_clear(&again, segment),
-                )
-                .await
-                else {
-                    return Ok(answers);
-                };
-                for (i, a) in waiting.into_iter().zip(next) {
-                    answers[i] = a;
-                }
+        Box::pin(self.per_key_until_known(keys, PerKey::Clear(segment)))
+    }
+}
+
+/// A call answered key by key that `Patient` asks again for the keys not known yet.
+#[derive(Clone, Copy)]
+enum PerKey<'a> {
+    Remove(bool),
+    Clear(Option<&'a str>),
+}
+
+impl Patient {
+    /// `op` of `keys`, asked again (with backoff, within the deadline) for the keys answered
+    /// "not known yet" while the master rebuilds; the other keys' answers stand.
+    async fn per_key_until_known(
+        &self,
+        keys: &[&str],
+        op: PerKey<'_>,
+    ) -> Result<Vec<Result<(), Code>>, mooncake_common::ApiError> {
+        let mut backoff = Backoff::new(self.deadline);
+        let mut answers = self.per_key(keys, op).await?;
+        loop {
+            let waiting: Vec<usize> = (0..answers.len())
+                .filter(|i| answers[*i].as_ref().is_err_and(not_yet))
+                .collect();
+            if waiting.is_empty() || !backoff.wait().await {
+                return Ok(answers);
             }
-        })
+            let again: Vec<&str> = waiting.iter().map(|i| keys[*i]).collect();
+            let Ok(Ok(next)) =
+                tokio::time::timeout_at(backoff.give_up, self.per_key(&again, op)).await
+            else {
+                return Ok(answers);
+            };
+            for (i, a) in waiting.into_iter().zip(next) {
+                answers[i] = a;
+            }
+        }
+    }
+
+    fn per_key<'a>(
+        &'a self,
+        keys: &'a [&'a str],
+        op: PerKey<'a>,
+    ) -> Call<'a, Vec<Result<(), Code>>> {
+        match op {
+            PerKey::Remove(force) => self.inner.remove(keys, force),
+            PerKey::Clear(segment) => self.inner.replica_clear(keys, segment),
+        }
     }
 }
 
