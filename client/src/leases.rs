@@ -77,7 +77,7 @@ impl Granted {
     }
 
     /// The last instant a release of one of its holds is sent.
-    fn send_by(self) -> Instant {
+    pub fn send_by(self) -> Instant {
         self.asked + self.ttl / 2
     }
 }

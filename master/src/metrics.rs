@@ -108,26 +108,7 @@ impl Metrics {
     /// The metrics at `now`, of a master that `leading` says leads (or serves alone).
     pub fn render(&self, state: &MasterState, now: Millis, leading: bool) -> String {
         let mut out = String::with_capacity(4096);
-        render_state(&mut out, state);
-        for (name, help, v) in [
-            (
-                "master_leading",
-                "1 while this master serves (it leads, or runs without HA), else 0.",
-                u64::from(leading),
-            ),
-            (
-                "master_rebuilding",
-                "1 while owners still report what they hold (unknown keys answer \"not known yet\", removals wait), else 0.",
-                u64::from(state.rebuilding(now)),
-            ),
-            (
-                "master_puts_in_flight",
-                "Puts started and not yet ended, revoked or discarded.",
-                state.puts_in_flight() as u64,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        }
+        render_state(&mut out, state, now, leading);
         let segs = state.segment_stats();
         render_segments(&mut out, &segs);
         if segs.iter().any(|s| s.disk.is_some()) {
@@ -153,11 +134,26 @@ impl Metrics {
     }
 }
 
-/// The master's own gauges.
-fn render_state(out: &mut String, state: &MasterState) {
+/// The master's own gauges, at `now`, of a master that `leading` says serves.
+fn render_state(out: &mut String, state: &MasterState, now: Millis, leading: bool) {
     let mut gauge = |name: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
     };
+    gauge(
+        "master_leading",
+        "1 while this master serves (it leads, or runs without HA), else 0.",
+        u64::from(leading),
+    );
+    gauge(
+        "master_rebuilding",
+        "1 while owners still report what they hold (unknown keys answer \"not known yet\", removals wait), else 0.",
+        u64::from(state.rebuilding(now)),
+    );
+    gauge(
+        "master_puts_in_flight",
+        "Puts started and not yet ended, revoked or discarded.",
+        state.puts_in_flight() as u64,
+    );
     gauge(
         "master_key_count",
         "Objects known to the master.",

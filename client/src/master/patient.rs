@@ -94,7 +94,12 @@ impl Patient {
                 // Only once replaced: the caller reads under the new answer's holds.
                 if let Ok(replaced) = &replaced {
                     let (keys, epoch, ttl) = hits(replaced);
-                    let send_by = replaced_asked + ttl / 2;
+                    let send_by = crate::leases::Granted {
+                        asked: replaced_asked,
+                        ttl,
+                        epoch,
+                    }
+                    .send_by();
                     if !keys.is_empty() && std::time::Instant::now() < send_by {
                         // Best effort: a hold not handed back ends at its TTL.
                         let release = self.inner.release_leases(Releases {

@@ -1,9 +1,10 @@
-//! The transport clients use: the same-host path for owners on this host that offer it (and
-//! when `MOONCAKE_SHM` is not "0"), TCP for every other owner, decided per owner without the
-//! caller being told (a TCP verdict is probed again after a while: the owner may be back). A same-host connection that fails is forgotten, so the next call probes
-//! again (an owner restart, for instance), and a batch that finds none (the owner's socket gone
-//! or taken by a restarted owner) goes over TCP instead of failing; the pool's mapping is kept for that probe, which
-//! takes it back when the owner's pool is the same.
+//! The transport clients use: the same-host path for owners on this host that offer it (unless
+//! `MOONCAKE_SHM` turns it off), TCP for every other owner, decided per owner without the caller
+//! being told (a TCP verdict is probed again after a while: the owner may be back). A same-host
+//! connection that fails is forgotten, so the next call probes again (an owner restart, for
+//! instance), and a batch that finds none (the owner's socket gone or taken by a restarted owner)
+//! goes over TCP instead of failing; the pool's mapping is kept for that probe, which takes it
+//! back when the owner's pool is the same.
 
 use std::{
     collections::HashMap,

@@ -826,19 +826,20 @@ impl MasterState {
     /// back with the report, and a known one removed now would come back with a later report
     /// that holds it too (a second replica, a disk record). Clients ask again.
     pub fn remove(&mut self, key: &ObjectKey, force: bool, now: Millis) -> Result<(), MasterError> {
-        let Some(obj) = self.objects.get(key) else {
+        let known = self.objects.get(key).is_some();
+        if !known {
             // Gone with a dropped segment: its owner's copy must not come back either.
             self.removed_from_dropped(key);
-            if self.rebuilding(now) {
-                return Err(MasterError::Rebuilding(key.clone()));
-            }
-            return Err(MasterError::NotFound(key.clone()));
-        };
+        }
         if self.rebuilding(now) {
-            // Known from one owner's report, it may yet come in another's (a second replica, a
-            // disk record), which would bring it back: asked again once the owners reported.
+            // Not known yet, or known from one owner's report and yet to come in another's (a
+            // second replica, a disk record), which would bring it back: asked again once the
+            // owners reported.
             return Err(MasterError::Rebuilding(key.clone()));
         }
+        let Some(obj) = self.objects.get(key) else {
+            return Err(MasterError::NotFound(key.clone()));
+        };
         if !force {
             if !obj.phase.is_complete() {
                 return Err(MasterError::NotReady(key.clone()));

@@ -209,20 +209,19 @@ fn by_refs(
     body: &[u8],
     answer: impl FnOnce(&[(&str, u64)]) -> Vec<Result<(), crate::error::MasterError>>,
 ) -> (i32, Vec<u8>) {
-    match keys::decode_keyed(body, fields::PUT_REFS, &[], |_, _| Ok(())) {
-        Ok(refs) if refs.len() > super::MAX_BATCH_KEYS => {
-            bad_request(super::batch_size(refs.len(), "puts").unwrap_err().0)
-        }
-        Ok(refs) => {
-            // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
-            let codes = answer(&refs).iter().map(code).collect();
-            (
-                rpc_wire::STATUS_OK,
-                pb::BatchPutEndResponse { codes }.encode_to_vec(),
-            )
-        }
-        Err(e) => bad_request(e),
+    let refs = match keys::decode_keyed(body, fields::PUT_REFS, &[], |_, _| Ok(())) {
+        Ok(refs) => refs,
+        Err(e) => return bad_request(e),
+    };
+    if let Err(e) = super::batch_size(refs.len(), "puts") {
+        return bad_request(e.0);
     }
+    // `BatchPutEndResponse` and `BatchPutRevokeResponse` are both `repeated int32 codes`.
+    let codes = answer(&refs).iter().map(code).collect();
+    (
+        rpc_wire::STATUS_OK,
+        pb::BatchPutEndResponse { codes }.encode_to_vec(),
+    )
 }
 
 /// `BatchPutStart`: items borrowed from the frame, the config merged as protobuf merges
