@@ -241,22 +241,41 @@ async fn answers(client: &Client) -> bool {
 /// went on answering for up to a keepalive period (3 s here) beside the new leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_key_is_deleted_steps_down_before_the_next_answers() {
-    the_next_leader_answers_only_after_the_old_one(false).await;
+    the_next_leader_answers_only_after_the_old_one(Depose::Key, "9").await;
 }
 
 /// The same when the whole prefix is deleted (a cleanup), the recorded lease id with it: the
 /// standby retires the lease it saw holding the key while it waited.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_of_the_prefix_under_a_leader_leaves_one_answering_at_a_time() {
-    the_next_leader_answers_only_after_the_old_one(true).await;
+    the_next_leader_answers_only_after_the_old_one(Depose::Prefix, "9").await;
 }
 
-async fn the_next_leader_answers_only_after_the_old_one(whole_prefix: bool) {
+/// The same when the leader's lease is revoked (an operator): the key goes with it, and the
+/// standby finds no live lease to wait out, so the old leader must stop as etcd tells of the
+/// deletion. Before, it went on answering until its next keepalive, a third of the TTL later
+/// (10 s here), beside the new leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_lease_is_revoked_stops_before_the_next_answers() {
+    the_next_leader_answers_only_after_the_old_one(Depose::Lease, "30").await;
+}
+
+/// How the leader is deposed.
+enum Depose {
+    /// Its key deleted.
+    Key,
+    /// The cluster's whole prefix deleted.
+    Prefix,
+    /// Its lease revoked.
+    Lease,
+}
+
+async fn the_next_leader_answers_only_after_the_old_one(how: Depose, ttl: &str) {
     let etcd = Etcd::start().await;
-    let a = ha_master_with_ttl(&etcd, "9");
+    let a = ha_master_with_ttl(&etcd, ttl);
     a.guard
         .wait_line("mooncake_master ready", Duration::from_secs(20));
-    let b = ha_master_with_ttl(&etcd, "9");
+    let b = ha_master_with_ttl(&etcd, ttl);
     b.guard
         .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
     let direct = |addr: &str| ClientConfig {
@@ -281,17 +300,24 @@ async fn the_next_leader_answers_only_after_the_old_one(whole_prefix: bool) {
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
         .unwrap();
-    if whole_prefix {
-        c.delete(
-            "mooncake-store/ha-test/",
-            Some(etcd_client::DeleteOptions::new().with_prefix()),
-        )
-        .await
-        .unwrap();
-    } else {
-        c.delete(mooncake_common::leader::leader_key("ha-test"), None)
+    let key = mooncake_common::leader::leader_key("ha-test");
+    match how {
+        Depose::Key => {
+            c.delete(key, None).await.unwrap();
+        }
+        Depose::Prefix => {
+            c.delete(
+                "mooncake-store/ha-test/",
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
             .await
             .unwrap();
+        }
+        Depose::Lease => {
+            let held = c.get(key, None).await.unwrap();
+            let lease = held.kvs().first().expect("no leader key").lease();
+            c.lease_revoke(lease).await.unwrap();
+        }
     }
     let deleted = Instant::now();
 

@@ -471,9 +471,11 @@ impl Books {
 /// until `stop`. A call etcd does not answer (a slow or stalled member, a broken connection)
 /// does not end the term: it is tried again on a new connection, to the next member, for as
 /// long as the lease may still be alive. Only a lapsed lease, or a leader key that is no longer
-/// this term's (deleted, or another term's), ends it. The key is looked at every period: a key
-/// deleted while the lease lives on lets a standby win (which revokes this lease and waits out
-/// its TTL before answering, see `predecessor`), and this term ends as soon as it notices.
+/// this term's (deleted, or another term's), ends it. The key is watched, and looked at every
+/// period besides: a key deleted while the lease lives on lets a standby win (which revokes
+/// this lease and waits out its TTL before answering, see `predecessor`), and this term ends as
+/// soon as it notices; a key deleted with its lease (revoked) costs the standby no wait, and
+/// the watch ends this term as etcd tells of it.
 async fn keep_leading(
     etcd: &mut Client,
     candidate: &Candidate<'_>,
@@ -488,6 +490,10 @@ async fn keep_leading(
     let mut keepalive = None;
     let mut last_reserve = Instant::now();
     let mut member = candidate.member;
+    // The leader key, watched from the term's creation on: its deletion (the lease revoked by an
+    // operator, an etcd restored empty) ends the term at once, not at the next seat check a
+    // period later, while a standby that found no live lease to wait out may already answer.
+    let mut seat_watch = SeatWatch::new(books.seat.term);
     loop {
         // The next keepalive goes a period after this one, however long the writes take.
         let mut next = Instant::now() + period.saturating_sub(Duration::from_millis(10));
@@ -535,16 +541,86 @@ async fn keep_leading(
             }
             // Tried again soon: the lease lasts only so long.
             next = Instant::now() + RETRY.min(period);
+        } else {
+            seat_watch.open(etcd, &books.seat.leader_key, period).await;
         }
-        tokio::select! {
-            _ = tokio::time::sleep_until(next) => {}
-            _ = stop_asked(&mut stop) => return Ok(()),
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => break,
+                _ = stop_asked(&mut stop) => return Ok(()),
+                lost = seat_watch.lost() => if lost {
+                    leadership.revoke();
+                    anyhow::bail!("the leader key was deleted or taken (its lease revoked?)");
+                },
+            }
         }
         if !leadership.holds(clock.now()) {
             anyhow::bail!(
                 "the lease may have lapsed (this process was paused or etcd did not answer)"
             );
         }
+    }
+}
+
+/// A watch of the leader key, open while etcd answers (opened again after it breaks).
+struct SeatWatch {
+    term: i64,
+    stream: Option<etcd_client::WatchStream>,
+    /// Where the next watch starts: just after the key's creation, so that nothing since is
+    /// missed; from the present once that revision is compacted or a watch broke (the seat
+    /// was confirmed just before each new one).
+    from: Option<i64>,
+}
+
+impl SeatWatch {
+    fn new(term: i64) -> Self {
+        SeatWatch {
+            term,
+            stream: None,
+            from: Some(term + 1),
+        }
+    }
+
+    /// Opens the watch if none is open; a failure leaves it closed until the next try (the
+    /// periodic seat check still stands).
+    async fn open(&mut self, etcd: &mut Client, key: &str, within: Duration) {
+        if self.stream.is_some() {
+            return;
+        }
+        let options = self
+            .from
+            .map(|rev| WatchOptions::new().with_start_revision(rev));
+        match tokio::time::timeout(within, etcd.watch(key, options)).await {
+            Ok(Ok(stream)) => self.stream = Some(stream),
+            Ok(Err(e)) => tracing::debug!(error = %e, "cannot watch the leader key; trying again"),
+            Err(_) => tracing::debug!("etcd did not open a watch of the leader key in time"),
+        }
+    }
+
+    /// Completes with true once the key is deleted or is another term's, with false once the
+    /// watch broke (closed: opened again later); pending while no watch is open.
+    async fn lost(&mut self) -> bool {
+        let Some(stream) = self.stream.as_mut() else {
+            return std::future::pending().await;
+        };
+        loop {
+            match stream.message().await {
+                Ok(Some(resp)) if resp.canceled() || resp.compact_revision() > 0 => break,
+                Ok(Some(resp)) => {
+                    let lost = resp.events().iter().any(|e| {
+                        e.event_type() == EventType::Delete
+                            || e.kv().is_some_and(|kv| kv.create_revision() != self.term)
+                    });
+                    if lost {
+                        return true;
+                    }
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        self.stream = None;
+        self.from = None;
+        false
     }
 }
 
