@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use mooncake_client::{Client, ClientConfig, ReplicateConfig};
 use mooncake_tests::{
-    check_payloads, etcd::Etcd, free_port, get_code, loopback_master_args, payload, put_payloads,
-    spawn_owner, ChildGuard,
+    check_payloads, etcd::Etcd, free_port, get_code, http_get, loopback_master_args, metric,
+    payload, put_payloads, spawn_owner, ChildGuard,
 };
 
 const TTL: &str = "2";
@@ -26,6 +26,11 @@ fn ha_master(etcd: &Etcd) -> Master {
 }
 
 fn ha_master_with_ttl(etcd: &Etcd, ttl: &str) -> Master {
+    ha_master_on(etcd, ttl, "0")
+}
+
+/// An HA master whose HTTP port is `metrics_port`.
+fn ha_master_on(etcd: &Etcd, ttl: &str, metrics_port: &str) -> Master {
     let port = free_port().to_string();
     let mut args = vec![
         "--enable_ha",
@@ -36,7 +41,9 @@ fn ha_master_with_ttl(etcd: &Etcd, ttl: &str) -> Master {
         "--ha_lease_ttl",
         ttl,
     ];
-    args.extend(loopback_master_args(&port));
+    let mut loopback = loopback_master_args(&port);
+    loopback[5] = metrics_port;
+    args.extend(loopback);
     let guard = ChildGuard::spawn("mooncake_master", &args);
     Master {
         guard,
@@ -485,4 +492,68 @@ fn an_ha_master_that_cannot_serve_exits_before_it_campaigns() {
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(err.contains("mooncake-token"), "{err}");
+}
+
+/// Every master of an HA cluster answers on its HTTP port: a standby's `/health` names the
+/// leader, its `/metrics` says `master_leading 0`, and its segment list refuses (it holds
+/// none); the port passes to the term's master when the standby leads, and back when it steps
+/// down. Before, a standby did not listen at all (probes and scrapes saw a dead process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_answers_on_its_http_port_and_hands_it_to_its_term() {
+    let etcd = Etcd::start().await;
+    let (http_a, http_b, http_c) = (free_port(), free_port(), free_port());
+    let on = |port: u16| format!("127.0.0.1:{port}");
+    let (pa, pb, pc) = (http_a.to_string(), http_b.to_string(), http_c.to_string());
+    let a = ha_master_on(&etcd, TTL, &pa);
+    a.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    let b = ha_master_on(&etcd, TTL, &pb);
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+
+    let standby_says = async |http: &str, leader: &str| {
+        let (status, body) = http_get(http, "/health").await;
+        assert_eq!(
+            (status, body.trim()),
+            (200, format!("OK standby leader={leader}").as_str())
+        );
+        let (status, m) = http_get(http, "/metrics").await;
+        assert_eq!((status, metric(&m, "master_leading")), (200, 0));
+        let (status, body) = http_get(http, "/get_all_segments").await;
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains(leader), "{body}");
+    };
+    let leads = async |http: &str| {
+        let (status, body) = http_get(http, "/health").await;
+        assert_eq!((status, body.trim()), (200, "OK"));
+        let (_, m) = http_get(http, "/metrics").await;
+        assert_eq!(metric(&m, "master_leading"), 1);
+    };
+    standby_says(&on(http_b), &a.addr).await;
+    leads(&on(http_a)).await;
+
+    // A stops (a clean hand-over): B leads, on the same HTTP port.
+    a.guard.signal(libc::SIGTERM);
+    b.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    leads(&on(http_b)).await;
+    let c = ha_master_on(&etcd, TTL, &pc);
+    c.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    standby_says(&on(http_c), &b.addr).await;
+
+    // B's key is deleted: B steps down, C leads, and B's port answers as a standby again.
+    let mut etcd_c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    etcd_c
+        .delete(mooncake_common::leader::leader_key("ha-test"), None)
+        .await
+        .unwrap();
+    c.guard
+        .wait_line("mooncake_master ready", Duration::from_secs(20));
+    b.guard
+        .wait_line("mooncake_master standby leader=", Duration::from_secs(20));
+    standby_says(&on(http_b), &c.addr).await;
+    leads(&on(http_c)).await;
 }

@@ -24,6 +24,7 @@
 mod fenced;
 mod leadership;
 mod predecessor;
+mod standby;
 
 use std::{collections::BTreeSet, future::Future, sync::Arc, time::Duration};
 
@@ -118,15 +119,31 @@ async fn campaign_and_lead(
     // off from its cluster) is left at once, and a working one is kept. A channel balanced over
     // all members would keep landing streams (a watch, a keepalive) on the bad one.
     let mut member = 0usize;
+    let announcing = standby::Announcing {
+        events,
+        leader: watch::channel(None).0,
+    };
+    // Serves the HTTP port while this process does not lead.
+    let mut standby = None;
     loop {
         let endpoint = ha.endpoints[member % ha.endpoints.len()].clone();
         let mut stop = stopped.clone();
+        if standby.is_none() {
+            let leader = announcing.leader.subscribe();
+            standby =
+                standby::StandbyHttp::start(&config.bind_address, config.metrics_port, leader)
+                    .await;
+        }
         let attempt = async {
             let mut etcd = connect(&endpoint, ha.lease_ttl).await?;
             let won = tokio::select! {
-                won = campaign(&mut etcd, &ha, clock.as_ref(), events) => won?,
+                won = campaign(&mut etcd, &ha, clock.as_ref(), &announcing) => won?,
                 _ = stop_asked(&mut stop) => return Ok(()),
             };
+            // The term's master binds the port.
+            if let Some(http) = standby.take() {
+                http.stop().await;
+            }
             let candidate = Candidate {
                 config: &config,
                 ha: &ha,
