@@ -3,7 +3,10 @@
 //! ignores them). A get's holds go back when its transfers end, or when its caller drops the get
 //! before (a timeout, a `select!`); the holds of an existence check
 //! or a descriptor lookup, which a get of the same keys usually follows, go back when this
-//! client's next call ends. Releases ride on this client's next lookup or existence check (no
+//! client's next call ends, or a quarter of their TTL after they were asked for if no call
+//! ends by then (a check followed by no call for a while is usual: kept longer, such holds
+//! would pass half their TTL and be dropped, and a dropped hold keeps its key leased for as
+//! long as other readers keep leasing it, their holds added to it). Releases ride on this client's next lookup or existence check (no
 //! call of their own); when none comes within a moment, a background sender sends them (a task
 //! of the client's runtime, or a thread of its own where nothing drives that runtime between
 //! calls). A
@@ -14,8 +17,8 @@
 //! the lease ran out (and another reader leased the key anew) would end that reader's lease, and
 //! eviction could then take the object while it is being read. So a hold goes back only within
 //! the first half of its TTL, counted from when the lookup that took it was sent (the lease
-//! started no earlier); after that it is dropped and its lease ends at its TTL. An existence
-//! check followed by no call for a while is the usual case. For the same reason a hold goes back
+//! started no earlier); after that it is dropped and its lease ends at its TTL. For the same
+//! reason a hold goes back
 //! only to the master that granted it: releases name that master's epoch, a master of another
 //! epoch (restarted, or a new leader) ignores them, and once a newer master has answered, the
 //! holds of older ones are dropped here.
@@ -88,6 +91,8 @@ struct Hold {
     key: String,
     epoch: u64,
     send_by: Instant,
+    /// When a kept hold (see `Leases::keep`) goes back if no call ended before.
+    due: Instant,
 }
 
 /// Holds to hand back now, all granted by the master of `epoch`.
@@ -264,7 +269,14 @@ impl Leases {
     /// next call ends.
     pub fn keep<'k>(&self, keys: impl IntoIterator<Item = &'k str>, granted: Granted) {
         let holds = self.holds(keys, granted);
-        self.held.lock().extend(holds);
+        let mut held = self.held.lock();
+        let first = held.is_empty();
+        held.extend(holds);
+        if first && !held.is_empty() {
+            // The sender learns when they are due (later ones are due after the first).
+            drop(held);
+            self.wake.notify_one();
+        }
     }
 
     /// The holds of `keys` under the lease `granted` (whose master is now the newest known, if
@@ -275,12 +287,28 @@ impl Leases {
         granted: Granted,
     ) -> impl Iterator<Item = Hold> {
         let (send_by, epoch) = (granted.send_by(), granted.epoch);
+        let due = granted.asked + granted.ttl / 4;
         self.newest.fetch_max(epoch, Ordering::Relaxed);
         keys.into_iter().map(move |k| Hold {
             key: k.into(),
             epoch,
             send_by,
+            due,
         })
+    }
+
+    /// Kept holds due by `now` go back though no call ended (queued: true if any was); also
+    /// when the next one is due, if any is kept.
+    fn queue_due(&self, now: Instant) -> (bool, Option<Instant>) {
+        let mut held = self.held.lock();
+        let due: Vec<Hold> = held.extract_if(.., |h| h.due <= now).collect();
+        let next = held.iter().map(|h| h.due).min();
+        drop(held);
+        let queued = !due.is_empty();
+        if queued {
+            self.queue.lock().extend(due);
+        }
+        (queued, next)
     }
 
     /// The holds waiting to go back, for the caller to send with its own call (at most `BATCH`);
@@ -344,7 +372,16 @@ impl Leases {
                 if self.closed.load(Ordering::Acquire) {
                     return;
                 }
-                self.wake.notified().await;
+                match self.queue_due(Instant::now()) {
+                    (true, _) => continue,
+                    (false, Some(due)) => {
+                        tokio::select! {
+                            _ = self.wake.notified() => {}
+                            _ = tokio::time::sleep_until(due.into()) => continue,
+                        }
+                    }
+                    (false, None) => self.wake.notified().await,
+                }
                 if !self.closed.load(Ordering::Acquire) && self.queue.lock().len() < BATCH {
                     tokio::time::sleep(LINGER).await;
                 }

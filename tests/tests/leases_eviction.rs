@@ -4,7 +4,10 @@
 //! put's space returns after the release timeout on an injected clock, a get dropped by its
 //! caller mid-read hands its hold back, and a put dropped mid-write is revoked.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use mooncake_client::{Client, ClientConfig, Code, MasterApi, ReplicateConfig};
 use mooncake_common::master_api::Releases;
@@ -380,6 +383,48 @@ async fn a_finished_read_of_an_idle_current_thread_client_pins_nothing() {
     assert!(
         removed.is_some(),
         "the idle reader's lease was not handed back within 1 s"
+    );
+    c.shutdown().await;
+}
+
+/// An existence check's hold goes back a quarter of its TTL after it was asked for when its
+/// client makes no call meanwhile (a check a get does not follow, as a prefix lookup that found
+/// too little): before, it waited for the client's next call, was dropped at half the TTL
+/// instead, and kept the key leased for the whole TTL (and for as long as other readers kept
+/// leasing it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existence_checks_hold_goes_back_while_its_client_is_idle() {
+    let c = Cluster::start(&[8 * MIB]).await;
+    let checker = c.client().await;
+    let other = c.client().await;
+    let value = payload("k", 4096);
+    other
+        .put("k", &value, &ReplicateConfig::default())
+        .await
+        .unwrap();
+    assert!(checker.exists("k").await.unwrap());
+    let checked = Instant::now();
+    // The checker is idle from here on.
+    let code = other.remove("k", false).await.unwrap_err().code();
+    assert_eq!(code, Code::ObjectHasLease, "the check holds the key");
+    let ttl = mooncake_master::MasterConfig::default().default_kv_lease_ttl;
+    let mut removed = false;
+    while checked.elapsed() < ttl * 6 / 10 {
+        match other.remove("k", false).await {
+            Ok(()) => {
+                removed = true;
+                break;
+            }
+            Err(e) if e.code() == Code::ObjectHasLease => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("remove: {e}"),
+        }
+    }
+    assert!(
+        removed,
+        "the idle checker's hold was not handed back within {:?}",
+        ttl * 6 / 10
     );
     c.shutdown().await;
 }
