@@ -124,22 +124,36 @@ impl MasterState {
         // Objects passed over in a row per list: once a whole list was, it is done this round.
         let mut passed = [0usize; 2];
         let mut exhausted = [false; 2];
+        // Lists that objects moved to from the other one this round: walked again once both
+        // are done, for those (walking one again for each that joins costs a whole list each).
+        let mut moved = [false; 2];
         let budget = 2 * self.objects.order_len();
         for _ in 0..budget {
             if round.done() {
                 break;
             }
-            let mut joined = [false; 2];
-            let Some(c) = self.objects.next_candidate(exhausted, &mut joined) else {
-                break;
-            };
-            // A list an object moved to on its second chance has one not looked at yet.
+            let mut joins = super::table::Joins::default();
+            let next = self.objects.next_candidate(exhausted, &mut joins);
             for l in 0..2 {
-                if joined[l] {
+                moved[l] |= joins.moved[l];
+                // Back of the list being walked, read since: met again on this walk.
+                if joins.own[l] {
                     passed[l] = 0;
                     exhausted[l] = false;
                 }
             }
+            let Some(c) = next else {
+                if moved == [false; 2] {
+                    break;
+                }
+                for l in 0..2 {
+                    if std::mem::take(&mut moved[l]) {
+                        passed[l] = 0;
+                        exhausted[l] = false;
+                    }
+                }
+                continue;
+            };
             let l = c.list as usize;
             let o = self.objects.candidate(c);
             if o.replicas.is_empty() {

@@ -270,3 +270,59 @@ fn an_object_given_its_second_chance_is_still_considered_in_the_round() {
         s.check_invariants().unwrap();
     }
 }
+
+/// CAR taking from its frequent list, whose objects are all being read, while the recent
+/// list's objects were read again (each moves to the frequent list's back on its second
+/// chance): the round walks the frequent list once, the recent one, then the frequent one
+/// again for what joined it, and frees what it was asked to. Before, every object that joined
+/// sent the round through the whole frequent list again, and the round's budget ran out after a
+/// handful of evictions (a put then found no room while evictable objects were plenty).
+#[test]
+fn a_round_walks_a_list_again_once_for_what_joined_it() {
+    let mut s = one_segment(1000 * 4 * KIB, EvictionPolicy::Car);
+    // Half the cache read again (the frequent list), then a scan as large as the cache.
+    for i in 0..500 {
+        put(&mut s, &format!("hot{i}"), 4 * KIB);
+        assert!(read(&mut s, &format!("hot{i}")));
+    }
+    for j in 0..1000 {
+        put(&mut s, &format!("scan{j}"), 4 * KIB);
+    }
+    // 300 evicted scan keys come back: ghost hits, so they join the frequent list and the
+    // recent list's target grows past what it holds: CAR takes from the frequent list first.
+    let gone: Vec<String> = (0..1000)
+        .rev()
+        .map(|j| format!("scan{j}"))
+        .filter(|key| s.objects.get(key.as_str()).is_none())
+        .take(300)
+        .collect();
+    for key in &gone {
+        put(&mut s, key, 4 * KIB);
+    }
+    let stats = s.eviction_stats();
+    assert!(stats.recent < stats.recent_target, "{stats:?}");
+    // Every frequent object is being read; every recent one was read again and is done.
+    let now = Millis(0);
+    let (mut frequent, mut recent) = (Vec::new(), Vec::new());
+    for o in s.objects.iter() {
+        let key = o.key().to_string();
+        if o.place().is_frequent() {
+            frequent.push(key);
+        } else {
+            recent.push(key);
+        }
+    }
+    for key in &frequent {
+        s.get_replicas(&k(key), now).unwrap();
+    }
+    for key in &recent {
+        assert!(read(&mut s, key));
+    }
+    let want = 100 * 4 * KIB;
+    let freed = s.evict(now, want);
+    assert!(freed >= want, "freed {freed} of {want}");
+    for key in &frequent {
+        assert!(s.exists(&k(key), now), "{key} was being read");
+    }
+    s.check_invariants().unwrap();
+}

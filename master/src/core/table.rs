@@ -18,6 +18,15 @@ use super::{
     order::{Candidate, EvictionOrder, EvictionPolicy, List, OrderStats, Place},
 };
 
+/// Lists objects moved to on their second chance while eviction looked for a candidate.
+#[derive(Debug, Default)]
+pub struct Joins {
+    /// To the back of the list they were taken from (a clock's turn).
+    pub own: [bool; 2],
+    /// From the other list (CAR's recent to frequent).
+    pub moved: [bool; 2],
+}
+
 pub(super) struct ObjectTable {
     table: HashTable<Box<Object>>,
     /// Keys and bytes per tenant, kept with every insert, removal and resize here.
@@ -201,14 +210,10 @@ impl ObjectTable {
 
     /// The next object eviction should consider, by the policy, from a list not `exhausted`
     /// this round; objects read since it last looked get their second chance on the way, and
-    /// `joined` marks the lists they moved to (each now holds an object the round has not
+    /// `joins` marks the lists they moved to (each now holds an object the round has not
     /// looked at). The caller settles it with `keep`, `unlink` or `evicted`. None when nothing
     /// is left.
-    pub fn next_candidate(
-        &mut self,
-        exhausted: [bool; 2],
-        joined: &mut [bool; 2],
-    ) -> Option<Candidate> {
+    pub fn next_candidate(&mut self, exhausted: [bool; 2], joins: &mut Joins) -> Option<Candidate> {
         loop {
             let c = self.order.pop(exhausted)?;
             let seq = c.entry.seq;
@@ -219,7 +224,12 @@ impl ObjectTable {
                 None => self.order.stale(),
                 Some(o) if o.place().referenced() => {
                     let place = self.order.second_chance(c);
-                    joined[usize::from(place.is_frequent())] = true;
+                    let to = usize::from(place.is_frequent());
+                    if to == c.list as usize {
+                        joins.own[to] = true;
+                    } else {
+                        joins.moved[to] = true;
+                    }
                     o.set_place(place);
                 }
                 Some(_) => return Some(c),
