@@ -86,6 +86,14 @@ def run_batches(e, peer, local, remote, count, size, op, reps):
     return statistics.median(rates)
 
 
+def differing(back_addr, local_buf, nbytes):
+    """Bytes of the region at back_addr that differ from local_buf's first nbytes."""
+    got, want = ctypes.string_at(back_addr, nbytes), local_buf.raw[:nbytes]
+    if got == want:
+        return 0
+    return sum(1 for a, b in zip(got, want) if a != b)
+
+
 def check(e, peer, local_buf, back_addr, remote, nbytes):
     """Reads the target's bytes back and compares them with what was written."""
     back = (ctypes.c_char * nbytes).from_address(back_addr)
@@ -96,10 +104,8 @@ def check(e, peer, local_buf, back_addr, remote, nbytes):
     if e.batch_transfer_sync_read(peer, [back_addr + i * step for i in range(n)],
                                   [remote + i * step for i in range(n)], lens) != 0:
         sys.exit("read-back failed")
-    got, want = bytes(back), local_buf.raw[:nbytes]
-    if got == want:
-        return 0
-    return sum(1 for a, b in zip(got, want) if a != b)
+    del back
+    return differing(back_addr, local_buf, nbytes)
 
 
 def initiator(args):
@@ -116,7 +122,9 @@ def initiator(args):
             # The write lands src in the target; the read brings the target's bytes back here.
             dst_local = src if op == "write" else back
             gibs = run_batches(e, peer, dst_local, remote, count, size, op, args.reps)
-            wrong = check(e, peer, src_buf, back, remote, count * size)
+            # A read's own bytes first (the check below reads back in 4 MiB pieces).
+            wrong = differing(back, src_buf, count * size) if op == "read" else 0
+            wrong += check(e, peer, src_buf, back, remote, count * size)
             out.append({"workload": f"batch {op} {count} x {size >> 10} KiB", "GiB/s": round(gibs, 3),
                         "wrong_bytes": wrong})
     if args.managed and not args.only_conc:
@@ -124,7 +132,8 @@ def initiator(args):
         for op in ("write", "read"):
             dst_local = src if op == "write" else back
             gibs = run_batches(e, peer, dst_local, args.managed, 16, 4 * MIB, op, args.reps)
-            wrong = check(e, peer, src_buf, back, args.managed, 16 * 4 * MIB)
+            wrong = differing(back, src_buf, 16 * 4 * MIB) if op == "read" else 0
+            wrong += check(e, peer, src_buf, back, args.managed, 16 * 4 * MIB)
             prep = "into" if op == "write" else "from"
             out.append({"workload": f"batch {op} 16 x 4096 KiB, {prep} the target's managed buffer",
                         "GiB/s": round(gibs, 3), "wrong_bytes": wrong})
@@ -149,6 +158,9 @@ def initiator(args):
                     "wrong_bytes": wrong})
     for o in out:
         print(json.dumps({"impl": args.impl, **o}), flush=True)
+    bad = [o["workload"] for o in out if o["wrong_bytes"]]
+    if bad:
+        sys.exit(f"wrong bytes in: {', '.join(bad)}")
 
 
 def harness(args):

@@ -56,7 +56,7 @@ pub struct ClientConfig {
     pub connections_per_owner: usize,
     /// Threads one large TCP batch to one owner may use, each driving one connection (a TCP
     /// receive or send copies every byte on the calling thread, so one thread caps a batch at
-    /// one core's copy rate). Used for batches of at least 4 MiB per thread; 1: never.
+    /// one core's copy rate). Used for batches of at least 16 MiB per thread; 1: never.
     /// `MOONCAKE_TRANSFER_THREADS`.
     pub transfer_threads: usize,
     /// The runtime that polls this client's calls is a current-thread runtime that runs nothing

@@ -20,14 +20,22 @@ wait_for() { # wait_for WHAT TRIES COMMAND...: up to TRIES tenths of a second
   shift 2
   for _ in $(seq 1 "$tries"); do "$@" && return 0; sleep 0.1; done
   echo "$(basename "$0"): $what did not come up; logs in $out" >&2
+  # The logs stay; what was started does not.
+  stop_all
   trap - EXIT
   exit 3
 }
 
-stop_all() {
+stop_all() { # TERM, then KILL after 5 s, newest first
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill -TERM "${pids[$i]}" 2>/dev/null || true
-    wait "${pids[$i]}" 2>/dev/null || true
+    local pid=${pids[$i]}
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   done
   pids=()
 }
@@ -39,7 +47,7 @@ start_ours() {
     ${MASTER_ARGS:-} > "$out/master.log" 2>&1 &
   OURS_MASTER_PID=$!
   pids+=("$OURS_MASTER_PID")
-  wait_for "our master" 100 grep -q ready "$out/master.log"
+  wait_for "our master" 100 grep -q '^mooncake_master ready' "$out/master.log"
   rm -f "$out/owner.ready"
   target/release/mooncake_ownerd --master "127.0.0.1:$port" --host 127.0.0.1 --port 0 \
     --segment-size "${segment_mib}MiB" --no-mlock --ready-file "$out/owner.ready" > "$out/owner.log" 2>&1 &

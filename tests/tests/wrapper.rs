@@ -155,6 +155,58 @@ async fn a_command_on_a_terminal_may_read_from_it() {
     master.shutdown().await;
 }
 
+/// On a terminal too, a SIGTERM to the wrapper (a `docker stop` of `docker run -it`) reaches
+/// the command at once, and the owner stops after it. Before, the shell held the signal until
+/// the command ended by itself, so the command never heard of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_reaches_a_command_on_a_terminal() {
+    let master = mooncake_master::RunningMaster::start(master_config())
+        .await
+        .unwrap();
+    let dir = mooncake_tests::TempDir::new("wrapper-tty");
+    let pid_file = dir.path().join("wrapper.pid");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/mooncake_owner");
+    // The command's parent is the wrapper (env execs the command).
+    let line = format!(
+        "MOONCAKE_OWNERD={} {} --master {} --host 127.0.0.1 --port 0 --segment-size 8MiB \
+         --no-mlock --heartbeat-interval 200ms -- bash -c 'trap \"exit 5\" TERM; \
+         echo $PPID > {}; while :; do sleep 0.05; done' 2>/dev/null",
+        bin_path("mooncake_ownerd").display(),
+        script.display(),
+        master.rpc_addr,
+        pid_file.display(),
+    );
+    let mut cmd = Command::new("script");
+    cmd.args(["-qec", &line, "/dev/null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
+    let started = mooncake_tests::eventually(Duration::from_secs(20), async || {
+        std::fs::read_to_string(&pid_file).is_ok_and(|p| p.trim().parse::<i32>().is_ok())
+    })
+    .await;
+    assert!(started, "the command never started");
+    let wrapper_pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: a plain kill(2) of the wrapper this test started (its command named it).
+    assert_eq!(unsafe { libc::kill(wrapper_pid, libc::SIGTERM) }, 0);
+    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15)))
+        .await
+        .unwrap()
+        .expect("the wrapper did not end: its command never got the SIGTERM");
+    assert_eq!(status.code(), Some(5), "the command's own status");
+    let gone = mooncake_tests::eventually(Duration::from_secs(10), async || {
+        master.with_state(|s| s.segment_stats().len()) == 0
+    })
+    .await;
+    assert!(gone, "the owner is still mounted");
+    master.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_stops_the_command_and_the_owner() {
     let master = mooncake_master::RunningMaster::start(master_config())
