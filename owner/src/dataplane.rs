@@ -93,8 +93,8 @@ async fn refuse(mut stream: TcpStream, timeout: Duration) -> io::Result<()> {
         let header =
             RequestHeader::decode(&h).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
         if header.body_len() <= 1 << 20 {
-            let mut body = vec![0u8; header.body_len() as usize];
-            stream.read_exact(&mut body).await?;
+            // Read as it arrives: the length is the unauthenticated peer's word.
+            mooncake_common::body::read_new_body(&mut stream, header.body_len() as usize).await?;
         }
         let why = AUTH_REQUIRED.as_bytes();
         let answer = ResponseHeader {

@@ -335,6 +335,13 @@ impl Worker {
         t: &pb::OwnerTask,
     ) -> Result<(), Failure> {
         let (registrations, _) = self.link.registrations();
+        // Checked before the reservation evicts anything for it (checked again once reserved).
+        if !self.catalog.holds(t.offset, t.size, key, t.put_id) {
+            return Err(Failure(
+                Code::ObjectNotFound,
+                format!("memory at offset {} no longer holds {key}", t.offset),
+            ));
+        }
         let mut r = store.reserve(key, t.size)?;
         if !r.victims.is_empty() {
             let records = r.victims.iter().map(|v| (&v.key, v.put_id));

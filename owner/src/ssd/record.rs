@@ -21,14 +21,17 @@ const VERSION: u8 = 1;
 /// Bytes before the key in a record.
 pub const HEADER_LEN: usize = 64;
 
-/// Rounds `n` up to the alignment of direct I/O.
+/// Rounds `n` up to the alignment of direct I/O (`u64::MAX` where that does not fit).
 pub fn align_up(n: u64) -> u64 {
-    n.div_ceil(ALIGN as u64) * ALIGN as u64
+    n.div_ceil(ALIGN as u64)
+        .checked_mul(ALIGN as u64)
+        .unwrap_or(u64::MAX)
 }
 
-/// Bytes a record of this key and value occupies on disk.
+/// Bytes a record of this key and value occupies on disk (`u64::MAX` for a size no file holds:
+/// it wrapped to a block before, and a reservation evicted records for it).
 pub fn record_len(key_len: usize, value_len: u64) -> u64 {
-    align_up(HEADER_LEN as u64 + key_len as u64 + value_len)
+    align_up((HEADER_LEN as u64 + key_len as u64).saturating_add(value_len))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +193,16 @@ mod tests {
                 "flipped bit {bit} went unnoticed"
             );
         }
+    }
+
+    /// A size no file holds is too large, not a block: it wrapped before, and an offload of it
+    /// (a master's bad task) evicted the records of one block before its read was refused.
+    #[test]
+    fn a_size_near_the_top_of_u64_is_too_large_for_any_file() {
+        assert_eq!(record_len(13, u64::MAX), u64::MAX);
+        assert_eq!(record_len(13, u64::MAX - 70), u64::MAX);
+        assert_eq!(align_up(u64::MAX - 1), u64::MAX);
+        assert_eq!(record_len(13, 100), ALIGN as u64);
     }
 
     #[test]

@@ -340,8 +340,9 @@ impl Conn {
         self.send_pipelined(std::iter::once(frame)).await
     }
 
-    /// Reads a response header (that of a payload of `expect` bytes); on a refusal, also its
-    /// message.
+    /// Reads a response header (that of a payload of `expect` bytes, `u64::MAX`: any); on a
+    /// refusal, also its message. An answer of another length is an error: what the stream
+    /// carries after it would be read as the next answer.
     async fn receive(
         &mut self,
         target: &SegmentName,
@@ -381,6 +382,12 @@ impl Conn {
                 code: h.code(),
                 message: String::from_utf8_lossy(&msg).into_owned(),
             });
+        }
+        if expect != u64::MAX && h.length != expect {
+            return Err(io_err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("owner sent {} bytes, {expect} were asked for", h.length),
+            )));
         }
         Ok(h)
     }
