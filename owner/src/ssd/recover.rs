@@ -64,25 +64,50 @@ pub async fn scan(
     Ok(resolve(found))
 }
 
-/// Newest first: a record survives if no newer surviving record overlaps it, and counts if it
-/// is the surviving record of its key with the newest version (then the newest record of it).
+/// Regions of the file that newer records were written over, merged into disjoint spans as
+/// they come (start to end).
+#[derive(Default)]
+struct Written(BTreeMap<u64, u64>);
+
+impl Written {
+    fn overlaps(&self, at: u64, end: u64) -> bool {
+        self.0
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > at)
+    }
+
+    fn add(&mut self, mut at: u64, mut end: u64) {
+        while let Some((&s, &e)) = self.0.range(..=end).next_back() {
+            if e < at {
+                break;
+            }
+            self.0.remove(&s);
+            at = at.min(s);
+            end = end.max(e);
+        }
+        self.0.insert(at, end);
+    }
+}
+
+/// Newest first: a record survives if no newer record (surviving or not) overlaps it, and
+/// counts if it is the surviving record of its key with the newest version (then the newest
+/// record of it). A newer record that did not survive was still written over what lies under
+/// it: an older record there that it alone overlaps is not whole either.
 fn resolve(mut found: Vec<(u64, RecordHeader)>) -> Scanned {
     found.sort_by_key(|(_, h)| std::cmp::Reverse(h.seq));
-    let mut taken: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut written = Written::default();
     let mut newest: HashMap<ObjectKey, (u64, RecordHeader)> = HashMap::new();
     let mut garbage = Vec::new();
     for (at, h) in found {
-        let len = h.record_len();
-        let overlapped = taken
-            .range(..at + len)
-            .next_back()
-            .is_some_and(|(s, l)| s + l > at);
+        let end = at + h.record_len();
+        let overlapped = written.overlaps(at, end);
+        written.add(at, end);
         if overlapped {
             // Its header survived but part of its region holds newer records.
             garbage.push(at);
             continue;
         }
-        taken.insert(at, len);
         match newest.entry(h.key.clone()) {
             Entry::Vacant(e) => {
                 e.insert((at, h));
@@ -143,6 +168,40 @@ mod tests {
         let mut garbage = s.garbage;
         garbage.sort();
         assert_eq!(garbage, vec![0, blocks(10)]);
+    }
+
+    /// A record overlapped only by a newer one that did not survive (itself partly overwritten
+    /// by a still newer record) is not whole: the middle one was written over it. Before, only
+    /// surviving records counted, and the oldest came back at a restart, its reads failing
+    /// their checksum.
+    #[test]
+    fn a_record_under_one_that_did_not_survive_does_not_come_back() {
+        let blocks = |n: u64| n * ALIGN as u64;
+        let s = resolve(vec![
+            (0, h("oldest", 2, blocks(5) - 100)),
+            (blocks(4), h("middle", 5, blocks(4) - 100)),
+            (blocks(7), h("newest", 7, blocks(3) - 100)),
+        ]);
+        let live: Vec<String> = s.live.iter().map(|(_, h)| h.key.to_string()).collect();
+        assert_eq!(live, vec!["newest".to_string()]);
+        let mut garbage = s.garbage;
+        garbage.sort();
+        assert_eq!(garbage, vec![0, blocks(4)]);
+    }
+
+    #[test]
+    fn spans_merge_and_tell_overlaps() {
+        let mut w = Written::default();
+        w.add(10, 20);
+        w.add(30, 40);
+        w.add(0, 5);
+        assert!(!w.overlaps(5, 10) && !w.overlaps(20, 30) && !w.overlaps(40, 50));
+        assert!(w.overlaps(19, 21) && w.overlaps(0, 1) && w.overlaps(25, 35));
+        w.add(15, 35); // joins [10, 20) and [30, 40)
+        assert_eq!(w.0.len(), 2);
+        assert!(w.overlaps(22, 23));
+        w.add(5, 10); // touches both neighbours
+        assert_eq!(w.0.iter().collect::<Vec<_>>(), vec![(&0, &40)]);
     }
 
     /// An older version written after a newer one (its offload was still under way) loses to
