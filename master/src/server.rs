@@ -141,8 +141,8 @@ impl RunningMaster {
         let still_leading = service.clone();
         let answering = crate::wire::leading::AnswerWhileLeading::new(
             MasterServer::new(grpc.clone())
-                .max_decoding_message_size(256 << 20)
-                .max_encoding_message_size(256 << 20),
+                .max_decoding_message_size(crate::wire::grpc::MAX_MESSAGE)
+                .max_encoding_message_size(crate::wire::grpc::MAX_MESSAGE),
             Arc::new(move || still_leading.leading()),
         );
         let svc = tonic::service::interceptor::InterceptedService::new(

@@ -36,6 +36,20 @@ fn owner_of<T>(req: &Request<T>) -> Result<(), Status> {
 
 pub type Reply<T> = Result<Response<T>, Status>;
 
+/// The largest message either way (tonic's limits, set by the server).
+pub const MAX_MESSAGE: usize = 256 << 20;
+
+/// Refuses an answer too big to go out (tonic would fail the call after the work was done),
+/// as the framed protocol does; the caller undoes what the answer would have handed over.
+fn too_big(answer: &impl prost::Message) -> Option<Status> {
+    let len = answer.encoded_len();
+    (len > MAX_MESSAGE).then(|| {
+        Status::invalid_argument(format!(
+            "the answer of {len} bytes exceeds the message limit of {MAX_MESSAGE}: ask for fewer keys per call"
+        ))
+    })
+}
+
 impl From<BadRequest> for Status {
     fn from(e: BadRequest) -> Status {
         Status::invalid_argument(e.0)
@@ -196,7 +210,19 @@ impl pb::master_server::Master for GrpcMaster {
                 }
             })
             .collect();
-        Ok(Response::new(pb::BatchPutStartResponse { results }))
+        let answer = pb::BatchPutStartResponse { results };
+        if let Some(refused) = too_big(&answer) {
+            // Nobody would write or end these puts: given up now, not left in flight.
+            let granted: Vec<(&str, u64)> = items
+                .iter()
+                .zip(&answer.results)
+                .filter(|(_, r)| r.code == 0)
+                .map(|(&(k, _), r)| (k, r.put_id))
+                .collect();
+            self.0.put_revoke(&caller, &granted);
+            return Err(refused);
+        }
+        Ok(Response::new(answer))
     }
 
     async fn batch_put_end(
@@ -242,11 +268,24 @@ impl pb::master_server::Master for GrpcMaster {
                 replicas: replicas.into_iter().map(replica_pb).collect(),
             })
         });
-        Ok(Response::new(pb::BatchGetReplicasResponse {
+        let answer = pb::BatchGetReplicasResponse {
             results,
             lease_ttl_ms: millis(leased.ttl),
             epoch: leased.epoch,
-        }))
+        };
+        if let Some(refused) = too_big(&answer) {
+            // Nobody reads these keys: their holds go back.
+            let found: Vec<&str> = keys
+                .iter()
+                .zip(&answer.results)
+                .filter(|(_, r)| r.code == 0)
+                .map(|(&k, _)| k)
+                .collect();
+            self.0
+                .release_leases(&caller, Releases::of(&found, leased.epoch));
+            return Err(refused);
+        }
+        Ok(Response::new(answer))
     }
 
     async fn batch_exists(
