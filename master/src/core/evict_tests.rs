@@ -326,3 +326,36 @@ fn a_round_walks_a_list_again_once_for_what_joined_it() {
     }
     s.check_invariants().unwrap();
 }
+
+/// A barren round's answer (nothing could go) stands while nothing changes: a hold handed back
+/// that leaves its lease held by other readers changes nothing, and does not send the next
+/// round through the whole order again; the lease's last hold does.
+#[test]
+fn a_release_that_ends_no_lease_keeps_a_barren_rounds_answer() {
+    let mut s = one_segment(10 * 64 * KIB, EvictionPolicy::Car);
+    for i in 0..10 {
+        put(&mut s, &format!("o{i}"), 64 * KIB);
+    }
+    // Two readers of each.
+    for _ in 0..2 {
+        for i in 0..10 {
+            s.get_replicas(&k(&format!("o{i}")), Millis(0)).unwrap();
+        }
+    }
+    assert_eq!(s.evict(Millis(0), 64 * KIB), 0, "all being read");
+    let rounds = s.counters.eviction_rounds;
+    s.release_leases(&["o3"], Millis(1));
+    assert_eq!(s.evict(Millis(1), 64 * KIB), 0);
+    assert_eq!(
+        s.counters.eviction_rounds, rounds,
+        "the barren answer stood"
+    );
+    s.release_leases(&["o3"], Millis(2));
+    assert_eq!(
+        s.evict(Millis(2), 64 * KIB),
+        64 * KIB,
+        "o3's last reader is done"
+    );
+    assert_eq!(s.counters.eviction_rounds, rounds + 1);
+    s.check_invariants().unwrap();
+}

@@ -136,15 +136,16 @@ impl Lease {
         )
     }
 
-    /// A read that held the lease is done; the last one ends it at `now`. A release after the
-    /// lease ran out changes nothing.
-    pub fn release(&mut self, now: Millis) {
+    /// A read that held the lease is done; the last one ends it at `now` (true then). A
+    /// release after the lease ran out changes nothing.
+    pub fn release(&mut self, now: Millis) -> bool {
         if !self.is_active(now) || self.holds() == 0 {
-            return;
+            return false;
         }
         let holds = self.holds() - 1;
         let until = if holds == 0 { now } else { self.until() };
         *self = Lease::new(holds, until);
+        holds == 0
     }
 }
 
@@ -805,15 +806,19 @@ impl MasterState {
         if self.policy.lease_mode == LeaseMode::Ttl {
             return;
         }
-        self.evictable_changed();
+        let mut ended = false;
         for k in keys {
             let k = k.borrow();
             if self.lingering.take_release(k, now) {
                 continue;
             }
             if let Some(obj) = self.objects.get_mut(k) {
-                obj.lease.release(now);
+                ended |= obj.lease.release(now);
             }
+        }
+        // Only a lease that ended can make a barren eviction round's answer change.
+        if ended {
+            self.evictable_changed();
         }
     }
 
