@@ -587,6 +587,51 @@ fn a_retried_mount_with_nothing_to_report_ends_the_report() {
     s.check_invariants().unwrap();
 }
 
+/// A mount retried after its report was merged and everything it adopted went (removed or
+/// evicted), from an owner that still lists those objects (it missed the mount's answer, so it
+/// has not applied the freed-range notes): the master answers ready and keeps its notes. Before,
+/// the empty allocator looked like a report not laid out yet: the report started over and the
+/// removed key came back, on a range the owner then forgot.
+#[test]
+fn a_mount_retried_after_its_report_was_merged_does_not_bring_removed_keys_back() {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
+        .unwrap();
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("k", 0, 1000, 800, 1)],
+        true,
+        Millis(20),
+    )
+    .unwrap();
+    s.tick(Millis(2_100));
+    assert!(!s.rebuilding(Millis(2_100)));
+    assert_eq!(lookup(&mut s, "k", 2_101), Ok(1));
+    s.release_leases(&["k"], Millis(2_102));
+    s.remove(&ObjectKey::new("k").unwrap(), false, Millis(2_103))
+        .unwrap();
+    let again = s
+        .mount_segment(
+            owner(0),
+            seg(0),
+            4 * MIB,
+            0,
+            returning(1900, 1),
+            Millis(2_200),
+        )
+        .unwrap();
+    assert!(
+        matches!(again, Mounted::Ready),
+        "the report is not asked again"
+    );
+    assert!(matches!(
+        lookup(&mut s, "k", 2_300),
+        Err(MasterError::NotFound(_))
+    ));
+    s.check_invariants().unwrap();
+}
+
 /// An owner reporting its catalog (or registering disk records, or polling) sends no heartbeat
 /// meanwhile: each of those calls shows it alive, so a report longer than the client TTL does
 /// not get it expired half-way (it would start over at its remount, and again, for good).

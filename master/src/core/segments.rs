@@ -85,11 +85,15 @@ impl MasterState {
                 && seg.allocator.capacity() == size / GRANULE * GRANULE
                 && seg.disk.as_ref().map_or(0, |d| d.capacity) == disk_capacity
             {
-                // A retried mount (its answer was lost): a report may start over as long as
-                // nothing was laid out yet. Once one was merged, there is nothing to report, and
-                // the owner is told so: a second report would be refused, and the owner, taking
-                // that as a failed mount, would remount at every heartbeat.
-                let restart_report = report.objects > 0 && seg.allocator.live_allocations() == 0;
+                // A retried mount (its answer was lost): a report may start over while the one
+                // the first mount opened is still open (nothing was laid out yet). Once one was
+                // merged, there is nothing to report, and the owner is told so, even when all it
+                // adopted went since (its removals' notes are waiting for the owner): a second
+                // report would bring those keys back, or be refused, and the owner, taking that
+                // as a failed mount, would remount at every heartbeat.
+                let restart_report = report.objects > 0
+                    && seg.report.is_some()
+                    && seg.allocator.live_allocations() == 0;
                 if let Some(d) = self.segments.get_mut(&id).and_then(|s| s.disk.as_mut()) {
                     d.registering |= report.disk_records > 0;
                 }
