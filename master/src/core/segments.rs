@@ -354,7 +354,11 @@ impl MasterState {
             if obj.replicas.len() < before && obj.phase.is_complete() {
                 held.insert(obj.key().clone(), obj.put_id);
             }
-            let had_disk = obj.disk().contains(&id);
+            // A record of an offload under way there may land before the owner went: it counts
+            // as a disk copy that may come back.
+            let offloading_here =
+                matches!(obj.offload(), Offload::Pending { segment, .. } if segment == id);
+            let had_disk = obj.disk().contains(&id) || offloading_here;
             if had_disk {
                 let tier = obj.tier_mut();
                 tier.disk.retain(|s| *s != id);

@@ -860,3 +860,66 @@ fn a_record_whose_object_went_later_with_another_segment_stays_removed() {
     );
     s.check_invariants().unwrap();
 }
+
+/// A key removed while its offload is under way, whose owner writes the record and then goes
+/// before its report lands (a crash, a lost RPC): the record is refused when the owner,
+/// restarted on its SSD, registers it. The same when the owner's segment was dropped with the
+/// offload pending and the key removed afterwards (a second replica kept it alive). Before, a
+/// pending offload counted as no disk copy: no tombstone, and the removed key came back.
+#[test]
+fn a_key_removed_during_its_offload_does_not_come_back_from_the_record() {
+    // Removed while the offload is pending.
+    let (mut s, id) = tiered(4 * MIB, eager(8));
+    let v = put(&mut s, "a", MIB, 1).unwrap();
+    let tasks = s.take_tasks(id, 10, Millis(2));
+    assert_eq!(tasks[0].kind, TaskKind::Offload);
+    s.remove(&k("a"), true, Millis(3)).unwrap();
+    s.mount_segment(
+        owner(9),
+        seg(0),
+        4 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(4),
+    )
+    .unwrap();
+    let again = s.disk_segment(owner(9), &seg(0)).unwrap();
+    assert!(
+        s.register_disk(again, &k("a"), MIB, v, Millis(5)).is_err(),
+        "the removed key came back"
+    );
+    assert_eq!(s.key_count(), 0);
+    s.check_invariants().unwrap();
+
+    // The segment dropped with the offload pending, the key kept by a replica elsewhere and
+    // removed afterwards.
+    let (mut s, id) = tiered(4 * MIB, eager(8));
+    mount(&mut s, 1, 4 * MIB, 0);
+    let two = ReplicateConfig {
+        replica_num: 2,
+        ..ReplicateConfig::default()
+    };
+    let g = s.put_start(&k("b"), MIB, &two, Millis(1)).unwrap();
+    s.put_end("b", g.put_id, Millis(1)).unwrap();
+    let tasks = s.take_tasks(id, 10, Millis(2));
+    assert_eq!(tasks[0].kind, TaskKind::Offload);
+    s.mount_segment(
+        owner(9),
+        seg(0),
+        4 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(3),
+    )
+    .unwrap();
+    assert_eq!(tiers(&mut s, "b", 4), vec![Tier::Memory]);
+    s.release_leases(&["b"], Millis(4));
+    s.remove(&k("b"), false, Millis(5)).unwrap();
+    let again = s.disk_segment(owner(9), &seg(0)).unwrap();
+    assert!(
+        s.register_disk(again, &k("b"), MIB, g.put_id, Millis(6))
+            .is_err(),
+        "the removed key came back"
+    );
+    s.check_invariants().unwrap();
+}

@@ -115,6 +115,16 @@ impl MasterState {
             self.lingering.keep(key, obj.lease, now);
         }
         self.forget_offload(&tier.offload);
+        // An offload under way may still land its record (its report then answered stale, or
+        // lost with its owner): a tombstone keeps it from coming back at a restart.
+        if let Offload::Pending { segment, .. } = tier.offload {
+            if !tier.disk.contains(&segment) {
+                if let Some(seg) = self.segments.get(&segment) {
+                    let name = seg.name.clone();
+                    self.add_tombstone(name, key.clone(), obj.put_id);
+                }
+            }
+        }
         for seg in &tier.disk {
             count_disk_copy(&mut self.segments, *seg, false);
             self.queue_task(
