@@ -25,6 +25,8 @@ impl MasterState {
         self.late_notes_due(now);
         self.lingering.prune(now);
         self.forgotten.prune(now);
+        // A report may have ended with its segment.
+        self.reports_closed();
         let capacity = self.capacity();
         let high = (capacity as f64 * self.policy.eviction_high_watermark) as u64;
         let allocated = self.allocated();

@@ -362,6 +362,10 @@ pub struct MasterState {
     lingering: lingering::LingeringHolds,
     /// What dropped segments held, should their owners come back (see `forgotten`).
     forgotten: forgotten::ForgottenSegments,
+    /// Keys removed while an owner's catalog report was open (after the rebuild, an owner that
+    /// mounted late), with the version removed (`u64::MAX`: a key not known): that report
+    /// must not bring them back (see `rebuild::merge_report`). Emptied once no report is open.
+    removed_while_reporting: HashMap<ObjectKey, u64>,
 }
 
 impl MasterState {
@@ -424,6 +428,7 @@ impl MasterState {
             barren_until: None,
             lingering: Default::default(),
             forgotten: Default::default(),
+            removed_while_reporting: HashMap::new(),
         }
     }
 

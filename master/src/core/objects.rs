@@ -843,6 +843,10 @@ impl MasterState {
             return Err(MasterError::Rebuilding(key.clone()));
         }
         let Some(obj) = self.objects.get(key) else {
+            // An open report (an owner that mounted late) may still hold it.
+            if !self.remember_removal(key, u64::MAX) {
+                return Err(MasterError::Rebuilding(key.clone()));
+            }
             return Err(MasterError::NotFound(key.clone()));
         };
         if !force {
@@ -852,6 +856,9 @@ impl MasterState {
             if obj.is_leased(now) {
                 return Err(MasterError::HasLease(key.clone()));
             }
+        }
+        if !self.remember_removal(key, obj.put_id) {
+            return Err(MasterError::Rebuilding(key.clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");
         self.discard(*obj, now);

@@ -13,6 +13,8 @@
 //! owner is done (at most until the rebuild window closes), keys not known yet stay "not known
 //! yet", and the client asks again within its deadline.
 
+use std::collections::HashMap;
+
 use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
 
 use super::{
@@ -57,6 +59,9 @@ pub(super) enum Rebuild {
 pub(super) struct Report {
     items: Vec<Reported>,
 }
+
+/// The most removals remembered for open reports (see `MasterState::remember_removal`).
+const MAX_REMOVED_WHILE_REPORTING: usize = 1 << 20;
 
 impl MasterState {
     /// The master starts: it may follow another one until an owner says otherwise.
@@ -130,6 +135,38 @@ impl MasterState {
                             s.report.is_some() || s.disk.as_ref().is_some_and(|d| d.registering)
                         }))
             }
+        }
+    }
+
+    /// Whether an owner's catalog report is open.
+    pub(super) fn reports_open(&self) -> bool {
+        self.segments.values().any(|s| s.report.is_some())
+    }
+
+    /// `key` (at version `put_id`; `u64::MAX`: not known) is removed while a report may be
+    /// open: that report must not bring it back. False when too many are remembered already
+    /// (the caller asks the client to try again once the reports are in).
+    pub(super) fn remember_removal(&mut self, key: &ObjectKey, put_id: u64) -> bool {
+        if !self.reports_open() {
+            return true;
+        }
+        if self.removed_while_reporting.len() >= MAX_REMOVED_WHILE_REPORTING
+            && !self.removed_while_reporting.contains_key(key)
+        {
+            return false;
+        }
+        let v = self
+            .removed_while_reporting
+            .entry(key.clone())
+            .or_insert(put_id);
+        *v = (*v).max(put_id);
+        true
+    }
+
+    /// Forgets the removals remembered for reports once none is open.
+    pub(super) fn reports_closed(&mut self) {
+        if !self.removed_while_reporting.is_empty() && !self.reports_open() {
+            self.removed_while_reporting = HashMap::new();
         }
     }
 
@@ -226,7 +263,11 @@ impl MasterState {
             let put_id = item.stamp.put_id;
             let agrees = known
                 .as_ref()
-                .is_none_or(|k| k.get(&item.key) == Some(&put_id));
+                .is_none_or(|k| k.get(&item.key) == Some(&put_id))
+                && self
+                    .removed_while_reporting
+                    .get(&item.key)
+                    .is_none_or(|&removed| put_id > removed);
             let adopted = if agrees {
                 self.adopt(segment, item, allocation, now)
             } else {
@@ -253,6 +294,7 @@ impl MasterState {
             }
         }
         self.reported(&name);
+        self.reports_closed();
         tracing::info!(segment = %name, registered = outcome.registered, refused = outcome.refused,
             "catalog rebuilt from the owner's report");
         outcome

@@ -970,3 +970,57 @@ fn put_ids_beyond_any_issued_are_refused() {
     assert!(g.put_id > 1900 && g.put_id < 1 << 62);
     s.check_invariants().unwrap();
 }
+
+/// An owner of an earlier master that mounts after the rebuild is over reports its catalog
+/// while clients already remove keys: a key removed meanwhile (known from another owner, or
+/// not known at all) is not brought back by that report. Before, the report adopted it again,
+/// and the removed key was readable.
+#[test]
+fn a_late_report_does_not_bring_back_keys_removed_while_it_was_open() {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
+        .unwrap();
+    s.catalog_reported(
+        owner(0),
+        &seg(0),
+        vec![item("k", 0, 1000, 800, 2)],
+        true,
+        Millis(20),
+    )
+    .unwrap();
+    // Past the rebuild window: a second owner of the earlier master mounts late.
+    s.tick(Millis(40_000));
+    assert!(!s.rebuilding(Millis(40_000)));
+    s.mount_segment(
+        owner(1),
+        seg(1),
+        4 * MIB,
+        0,
+        returning(1900, 2),
+        Millis(40_010),
+    )
+    .unwrap();
+    assert!(!s.rebuilding(Millis(40_020)));
+    // Removed while its report is open: "k" known from the first owner, "j" known nowhere.
+    s.remove(&ObjectKey::new("k").unwrap(), false, Millis(40_020))
+        .unwrap();
+    assert!(matches!(
+        s.remove(&ObjectKey::new("j").unwrap(), false, Millis(40_021)),
+        Err(MasterError::NotFound(_))
+    ));
+    let items = vec![item("k", 0, 1000, 800, 2), item("j", 4096, 1000, 850, 1)];
+    let outcome = s
+        .catalog_reported(owner(1), &seg(1), items, true, Millis(40_030))
+        .unwrap()
+        .unwrap();
+    assert_eq!((outcome.registered, outcome.refused), (0, 2));
+    for key in ["k", "j"] {
+        assert!(
+            matches!(lookup(&mut s, key, 40_040), Err(MasterError::NotFound(_))),
+            "{key} came back"
+        );
+    }
+    // Once no report is open, nothing is remembered.
+    assert!(s.removed_while_reporting.is_empty());
+    s.check_invariants().unwrap();
+}
