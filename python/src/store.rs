@@ -1104,7 +1104,7 @@ impl NativeStore {
         let mut out = vec![INVALID as i64; keys.len()];
         let mut idx = Vec::with_capacity(keys.len());
         let mut bufs: Vec<Vec<&mut [u8]>> = Vec::with_capacity(keys.len());
-        let mut on_device = OnDevice::default();
+        let mut on_device = OnDevice::writing();
         let mut at = 0;
         for (i, &n) in counts.iter().enumerate() {
             // Every one of this key's `n` slices is taken before any is checked: stopping at the
@@ -1163,9 +1163,21 @@ impl NativeStore {
 pub(crate) struct OnDevice {
     /// (key index, device, the key's buffers), in key order.
     items: Vec<(usize, Arc<dyn DeviceMemory>, DeviceParts)>,
+    /// For a batch that writes into the buffers (a get): the device ranges taken so far, start
+    /// to end, so that no two overlap (as host destinations are refused when they do).
+    apart: Option<std::collections::BTreeMap<usize, usize>>,
 }
 
 impl OnDevice {
+    /// For a batch that writes into the buffers: a key whose device ranges overlap another
+    /// key's (or each other) is not taken.
+    pub(crate) fn writing() -> Self {
+        OnDevice {
+            apart: Some(Default::default()),
+            ..Default::default()
+        }
+    }
+
     /// Takes key `i` when all its buffers are registered memory of one device; a key that mixes
     /// device and host buffers (or two devices) is not taken, and, not being all host memory,
     /// is refused with -600.
@@ -1191,6 +1203,20 @@ impl OnDevice {
         };
         if !ranges.iter().all(same) {
             return false;
+        }
+        if let Some(taken) = &mut self.apart {
+            let mut mine: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+            for &(p, l) in ranges.iter().filter(|r| r.1 > 0) {
+                let end = p.saturating_add(l);
+                let overlaps = |m: &std::collections::BTreeMap<usize, usize>| {
+                    m.range(..end).next_back().is_some_and(|(_, &e)| e > p)
+                };
+                if overlaps(taken) || mine.iter().any(|&(q, e)| q < end && p < e) {
+                    return false;
+                }
+                mine.push((p, end));
+            }
+            taken.extend(mine);
         }
         let parts = ranges
             .iter()

@@ -76,7 +76,11 @@ fn checked(
     writable: bool,
 ) -> (Vec<usize>, OnDevice) {
     let mut ok = Vec::with_capacity(counts.len());
-    let mut on_device = OnDevice::default();
+    let mut on_device = if writable {
+        OnDevice::writing()
+    } else {
+        OnDevice::default()
+    };
     // Whether each range is registered host memory (for a read: and apart from the others).
     let host: Vec<bool> = if writable {
         pin.slices_mut(ranges).iter().map(Option::is_some).collect()

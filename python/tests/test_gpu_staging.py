@@ -61,6 +61,12 @@ def test_device_buffers_move_through_staging_and_are_never_read_directly(store):
     mixed = [[src[0], host.ctypes.data]]
     assert store.batch_put_from_multi_buffers(["gpu/mixed"], mixed, [[10, 10]]) == [INVALID]
     assert store.batch_get_into_multi_buffers(["gpu/kv"], mixed, [[100, 200]]) == [INVALID]
+    # Device destinations of one batch that overlap are refused, as host ones are (the later
+    # key overwrote the earlier one's bytes); sources may overlap.
+    assert store.batch_get_into([keys[0], keys[1]], [dst[0], dst[0] + 100], [size, size]) == [size, INVALID]
+    assert dev.read(dst[0], size) == data[0]
+    assert store.batch_get_into_multi_buffers(["gpu/kv"], [[dst[1], dst[1] + 50]], [[100, 200]]) == [INVALID]
+    assert store.batch_put_from(["gpu/o1", "gpu/o2"], [src[0], src[0] + 10], [100, 100]) == [0, 0]
     for p in src + dst:
         assert store.unregister_buffer(p) == 0
     assert store.put_from("gpu/after", src[0], 10) == INVALID, "unregistered"

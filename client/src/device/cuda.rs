@@ -218,6 +218,21 @@ impl Drop for Entered {
     }
 }
 
+impl CudaMemory {
+    /// Refuses a copy of a range that is not wholly memory of this device: the copies take
+    /// any address, and one into host memory (a caller's mistake) would write wherever it
+    /// points.
+    fn check_owned(&self, ptr: usize, len: usize) -> Result<(), DeviceError> {
+        if len == 0 || self.owns(ptr, len) {
+            return Ok(());
+        }
+        Err(DeviceError {
+            device: self.name.clone(),
+            message: format!("[{ptr:#x}, +{len}) is not memory allocated on this GPU"),
+        })
+    }
+}
+
 impl DeviceMemory for CudaMemory {
     fn name(&self) -> &str {
         &self.name
@@ -249,18 +264,21 @@ impl DeviceMemory for CudaMemory {
             (Some(t), Some(o), Some(s), Some(n))
                 if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64
                     && o == self.ordinal as u64
-                    && ptr as u64 + len as u64 <= s + n
+                    && (ptr as u64).checked_add(len as u64).is_some_and(|end| end <= s + n)
         )
     }
 
     fn copy_to_host(&self, src: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.check_owned(src, dst.len())?;
         let _entered = self.enter()?;
-        // SAFETY: the caller checked with `owns` that [src, src + len) is memory of this
-        // device; `dst` is host memory of that length.
+        // SAFETY: [src, src + len) is memory of this device (checked just above: with unified
+        // addressing, host memory would pass as a device pointer too); `dst` is host memory of
+        // that length.
         unsafe { result::memcpy_dtoh_sync(dst, src as sys::CUdeviceptr) }.map_err(|e| self.error(e))
     }
 
     fn copy_from_host(&self, src: &[u8], dst: usize) -> Result<(), DeviceError> {
+        self.check_owned(dst, src.len())?;
         let _entered = self.enter()?;
         // SAFETY: as in `copy_to_host`, the other way.
         unsafe { result::memcpy_htod_sync(dst as sys::CUdeviceptr, src) }.map_err(|e| self.error(e))
@@ -281,7 +299,14 @@ impl DeviceMemory for CudaMemory {
                 Err(e) => {
                     tracing::warn!(device = %self.name, bytes = cap, error = ?e,
                         "no page-locked staging memory; staging through pageable memory");
-                    return Ok(Box::new(vec![0u8; len]));
+                    // Refused rather than aborting the process where memory is short.
+                    let mut buf = Vec::new();
+                    buf.try_reserve_exact(len).map_err(|_| DeviceError {
+                        device: self.name.clone(),
+                        message: format!("no host memory for {len} bytes of staging"),
+                    })?;
+                    buf.resize(len, 0);
+                    return Ok(Box::new(buf));
                 }
             },
         };

@@ -52,10 +52,10 @@ impl HostBackedDevice {
         f: impl FnOnce(&mut [u8]) -> T,
     ) -> Result<T, DeviceError> {
         let mut blocks = self.blocks.lock();
-        let found = blocks
-            .range_mut(..=addr)
-            .next_back()
-            .filter(|(a, b)| addr + len <= **a + b.len());
+        let found = blocks.range_mut(..=addr).next_back().filter(|(a, b)| {
+            addr.checked_add(len)
+                .is_some_and(|end| end <= **a + b.len())
+        });
         match found {
             Some((a, b)) => {
                 let at = addr - *a;
@@ -110,6 +110,10 @@ mod tests {
         assert!(
             d.copy_to_host(b + 5, &mut [0u8; 6]).is_err(),
             "past the end"
+        );
+        assert!(
+            !d.owns(a + 10, usize::MAX),
+            "a length that wraps is refused, not a panic"
         );
         d.free(a);
         assert!(!d.owns(a, 1));

@@ -23,9 +23,7 @@ pub const HEADER_LEN: usize = 64;
 
 /// Rounds `n` up to the alignment of direct I/O (`u64::MAX` where that does not fit).
 pub fn align_up(n: u64) -> u64 {
-    n.div_ceil(ALIGN as u64)
-        .checked_mul(ALIGN as u64)
-        .unwrap_or(u64::MAX)
+    n.div_ceil(ALIGN as u64).saturating_mul(ALIGN as u64)
 }
 
 /// Bytes a record of this key and value occupies on disk (`u64::MAX` for a size no file holds:
