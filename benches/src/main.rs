@@ -83,10 +83,10 @@ struct Args {
     #[arg(long, default_value = "64KiB")]
     block_size: ByteSize,
     /// The master's eviction high watermark (fraction of memory in use): set for the embedded
-    /// master, and the capacity LRU and MIN are simulated at in trace mode (with `--master`,
-    /// give the remote master's, which defaults to 0.90).
-    #[arg(long, default_value_t = 0.95)]
-    eviction_watermark: f64,
+    /// master (0.95 when not given), and the capacity LRU and MIN are simulated at in trace
+    /// mode (with `--master`, give the remote master's; not given, its default, 0.90).
+    #[arg(long)]
+    eviction_watermark: Option<f64>,
     /// Trace mode: only simulate exact LRU and Belady's MIN at the capacity `--segment-size`
     /// (512 MiB by default) holds under `--eviction-watermark`; no store is started.
     #[arg(long)]
@@ -105,6 +105,17 @@ struct Args {
     /// transfer sealed).
     #[arg(long)]
     auth_token_file: Option<std::path::PathBuf>,
+}
+
+impl Args {
+    /// The eviction watermark the store runs at (see `eviction_watermark`).
+    fn watermark(&self) -> f64 {
+        self.eviction_watermark.unwrap_or(if self.master.is_some() {
+            mooncake_master::MasterConfig::default().eviction_high_watermark_ratio
+        } else {
+            0.95
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -279,7 +290,7 @@ fn simulate(args: &Args, path: &std::path::Path) -> anyhow::Result<()> {
     let block = args.block_size.bytes();
     anyhow::ensure!(block > 0, "--block-size must be positive");
     let memory = args.segment_size.map_or(512 << 20, |s| s.bytes()) * args.owners.max(1) as u64;
-    let capacity = (memory as f64 * args.eviction_watermark / block as f64) as usize;
+    let capacity = (memory as f64 * args.watermark() / block as f64) as usize;
     let (lru, min) = (
         trace::lru_hit_ratio(&t, capacity),
         trace::min_hit_ratio(&t, capacity),
@@ -323,7 +334,7 @@ async fn replay_trace(
             .map(|s| s.capacity)
             .sum(),
     };
-    let capacity = (memory as f64 * args.eviction_watermark / block as f64) as usize;
+    let capacity = (memory as f64 * args.watermark() / block as f64) as usize;
     let prefix = args
         .key_prefix
         .clone()
@@ -342,8 +353,13 @@ async fn replay_trace(
             r.unique_blocks,
             ByteSize(r.block_size),
             r.capacity_blocks,
-            args.eviction_watermark
+            args.watermark()
         );
+        if args.ssd_path.is_some() {
+            println!(
+                "(the owner has an SSD tier: hits include reads from it, while LRU and MIN hold                  only what memory does)"
+            );
+        }
         println!(
             "{:>10} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>10} {:>9} {:>7}",
             "req/s",
@@ -463,15 +479,21 @@ async fn put_phase(
             .collect();
         let t = Instant::now();
         let res = client.batch_put(&items, &cfg).await;
-        put.record(t.elapsed(), chunk.len() * size);
+        let took = t.elapsed();
+        let mut stored = 0;
         for (k, r) in chunk.iter().zip(res) {
-            if let Err(e) = r {
-                put.errors += 1;
-                if put.errors <= 3 {
-                    tracing::warn!(key = %k, error = %e, "put failed");
+            match r {
+                Ok(_) => stored += size,
+                Err(e) => {
+                    put.errors += 1;
+                    if put.errors <= 3 {
+                        tracing::warn!(key = %k, error = %e, "put failed");
+                    }
                 }
             }
         }
+        // Only what was stored counts toward the rate.
+        put.record(took, stored);
     }
     let path = stats::path(before, client.transfer_stats());
     put.row("put", size, keys.len(), batch, path, "-")
@@ -499,10 +521,14 @@ async fn get_phase(
             .collect();
         let t = Instant::now();
         let res = client.batch_get(&refs, &mut slices).await;
-        get.record(t.elapsed(), chunk.len() * size);
+        let took = t.elapsed();
+        let mut read = 0;
         for ((k, r), b) in chunk.iter().zip(res).zip(bufs.iter()) {
             match r {
-                Ok(n) if n == size && pattern::verify(k, b) => get.verified += 1,
+                Ok(n) if n == size && pattern::verify(k, b) => {
+                    get.verified += 1;
+                    read += size;
+                }
                 Ok(n) => {
                     get.errors += 1;
                     tracing::error!(key = %k, bytes = n, "WRONG BYTES");
@@ -515,6 +541,8 @@ async fn get_phase(
                 }
             }
         }
+        // Only what was read (and verified) counts toward the rate.
+        get.record(took, read);
     }
     let after = client.transfer_stats();
     let mut row = get.row(
@@ -605,7 +633,7 @@ impl Embedded {
             rpc_port: 0,
             metrics_port: 0,
             eager_offload: args.eager_offload,
-            eviction_high_watermark_ratio: args.eviction_watermark,
+            eviction_high_watermark_ratio: args.watermark(),
             default_kv_lease_ttl: args.lease_ttl.unwrap_or(defaults.default_kv_lease_ttl),
             lease_mode: args.lease_mode.unwrap_or(defaults.lease_mode),
             eviction_policy: args.eviction_policy.unwrap_or(defaults.eviction_policy),
