@@ -429,8 +429,9 @@ impl MasterState {
         outcome
     }
 
-    /// Copies not reported within the offload timeout fail; their room waits out the longest a
-    /// writer may take (the owner may still be writing).
+    /// Copies not reported within the offload timeout fail. Those their owner took wait out
+    /// the longest a writer may take before their room is free (the owner may still be
+    /// writing); those it never took leave its queue, their room free at once.
     pub(super) fn expire_replica_tasks(&mut self, now: Millis) {
         let timeout = self.policy.offload_timeout;
         let late: Vec<u64> = self
@@ -442,22 +443,34 @@ impl MasterState {
             .collect();
         for id in late {
             let task = self.replica_tasks.tasks.get_mut(&id).expect("listed above");
-            let mut abandoned = Vec::new();
+            let (mut abandoned, mut unsent) = (Vec::new(), Vec::new());
             for x in &mut task.targets {
                 if let Some(a) = x.allocation.take() {
-                    x.step = Step::Failed;
-                    task.failures.push(format!(
-                        "the owner of {} did not report its copy within {timeout:?}",
-                        x.name
-                    ));
-                    abandoned.push(Replica {
+                    let replica = Replica {
                         segment: x.segment,
                         allocation: a,
-                    });
+                    };
+                    let why = if x.step == Step::Queued {
+                        unsent.push(replica);
+                        "did not take its copy"
+                    } else {
+                        abandoned.push(replica);
+                        "did not report its copy"
+                    };
+                    x.step = Step::Failed;
+                    task.failures
+                        .push(format!("the owner of {} {why} within {timeout:?}", x.name));
                 }
             }
             task.updated = now;
             let put_id = task.put_id;
+            for r in &unsent {
+                if let Some(seg) = self.segments.get_mut(&r.segment) {
+                    seg.tasks
+                        .retain(|t| !(t.kind == TaskKind::Copy && t.task_id == id));
+                }
+            }
+            self.free_replicas(unsent);
             let at = now.plus(self.policy.put_release_timeout);
             self.abandon_write(abandoned, put_id, now, at);
             self.settle_task(id, now);

@@ -385,6 +385,28 @@ fn silent_owners_and_lost_targets_fail_tasks_without_leaking_room() {
     s.check_invariants().unwrap();
 }
 
+/// A copy its target's owner never took (it stopped polling) fails at the timeout, leaves that
+/// owner's queue and gives its room back at once: nothing can be writing it. Before, it held
+/// the room for the release timeout, and an owner polling later did the copy for nothing.
+#[test]
+fn a_copy_never_taken_leaves_the_queue_and_frees_its_room_at_the_timeout() {
+    let mut s = three();
+    put_on(&mut s, "a", MIB, 0);
+    let id = s
+        .create_replica_task(&k("a"), TaskRequest::Copy { targets: &[seg(1)] }, Millis(0))
+        .unwrap();
+    assert_eq!(s.allocated(), 2 * MIB);
+    let timeout = s.policy().offload_timeout.as_millis() as u64;
+    s.tick(Millis(timeout + 1));
+    s.check_invariants().unwrap();
+    assert_eq!(status(&s, id), ReplicaTaskStatus::Failed);
+    assert!(s.query_task(id).unwrap().detail.contains("did not take"));
+    assert_eq!(s.allocated(), MIB, "the room came back at once");
+    let seg1 = s.segment_id(&seg(1)).unwrap();
+    assert!(s.take_tasks(seg1, 10, Millis(timeout + 2)).is_empty());
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn replica_clear_drops_one_segment_or_whole_objects_but_not_leased_ones() {
     let mut s = three();
