@@ -104,12 +104,39 @@ pub(super) struct ReplicaTasks {
     /// The tasks not finished, by (creation, id): what expiry and a new task's checks look
     /// at, instead of every task remembered.
     open: BTreeSet<(Millis, u64)>,
+    /// The open tasks' ids by key: a new task's check of copies under way looks at its key's
+    /// alone (every open task per target made a batch of tasks quadratic).
+    open_by_key: HashMap<ObjectKey, Vec<u64>>,
 }
 
 impl ReplicaTasks {
     /// The tasks not finished.
     fn open(&self) -> impl Iterator<Item = (u64, &ReplicaTask)> {
         self.open.iter().map(|&(_, id)| (id, &self.tasks[&id]))
+    }
+
+    /// The tasks of `key` not finished.
+    fn open_of(&self, key: &ObjectKey) -> impl Iterator<Item = &ReplicaTask> {
+        self.open_by_key
+            .get(key)
+            .into_iter()
+            .flatten()
+            .map(|id| &self.tasks[id])
+    }
+
+    fn opened(&mut self, id: u64, key: &ObjectKey, now: Millis) {
+        self.open.insert((now, id));
+        self.open_by_key.entry(key.clone()).or_default().push(id);
+    }
+
+    fn closed(&mut self, id: u64, key: &ObjectKey, created: Millis) {
+        self.open.remove(&(created, id));
+        if let Some(ids) = self.open_by_key.get_mut(key) {
+            ids.retain(|&x| x != id);
+            if ids.is_empty() {
+                self.open_by_key.remove(key);
+            }
+        }
     }
 
     /// Whether `open` lists exactly the tasks not finished, for the invariant check.
@@ -122,6 +149,17 @@ impl ReplicaTasks {
             return Err(format!(
                 "open replica tasks {:?}, unfinished ones {unfinished:?}",
                 self.open
+            ));
+        }
+        let by_key: usize = self.open_by_key.values().map(Vec::len).sum();
+        let listed = self.open_by_key.iter().all(|(k, ids)| {
+            ids.iter()
+                .all(|id| self.tasks[id].key == *k && !self.tasks[id].finished)
+        });
+        if by_key != self.open.len() || !listed {
+            return Err(format!(
+                "open replica tasks by key ({by_key}) do not match the open ones ({})",
+                self.open.len()
             ));
         }
         Ok(())
@@ -228,11 +266,10 @@ impl MasterState {
         .ok_or_else(|| MasterError::NotFound(key.clone()))?;
         let held: Vec<SegmentId> = obj.replicas.iter().map(|r| r.segment).collect();
         for (&id, name) in targets.iter().zip(names) {
-            let under_way = self.replica_tasks.open().any(|(_, t)| {
-                &t.key == key
-                    && t.targets
-                        .iter()
-                        .any(|x| x.segment == id && x.allocation.is_some())
+            let under_way = self.replica_tasks.open_of(key).any(|t| {
+                t.targets
+                    .iter()
+                    .any(|x| x.segment == id && x.allocation.is_some())
             });
             if under_way {
                 return Err(MasterError::Invalid(format!(
@@ -314,7 +351,7 @@ impl MasterState {
         };
         tracing::info!(task = id, %key, ?kind, targets = task.targets.len(), "replica task created");
         self.replica_tasks.tasks.insert(id, task);
-        self.replica_tasks.open.insert((now, id));
+        self.replica_tasks.opened(id, key, now);
         self.settle_task(id, now);
         Ok(id)
     }
@@ -514,12 +551,12 @@ impl MasterState {
         }
         task.finished = true;
         task.updated = now;
-        self.replica_tasks.open.remove(&(task.created, id));
         let moved_from = match (task.kind, task.failures.is_empty()) {
             (ReplicaTaskType::Move, true) => task.source,
             _ => None,
         };
-        let (key, put_id) = (task.key.clone(), task.put_id);
+        let (key, put_id, created) = (task.key.clone(), task.put_id, task.created);
+        self.replica_tasks.closed(id, &key, created);
         if let Some(source) = moved_from {
             let released = self.objects.get_mut(&key).and_then(|obj| {
                 if obj.put_id != put_id || obj.replicas.len() < 2 {
