@@ -121,6 +121,10 @@ def initiator(args):
         for op in ("write", "read"):
             # The write lands src in the target; the read brings the target's bytes back here.
             dst_local = src if op == "write" else back
+            if op == "read":
+                # The write's check left the target's bytes here: a read that moved nothing
+                # must not pass.
+                ctypes.memset(back, 0, count * size)
             gibs = run_batches(e, peer, dst_local, remote, count, size, op, args.reps)
             # A read's own bytes first (the check below reads back in 4 MiB pieces).
             wrong = differing(back, src_buf, count * size) if op == "read" else 0
@@ -131,6 +135,8 @@ def initiator(args):
         # The target's managed buffer instead of memory it allocated itself.
         for op in ("write", "read"):
             dst_local = src if op == "write" else back
+            if op == "read":
+                ctypes.memset(back, 0, 16 * 4 * MIB)
             gibs = run_batches(e, peer, dst_local, args.managed, 16, 4 * MIB, op, args.reps)
             wrong = differing(back, src_buf, 16 * 4 * MIB) if op == "read" else 0
             wrong += check(e, peer, src_buf, back, args.managed, 16 * 4 * MIB)

@@ -357,7 +357,8 @@ async fn replay_trace(
         );
         if args.ssd_path.is_some() {
             println!(
-                "(the owner has an SSD tier: hits include reads from it, while LRU and MIN hold                  only what memory does)"
+                "(the owner has an SSD tier: hits include reads from it, while LRU and MIN hold only \
+                 what memory does)"
             );
         }
         println!(

@@ -34,7 +34,7 @@ stop_all() { # TERM, then KILL after 5 s, newest first
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.1
     done
-    kill -KILL "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
     wait "$pid" 2>/dev/null || true
   done
   pids=()

@@ -363,9 +363,10 @@ pub struct MasterState {
     /// What dropped segments held, should their owners come back (see `forgotten`).
     forgotten: forgotten::ForgottenSegments,
     /// Keys removed while an owner's catalog report was open (after the rebuild, an owner that
-    /// mounted late), with the version removed (`u64::MAX`: a key not known): that report
-    /// must not bring them back (see `rebuild::merge_report`). Emptied once no report is open.
-    removed_while_reporting: HashMap<ObjectKey, u64>,
+    /// mounted late): that report must not bring back any version of them, as everything it
+    /// lists was there before they went (see `rebuild::merge_report`). Emptied once no report
+    /// is open.
+    removed_while_reporting: std::collections::HashSet<ObjectKey>,
 }
 
 impl MasterState {
@@ -428,7 +429,7 @@ impl MasterState {
             barren_until: None,
             lingering: Default::default(),
             forgotten: Default::default(),
-            removed_while_reporting: HashMap::new(),
+            removed_while_reporting: Default::default(),
         }
     }
 

@@ -844,7 +844,7 @@ impl MasterState {
         }
         let Some(obj) = self.objects.get(key) else {
             // An open report (an owner that mounted late) may still hold it.
-            if !self.remember_removal(key, u64::MAX) {
+            if !self.remember_removal(key) {
                 return Err(MasterError::Rebuilding(key.clone()));
             }
             return Err(MasterError::NotFound(key.clone()));
@@ -857,7 +857,7 @@ impl MasterState {
                 return Err(MasterError::HasLease(key.clone()));
             }
         }
-        if !self.remember_removal(key, obj.put_id) {
+        if !self.remember_removal(key) {
             return Err(MasterError::Rebuilding(key.clone()));
         }
         let obj = self.objects.remove(key).expect("checked above");

@@ -13,8 +13,6 @@
 //! owner is done (at most until the rebuild window closes), keys not known yet stay "not known
 //! yet", and the client asks again within its deadline.
 
-use std::collections::HashMap;
-
 use mooncake_common::{ClientId, ObjectKey, SegmentName, Stamp};
 
 use super::{
@@ -143,30 +141,26 @@ impl MasterState {
         self.segments.values().any(|s| s.report.is_some())
     }
 
-    /// `key` (at version `put_id`; `u64::MAX`: not known) is removed while a report may be
-    /// open: that report must not bring it back. False when too many are remembered already
-    /// (the caller asks the client to try again once the reports are in).
-    pub(super) fn remember_removal(&mut self, key: &ObjectKey, put_id: u64) -> bool {
+    /// `key` is removed while a report may be open: that report must not bring back any
+    /// version of it (a newer one than this master knew included). False when too many are
+    /// remembered already (the caller asks the client to try again once the reports are in).
+    pub(super) fn remember_removal(&mut self, key: &ObjectKey) -> bool {
         if !self.reports_open() {
             return true;
         }
         if self.removed_while_reporting.len() >= MAX_REMOVED_WHILE_REPORTING
-            && !self.removed_while_reporting.contains_key(key)
+            && !self.removed_while_reporting.contains(key)
         {
             return false;
         }
-        let v = self
-            .removed_while_reporting
-            .entry(key.clone())
-            .or_insert(put_id);
-        *v = (*v).max(put_id);
+        self.removed_while_reporting.insert(key.clone());
         true
     }
 
     /// Forgets the removals remembered for reports once none is open.
     pub(super) fn reports_closed(&mut self) {
         if !self.removed_while_reporting.is_empty() && !self.reports_open() {
-            self.removed_while_reporting = HashMap::new();
+            self.removed_while_reporting = Default::default();
         }
     }
 
@@ -264,10 +258,7 @@ impl MasterState {
             let agrees = known
                 .as_ref()
                 .is_none_or(|k| k.get(&item.key) == Some(&put_id))
-                && self
-                    .removed_while_reporting
-                    .get(&item.key)
-                    .is_none_or(|&removed| put_id > removed);
+                && !self.removed_while_reporting.contains(&item.key);
             let adopted = if agrees {
                 self.adopt(segment, item, allocation, now)
             } else {

@@ -874,6 +874,7 @@ fn a_key_removed_during_its_offload_does_not_come_back_from_the_record() {
     let tasks = s.take_tasks(id, 10, Millis(2));
     assert_eq!(tasks[0].kind, TaskKind::Offload);
     s.remove(&k("a"), true, Millis(3)).unwrap();
+    assert!(s.tombstones.contains(&(seg(0), k("a")), v));
     s.mount_segment(
         owner(9),
         seg(0),
@@ -890,6 +891,16 @@ fn a_key_removed_during_its_offload_does_not_come_back_from_the_record() {
     );
     assert_eq!(s.key_count(), 0);
     s.check_invariants().unwrap();
+
+    // An offload that failed left no record: its tombstone goes with its report (kept, they
+    // added up with every removal during an offload).
+    let (mut s, id) = tiered(4 * MIB, eager(8));
+    let v = put(&mut s, "c", MIB, 1).unwrap();
+    assert_eq!(s.take_tasks(id, 10, Millis(2))[0].kind, TaskKind::Offload);
+    s.remove(&k("c"), true, Millis(3)).unwrap();
+    assert!(s.tombstones.contains(&(seg(0), k("c")), v));
+    let _ = s.report_task(id, TaskKind::Offload, &k("c"), v, false, Millis(4));
+    assert!(!s.tombstones.contains(&(seg(0), k("c")), v));
 
     // The segment dropped with the offload pending, the key kept by a replica elsewhere and
     // removed afterwards.

@@ -558,6 +558,11 @@ impl MasterState {
             }
             return Ok(());
         }
+        if kind == TaskKind::Offload && !ok {
+            // No record of it stays there (a failed write's header is zeroed): a tombstone laid
+            // while it was under way (its object removed) has nothing left to guard.
+            self.clear_tombstone(segment, key, put_id);
+        }
         // An offload landed or failed: its queue has room, its object may go now.
         self.evictable_changed();
         let obj = reported_version(&mut self.objects, key, put_id)?;

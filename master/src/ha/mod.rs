@@ -140,10 +140,11 @@ async fn campaign_and_lead(
                 won = campaign(&mut etcd, &ha, clock.as_ref(), &announcing) => won?,
                 _ = stop_asked(&mut stop) => return Ok(()),
             };
-            // The term's master binds the port.
+            // The term's master binds the port; the leader a later standby names is read anew.
             if let Some(http) = standby.take() {
                 http.stop().await;
             }
+            announcing.leader.send_replace(None);
             let candidate = Candidate {
                 config: &config,
                 ha: &ha,

@@ -19,27 +19,37 @@ pub(super) struct StandbyHttp {
 }
 
 impl StandbyHttp {
-    /// Serves the standby's answers on `host:port`; None when the port is chosen at random
-    /// (`0`: a term would get another one) or cannot be bound now (a term's server still
-    /// going; the next campaign tries again).
+    /// Serves the standby's answers on `host:port` (tried again every second while it cannot
+    /// be bound: a term's server still going, say); None when the port is chosen at random
+    /// (`0`: a term would get another one).
     pub async fn start(host: &str, port: u16, leader: Leader) -> Option<StandbyHttp> {
         if port == 0 {
             return None;
         }
-        let listener = match TcpListener::bind((host, port)).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(error = %e, %host, port, "the standby cannot serve its HTTP port");
-                return None;
-            }
-        };
         let router = Router::new()
             .route("/health", get(health))
             .route("/metrics", get(metrics))
             .route("/get_all_segments", get(segments))
             .with_state(leader);
         let (stop, mut stopped) = watch::channel(false);
+        let host = host.to_string();
         let task = tokio::spawn(async move {
+            let mut warned = false;
+            let listener = loop {
+                match TcpListener::bind((host.as_str(), port)).await {
+                    Ok(l) => break l,
+                    Err(e) => {
+                        if !warned {
+                            tracing::warn!(error = %e, %host, port, "the standby cannot serve its HTTP port yet; trying again every second");
+                            warned = true;
+                        }
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stopped.wait_for(|s| *s) => return,
+                }
+            };
             let shutdown = async move {
                 let _ = stopped.wait_for(|s| *s).await;
             };

@@ -203,6 +203,9 @@ impl Worker {
                 return;
             }
         };
+        // Records deleted below: the master is told, so that the tombstones it laid for them
+        // (their objects removed while they were written) go.
+        let mut deleted: Vec<(ObjectKey, u64)> = Vec::new();
         for ((t, code, _), answer) in done.iter().zip(codes) {
             if *code != 0 || answer == 0 {
                 continue;
@@ -215,7 +218,11 @@ impl Worker {
             match t.kind() {
                 pb::TaskKind::Offload => {
                     if let Some(store) = &self.store {
-                        let _ = store.delete(&key, t.put_id, None).await;
+                        if let Ok(Dropped::NotFound | Dropped::Gone) =
+                            store.delete(&key, t.put_id, None).await
+                        {
+                            deleted.push((key, t.put_id));
+                        }
                     }
                 }
                 pb::TaskKind::Promote | pb::TaskKind::Copy => {
@@ -225,6 +232,15 @@ impl Worker {
                         .forget_if_holds(t.offset, t.size, &key, t.put_id, t.grant);
                 }
                 pb::TaskKind::Drop => {}
+            }
+        }
+        if !deleted.is_empty() {
+            if let Err(e) = self
+                .link
+                .disk_dropped(deleted.iter().map(|(k, p)| (k, *p)))
+                .await
+            {
+                tracing::debug!(error = %e, "cannot tell the master about deleted records; its tombstones of them stay until those are overwritten");
             }
         }
     }

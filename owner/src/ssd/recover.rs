@@ -52,7 +52,9 @@ pub async fn scan(
                 }
                 if let Some(h) = record::decode_header(block, file_id) {
                     let at = pos + i as u64;
-                    if at + h.record_len() <= end {
+                    // A length that does not fit (a header of a record no file holds) is
+                    // skipped.
+                    if at.checked_add(h.record_len()).is_some_and(|e| e <= end) {
                         found.push((at, h));
                     }
                 }
