@@ -33,6 +33,21 @@ fn wrapper(master: &str, cmd: &[&str]) -> Command {
     c
 }
 
+/// The wrapper's exit status, waited for up to `secs` (None: it had not ended).
+async fn exit_within(mut w: ChildGuard, secs: u64) -> Option<std::process::ExitStatus> {
+    tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(secs)))
+        .await
+        .unwrap()
+}
+
+/// Whether `master` has no segment mounted within `secs`.
+async fn unmounted_within(master: &mooncake_master::RunningMaster, secs: u64) -> bool {
+    mooncake_tests::eventually(Duration::from_secs(secs), async || {
+        master.with_state(|s| s.segment_stats().len()) == 0
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exports_the_segment_returns_the_exit_code_and_stops_the_owner() {
     let master = mooncake_master::RunningMaster::start(master_config())
@@ -145,11 +160,10 @@ async fn a_command_on_a_terminal_may_read_from_it() {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
-    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(30)))
+    let w = ChildGuard::spawn_interruptible(&mut cmd);
+    let status = exit_within(w, 30)
         .await
-        .unwrap();
-    let status = status.expect("the wrapper did not end: its command was stopped");
+        .expect("the wrapper did not end: its command was stopped");
     assert_eq!(status.code(), Some(7), "the command's own exit code");
     assert!(t.elapsed() < Duration::from_secs(25));
     master.shutdown().await;
@@ -181,7 +195,7 @@ async fn a_sigterm_reaches_a_command_on_a_terminal() {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
+    let w = ChildGuard::spawn_interruptible(&mut cmd);
     let started = mooncake_tests::eventually(Duration::from_secs(20), async || {
         std::fs::read_to_string(&pid_file).is_ok_and(|p| p.trim().parse::<i32>().is_ok())
     })
@@ -194,16 +208,14 @@ async fn a_sigterm_reaches_a_command_on_a_terminal() {
         .unwrap();
     // SAFETY: a plain kill(2) of the wrapper this test started (its command named it).
     assert_eq!(unsafe { libc::kill(wrapper_pid, libc::SIGTERM) }, 0);
-    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15)))
+    let status = exit_within(w, 15)
         .await
-        .unwrap()
         .expect("the wrapper did not end: its command never got the SIGTERM");
     assert_eq!(status.code(), Some(5), "the command's own status");
-    let gone = mooncake_tests::eventually(Duration::from_secs(10), async || {
-        master.with_state(|s| s.segment_stats().len()) == 0
-    })
-    .await;
-    assert!(gone, "the owner is still mounted");
+    assert!(
+        unmounted_within(&master, 10).await,
+        "the owner is still mounted"
+    );
     master.shutdown().await;
 }
 
@@ -214,7 +226,7 @@ async fn ctrl_c_stops_the_command_and_the_owner() {
         .unwrap();
     let mut cmd = wrapper(&master.rpc_addr.to_string(), &["sleep", "30"]);
     cmd.stderr(Stdio::null());
-    let mut w = ChildGuard::spawn_interruptible(&mut cmd);
+    let w = ChildGuard::spawn_interruptible(&mut cmd);
     let mounted = mooncake_tests::eventually(Duration::from_secs(20), async || {
         master.with_state(|s| s.segment_stats().len()) == 1
     })
@@ -223,10 +235,9 @@ async fn ctrl_c_stops_the_command_and_the_owner() {
     tokio::time::sleep(Duration::from_millis(200)).await; // let the wrapper start the command
     let t = Instant::now();
     w.signal(libc::SIGINT);
-    let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15)))
+    let status = exit_within(w, 15)
         .await
-        .unwrap();
-    let status = status.expect("wrapper did not exit after Ctrl-C");
+        .expect("wrapper did not exit after Ctrl-C");
     assert_eq!(
         status.code(),
         Some(130),
@@ -260,20 +271,18 @@ async fn a_terminated_wrapper_returns_the_commands_own_status() {
             ],
         );
         cmd.stdin(Stdio::null()).stderr(Stdio::null());
-        let mut w = ChildGuard::spawn_cmd(&mut cmd);
+        let w = ChildGuard::spawn_cmd(&mut cmd);
         w.wait_line("started", Duration::from_secs(20));
         w.signal(libc::SIGTERM);
-        let status = tokio::task::spawn_blocking(move || w.wait_exit(Duration::from_secs(15)))
+        let status = exit_within(w, 15)
             .await
-            .unwrap()
             .expect("wrapper did not exit after SIGTERM");
         assert_eq!(status.code(), Some(0), "round {round}");
     }
-    let gone = mooncake_tests::eventually(Duration::from_secs(10), async || {
-        master.with_state(|s| s.segment_stats().len()) == 0
-    })
-    .await;
-    assert!(gone, "an owner is still mounted");
+    assert!(
+        unmounted_within(&master, 10).await,
+        "an owner is still mounted"
+    );
     master.shutdown().await;
 }
 
@@ -313,10 +322,7 @@ async fn a_killed_wrapper_takes_its_owner_down() {
     assert_eq!(children.len(), 2, "the wrapper's children: {children:?}");
 
     w.signal(libc::SIGKILL);
-    let unmounted = mooncake_tests::eventually(Duration::from_secs(15), async || {
-        master.with_state(|s| s.segment_stats().len()) == 0
-    })
-    .await;
+    let unmounted = unmounted_within(&master, 15).await;
     // The command is left running (it is the caller's); end it, and the owner if it outlived
     // the wrapper.
     for pid in children {

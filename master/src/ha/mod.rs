@@ -2,7 +2,8 @@
 //! of one cluster campaign for the cluster's leader key (`mooncake-store/<cluster>/master_view`):
 //! the one whose transaction creates it, bound to its etcd lease, leads and publishes its address
 //! there; the others watch the key and campaign again when it disappears (the leader's lease
-//! lapsed: killed, paused, cut off from etcd, or stepped down).
+//! lapsed: killed, paused, cut off from etcd, or stepped down), and answer on their HTTP port as
+//! standbys meanwhile (see `standby`).
 //!
 //! A term starts a fresh master: the owners remount and report what they hold (see
 //! `core::rebuild`), so nothing but the leader key, the leader's lease id (see `predecessor`), the
