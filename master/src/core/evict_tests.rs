@@ -84,17 +84,22 @@ fn car_keeps_what_was_read_again_where_lru_lets_a_scan_flush_it() {
     );
 }
 
+/// In a cache of 1000 objects of 4 KiB: half of it read again (the frequent list), then a scan
+/// as large as the cache.
+fn hot_then_scan(s: &mut MasterState) {
+    for i in 0..500 {
+        put(s, &format!("hot{i}"), 4 * KIB);
+        assert!(read(s, &format!("hot{i}")));
+    }
+    for j in 0..1000 {
+        put(s, &format!("scan{j}"), 4 * KIB);
+    }
+}
+
 #[test]
 fn a_key_put_again_soon_after_eviction_joins_the_frequent_list() {
     let mut s = one_segment(1000 * 4 * KIB, EvictionPolicy::Car);
-    // Half the cache read again (the frequent list), then a scan as large as the cache.
-    for i in 0..500 {
-        put(&mut s, &format!("hot{i}"), 4 * KIB);
-        assert!(read(&mut s, &format!("hot{i}")));
-    }
-    for j in 0..1000 {
-        put(&mut s, &format!("scan{j}"), 4 * KIB);
-    }
+    hot_then_scan(&mut s);
     // The scan key evicted last is remembered; putting it again is a ghost hit.
     let gone = (0..1000)
         .rev()
@@ -280,14 +285,7 @@ fn an_object_given_its_second_chance_is_still_considered_in_the_round() {
 #[test]
 fn a_round_walks_a_list_again_once_for_what_joined_it() {
     let mut s = one_segment(1000 * 4 * KIB, EvictionPolicy::Car);
-    // Half the cache read again (the frequent list), then a scan as large as the cache.
-    for i in 0..500 {
-        put(&mut s, &format!("hot{i}"), 4 * KIB);
-        assert!(read(&mut s, &format!("hot{i}")));
-    }
-    for j in 0..1000 {
-        put(&mut s, &format!("scan{j}"), 4 * KIB);
-    }
+    hot_then_scan(&mut s);
     // 300 evicted scan keys come back: ghost hits, so they join the frequent list and the
     // recent list's target grows past what it holds: CAR takes from the frequent list first.
     let gone: Vec<String> = (0..1000)

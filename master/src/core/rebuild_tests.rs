@@ -587,6 +587,16 @@ fn a_retried_mount_with_nothing_to_report_ends_the_report() {
     s.check_invariants().unwrap();
 }
 
+/// A fresh master whose one owner (of an earlier master) reported `reported` at 10-20 ms.
+fn reported_by_one_owner(reported: Reported) -> MasterState {
+    let mut s = fresh();
+    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
+        .unwrap();
+    s.catalog_reported(owner(0), &seg(0), vec![reported], true, Millis(20))
+        .unwrap();
+    s
+}
+
 /// A mount retried after its report was merged and everything it adopted went (removed or
 /// evicted), from an owner that still lists those objects (it missed the mount's answer, so it
 /// has not applied the freed-range notes): the master answers ready and keeps its notes. Before,
@@ -594,17 +604,7 @@ fn a_retried_mount_with_nothing_to_report_ends_the_report() {
 /// removed key came back, on a range the owner then forgot.
 #[test]
 fn a_mount_retried_after_its_report_was_merged_does_not_bring_removed_keys_back() {
-    let mut s = fresh();
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
-        .unwrap();
-    s.catalog_reported(
-        owner(0),
-        &seg(0),
-        vec![item("k", 0, 1000, 800, 1)],
-        true,
-        Millis(20),
-    )
-    .unwrap();
+    let mut s = reported_by_one_owner(item("k", 0, 1000, 800, 1));
     s.tick(Millis(2_100));
     assert!(!s.rebuilding(Millis(2_100)));
     assert_eq!(lookup(&mut s, "k", 2_101), Ok(1));
@@ -977,17 +977,7 @@ fn put_ids_beyond_any_issued_are_refused() {
 /// and the removed key was readable.
 #[test]
 fn a_late_report_does_not_bring_back_keys_removed_while_it_was_open() {
-    let mut s = fresh();
-    s.mount_segment(owner(0), seg(0), 4 * MIB, 0, returning(1900, 1), Millis(10))
-        .unwrap();
-    s.catalog_reported(
-        owner(0),
-        &seg(0),
-        vec![item("k", 0, 1000, 800, 2)],
-        true,
-        Millis(20),
-    )
-    .unwrap();
+    let mut s = reported_by_one_owner(item("k", 0, 1000, 800, 2));
     // Past the rebuild window: a second owner of the earlier master mounts late.
     s.tick(Millis(40_000));
     assert!(!s.rebuilding(Millis(40_000)));

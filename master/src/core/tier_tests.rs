@@ -861,6 +861,21 @@ fn a_record_whose_object_went_later_with_another_segment_stays_removed() {
     s.check_invariants().unwrap();
 }
 
+/// The owner of `seg(0)` restarted (a new incarnation, 4 MiB and an SSD tier) at `now`: its
+/// disk segment.
+fn restarted_on_its_ssd(s: &mut MasterState, now: u64) -> SegmentId {
+    s.mount_segment(
+        owner(9),
+        seg(0),
+        4 * MIB,
+        1 << 30,
+        MountReport::default(),
+        Millis(now),
+    )
+    .unwrap();
+    s.disk_segment(owner(9), &seg(0)).unwrap()
+}
+
 /// A key removed while its offload is under way, whose owner writes the record and then goes
 /// before its report lands (a crash, a lost RPC): the record is refused when the owner,
 /// restarted on its SSD, registers it. The same when the owner's segment was dropped with the
@@ -875,16 +890,7 @@ fn a_key_removed_during_its_offload_does_not_come_back_from_the_record() {
     assert_eq!(tasks[0].kind, TaskKind::Offload);
     s.remove(&k("a"), true, Millis(3)).unwrap();
     assert!(s.tombstones.contains(&(seg(0), k("a")), v));
-    s.mount_segment(
-        owner(9),
-        seg(0),
-        4 * MIB,
-        1 << 30,
-        MountReport::default(),
-        Millis(4),
-    )
-    .unwrap();
-    let again = s.disk_segment(owner(9), &seg(0)).unwrap();
+    let again = restarted_on_its_ssd(&mut s, 4);
     assert!(
         s.register_disk(again, &k("a"), MIB, v, Millis(5)).is_err(),
         "the removed key came back"
@@ -914,19 +920,10 @@ fn a_key_removed_during_its_offload_does_not_come_back_from_the_record() {
     s.put_end("b", g.put_id, Millis(1)).unwrap();
     let tasks = s.take_tasks(id, 10, Millis(2));
     assert_eq!(tasks[0].kind, TaskKind::Offload);
-    s.mount_segment(
-        owner(9),
-        seg(0),
-        4 * MIB,
-        1 << 30,
-        MountReport::default(),
-        Millis(3),
-    )
-    .unwrap();
+    let again = restarted_on_its_ssd(&mut s, 3);
     assert_eq!(tiers(&mut s, "b", 4), vec![Tier::Memory]);
     s.release_leases(&["b"], Millis(4));
     s.remove(&k("b"), false, Millis(5)).unwrap();
-    let again = s.disk_segment(owner(9), &seg(0)).unwrap();
     assert!(
         s.register_disk(again, &k("b"), MIB, g.put_id, Millis(6))
             .is_err(),
